@@ -1,0 +1,46 @@
+"""The datastore side's candidate tree: what `Reader.propose` and prompt lookup return.
+
+Flat arrays as in DESIGN.md: `parents[i] == -1` means node i follows the context's last
+token, parents come before children, `probs[i]` is the estimated probability that node i is
+accepted given that its parent was. The service converts it 1:1 to the proto `Tree`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REST = "rest"
+PLD = "pld"
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # REST or PLD, one per node
+    match_len: int = 0  # length of the context suffix the drafter matched (0 = none)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path_probs(self) -> list[float]:
+        """Probability that each node is accepted: the product of probs along its path."""
+        out: list[float] = []
+        for p, parent in zip(self.probs, self.parents):
+            out.append(p if parent < 0 else out[parent] * p)
+        return out
+
+    @property
+    def expected_accepted(self) -> float:
+        """Expected number of accepted draft tokens (before the bonus token)."""
+        return float(sum(self.path_probs()))
+
+    def validate(self) -> None:
+        """Raise ValueError if the arrays do not form a tree in the documented order."""
+        n = len(self.tokens)
+        if not (len(self.parents) == len(self.probs) == len(self.sources) == n):
+            raise ValueError("draft arrays differ in length")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}: parents must come first")
