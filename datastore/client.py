@@ -1,0 +1,400 @@
+"""The Python client of the draft service, as the decoder uses it.
+
+Why a class of our own over the raw stubs: a decoder must never hang or crash because a
+draft server is slow or gone. Every call has a deadline, a session step too (a watchdog
+cancels a step that overruns), failures surface as a few typed errors (so the decoder can
+fall back to local drafting), and a session whose server restarted is reopened with the
+context the client kept, once, transparently.
+
+    client = DraftClient("127.0.0.1:50051", token=None, timeout=2.0)
+    info = client.info()
+    with client.session(prompt_ids, DraftParams(budget=32), info.tokenizer_fingerprint) as s:
+        draft = s.draft                 # for the prompt
+        draft = s.step(accepted_ids)    # after each verification
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from redraft.datastore.draft import PLD, REST, Draft
+from redraft.datastore.errors import InvalidQuery, RedraftError, TokenizerMismatch
+from redraft.proto import draft_pb2, draft_pb2_grpc
+
+_SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD}
+_SOURCE_NAME = {v: k for k, v in _SOURCE_ENUM.items()}
+
+
+class ServiceError(RedraftError):
+    """The draft service refused or failed a call; `code` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ServiceUnavailable(ServiceError):
+    """The server cannot be reached, went away, or is shutting down."""
+
+
+class DraftTimeout(ServiceError):
+    """A call or a session step ran past its deadline."""
+
+
+class InvalidRequest(ServiceError, InvalidQuery):
+    """The server rejected the request's content (token ids, budget, corpora, ...)."""
+
+
+class IncompatibleTokenizer(ServiceError, TokenizerMismatch):
+    """The datastore was built with another tokenizer than the caller's."""
+
+
+class LimitExceeded(ServiceError):
+    """A server limit was hit: sessions, context length, message size, idle timeout."""
+
+
+class AuthenticationFailed(ServiceError):
+    """Missing or wrong token."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[ServiceError]] = {
+    grpc.StatusCode.UNAVAILABLE: ServiceUnavailable,
+    grpc.StatusCode.CANCELLED: ServiceUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DraftTimeout,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: IncompatibleTokenizer,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationFailed,
+}
+
+
+def _typed(exc: grpc.RpcError, address: str) -> ServiceError:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _ERRORS.get(code, ServiceError)
+    name = code.name if code is not None else "ERROR"
+    return cls(f"draft service {address}: {name}: {details}", code)
+
+
+@dataclass
+class DraftParams:
+    """Drafting parameters; 0 / empty means the server's default."""
+
+    budget: int = 0
+    max_depth: int = 0
+    sources: Sequence[str] = (REST, PLD)
+    corpora: Sequence[str] = ()
+    min_match_len: int = 0
+    max_match_len: int = 0
+
+    def to_proto(self) -> draft_pb2.DraftParams:
+        for name in ("budget", "max_depth", "min_match_len", "max_match_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0 or value >= 1 << 32:
+                raise InvalidRequest(f"{name} must be a non-negative integer, got {value!r}")
+        unknown = [s for s in self.sources if s not in _SOURCE_ENUM]
+        if unknown:
+            raise InvalidRequest(f"unknown draft sources {unknown} (use 'rest', 'pld')")
+        return draft_pb2.DraftParams(
+            budget=self.budget,
+            max_depth=self.max_depth,
+            sources=[_SOURCE_ENUM[s] for s in self.sources],
+            corpora=list(self.corpora),
+            min_match_len=self.min_match_len,
+            max_match_len=self.max_match_len,
+        )
+
+
+@dataclass
+class ServiceInfo:
+    """What the server's datastore is: compare `tokenizer_fingerprint` before decoding."""
+
+    tokenizer_fingerprint: str
+    tokenizer_name: str
+    vocab_size: int
+    n_tokens: int
+    n_docs: int
+    n_shards: int
+    format_version: int
+    corpora: dict[str, dict[str, int]] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def draft_from_proto(reply: draft_pb2.DraftReply) -> Draft:
+    """Proto DraftReply -> datastore Draft (sources as 'rest'/'pld'), 1:1."""
+    t = reply.tree
+    return Draft(
+        tokens=list(t.tokens),
+        parents=list(t.parents),
+        probs=list(t.probs),
+        sources=[_SOURCE_NAME.get(s, "") for s in t.sources],
+        match_len=int(reply.match_len),
+    )
+
+
+def _check_ids(tokens: Sequence[int], what: str) -> list[int]:
+    out = [int(t) for t in tokens]
+    if out and (min(out) < 0 or max(out) >= 1 << 31):
+        raise InvalidRequest(f"{what}: token ids must be in [0, 2^31)")
+    return out
+
+
+class DraftClient:
+    """A connection to one draft server. Thread-safe; one instance can run many sessions."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        tls: bool | str = False,
+        timeout: float = 5.0,
+        max_message_bytes: int = 16 << 20,
+        reconnect: bool = True,
+    ) -> None:
+        """`tls`: False (plaintext), True (system roots) or a CA/cert PEM file path."""
+        self.address = address
+        self.timeout = float(timeout)
+        self.reconnect = reconnect
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # Reconnect fast after a server restart instead of backing off for seconds.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if tls:
+            roots = None
+            if isinstance(tls, str):
+                with open(tls, "rb") as f:
+                    roots = f.read()
+            creds = grpc.ssl_channel_credentials(root_certificates=roots)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = draft_pb2_grpc.DrafterStub(self._channel)
+        self._sessions: weakref.WeakSet[DraftSession] = weakref.WeakSet()
+        self._watchdog: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+
+    # ---- unary calls -------------------------------------------------------------------
+    def _unary(self, method, request, timeout: float | None):
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata,
+                          wait_for_ready=False)
+        except grpc.RpcError as exc:
+            raise _typed(exc, self.address) from None
+
+    def info(self, timeout: float | None = None) -> ServiceInfo:
+        r = self._unary(self._stub.Info, draft_pb2.InfoRequest(), timeout)
+        lim = r.limits
+        return ServiceInfo(
+            tokenizer_fingerprint=r.tokenizer_fingerprint,
+            tokenizer_name=r.tokenizer_name,
+            vocab_size=r.vocab_size,
+            n_tokens=r.n_tokens,
+            n_docs=r.n_docs,
+            n_shards=r.n_shards,
+            format_version=r.format_version,
+            corpora={c.name: {"n_docs": c.n_docs, "n_tokens": c.n_tokens} for c in r.corpora},
+            limits={
+                "max_context_len": lim.max_context_len,
+                "max_budget": lim.max_budget,
+                "max_sessions": lim.max_sessions,
+                "idle_timeout_s": lim.idle_timeout_s,
+                "max_message_bytes": lim.max_message_bytes,
+            },
+            manifest=json.loads(r.manifest_json) if r.manifest_json else {},
+        )
+
+    def propose(self, context: Sequence[int], params: DraftParams | None = None,
+                tokenizer_fingerprint: str = "", timeout: float | None = None) -> Draft:
+        """One-off draft for a full context (no server-side state)."""
+        req = draft_pb2.ProposeRequest(
+            context=_check_ids(context, "context"),
+            params=(params or DraftParams()).to_proto(),
+            tokenizer_fingerprint=tokenizer_fingerprint,
+        )
+        return draft_from_proto(self._unary(self._stub.Propose, req, timeout))
+
+    def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        """The server's counters (requests, sessions, errors, hit rate, latency, ...)."""
+        r = self._unary(self._stub.Stats, draft_pb2.StatsRequest(), timeout)
+        return json.loads(r.stats_json)
+
+    def session(self, prompt: Sequence[int], params: DraftParams | None = None,
+                tokenizer_fingerprint: str = "", timeout: float | None = None) -> DraftSession:
+        """A drafting session; use as a context manager (it opens on enter)."""
+        return DraftSession(self, prompt, params or DraftParams(), tokenizer_fingerprint,
+                            timeout or self.timeout)
+
+    def close(self) -> None:
+        self._closed.set()
+        for s in list(self._sessions):
+            s.close()
+        self._channel.close()
+
+    def __enter__(self) -> DraftClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- step deadlines ----------------------------------------------------------------
+    def _watch(self, session: DraftSession) -> None:
+        with self._lock:
+            self._sessions.add(session)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch_loop, daemon=True,
+                                                  name="redraft-client-watchdog")
+                self._watchdog.start()
+
+    def _watch_loop(self) -> None:
+        """Cancel session steps that overran their deadline (streams have no per-message one)."""
+        while not self._closed.wait(0.02):
+            now = time.monotonic()
+            for s in list(self._sessions):
+                s._check_deadline(now)
+
+
+_END = object()
+
+
+class DraftSession:
+    """One streaming session: the server keeps the context, each step sends only new tokens."""
+
+    def __init__(self, client: DraftClient, prompt: Sequence[int], params: DraftParams,
+                 tokenizer_fingerprint: str, timeout: float) -> None:
+        self.client = client
+        self.params = params
+        self.fingerprint = tokenizer_fingerprint
+        self.timeout = timeout
+        self.context: list[int] = _check_ids(prompt, "prompt")
+        self._proto_params = params.to_proto()
+        self.draft: Draft = Draft()
+        self.session_id = ""
+        self.context_len = 0
+        self.pld_match_len = 0
+        self.expected_accepted = 0.0
+        self.reconnects = 0
+        self._call = None
+        self._requests: queue.SimpleQueue | None = None
+        self._deadline: float | None = None
+        self._timed_out = False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> DraftSession:
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> Draft:
+        """Open the stream with the whole context; returns (and keeps) the first draft."""
+        self.close()
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests = requests
+
+        def feed() -> Iterator[draft_pb2.SessionRequest]:
+            while True:
+                item = requests.get()
+                if item is _END:
+                    return
+                yield item
+
+        self._call = self.client._stub.Session(feed(), metadata=self.client._metadata)
+        self.client._watch(self)
+        opening = draft_pb2.SessionRequest(
+            open=draft_pb2.SessionOpen(prompt=self.context, params=self._proto_params,
+                                       tokenizer_fingerprint=self.fingerprint)
+        )
+        return self._exchange(opening)
+
+    def close(self) -> None:
+        """End the stream (the server frees the session at once)."""
+        if self._requests is not None:
+            self._requests.put(_END)
+            self._requests = None
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        self._deadline = None
+
+    # ---- steps -------------------------------------------------------------------------
+    def step(self, accepted: Sequence[int], budget: int | None = None) -> Draft:
+        """Append the tokens accepted since the last step; returns the next draft."""
+        accepted = _check_ids(accepted, "accepted")
+        if budget is not None and (budget < 0 or budget >= 1 << 32):
+            raise InvalidRequest(f"budget must be a non-negative integer, got {budget}")
+        if self._call is None:
+            raise ServiceError("session is not open (use it as a context manager)")
+        req = draft_pb2.SessionRequest(
+            step=draft_pb2.SessionStep(accepted=accepted, budget=budget or 0)
+        )
+        try:
+            draft = self._exchange(req)
+        except ServiceUnavailable:
+            if not self.client.reconnect:
+                raise
+            # The server went away (restart, failover): reopen once with the full context.
+            self.context.extend(accepted)
+            self.reconnects += 1
+            saved = self._proto_params
+            if budget:
+                self._proto_params = draft_pb2.DraftParams()
+                self._proto_params.CopyFrom(saved)
+                self._proto_params.budget = budget
+            try:
+                return self.open()
+            finally:
+                self._proto_params = saved
+        self.context.extend(accepted)
+        return draft
+
+    def _exchange(self, req: draft_pb2.SessionRequest) -> Draft:
+        call, requests = self._call, self._requests
+        if call is None or requests is None:
+            raise ServiceError("session is closed")
+        self._timed_out = False
+        self._deadline = time.monotonic() + self.timeout
+        try:
+            requests.put(req)
+            reply = next(call)
+        except StopIteration:
+            self.close()
+            raise ServiceUnavailable(
+                f"draft service {self.client.address}: session ended by the server"
+            ) from None
+        except grpc.RpcError as exc:
+            self.close()
+            if self._timed_out:
+                raise DraftTimeout(
+                    f"draft service {self.client.address}: step took over {self.timeout:g} s",
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ) from None
+            raise _typed(exc, self.client.address) from None
+        finally:
+            self._deadline = None
+        self.session_id = reply.session_id
+        self.context_len = int(reply.context_len)
+        self.pld_match_len = int(reply.draft.pld_match_len)
+        self.expected_accepted = float(reply.draft.expected_accepted)
+        self.draft = draft_from_proto(reply.draft)
+        return self.draft
+
+    def _check_deadline(self, now: float) -> None:
+        deadline, call = self._deadline, self._call
+        if deadline is not None and call is not None and now > deadline:
+            self._timed_out = True
+            call.cancel()

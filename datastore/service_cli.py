@@ -1,0 +1,159 @@
+"""`redraft serve`: run the draft service over a datastore directory.
+
+With `--workers N > 1` the parent starts N server processes (spawned, each opening its own
+Reader: LMDB environments must not cross fork) on one port with SO_REUSEPORT, sharing
+counters and the session limit; SIGTERM to the parent is passed on, each child finishes its
+in-flight steps, and the parent exits 0 when they have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+from redraft.datastore.errors import RedraftError
+from redraft.datastore.service import ServiceConfig, TLSFiles, serve_forever
+from redraft.datastore.service_stats import ServiceStats
+
+TOKEN_ENV = "REDRAFT_TOKEN"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `serve` subcommand to the `redraft` parser."""
+    d = ServiceConfig()
+    p = sub.add_parser(
+        "serve",
+        help="serve a datastore's drafts over gRPC",
+        description="Serve REST and PLD candidate trees over gRPC (redraft.v1.Drafter), with "
+        "health checking and reflection. Binds loopback unless --host says otherwise.",
+    )
+    p.add_argument("--datastore", required=True, metavar="DIR", help="datastore directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="server processes sharing the port (default 1)")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain (enables TLS)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key (with --tls-cert)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help=f"file holding a shared secret clients must send as 'authorization: "
+                   f"Bearer <token>' (or set ${TOKEN_ENV})")
+    p.add_argument("--max-context", type=int, default=d.max_context_len, metavar="TOKENS",
+                   help=f"longest session/request context (default {d.max_context_len})")
+    p.add_argument("--max-budget", type=int, default=d.max_budget, metavar="NODES",
+                   help=f"largest tree a client may ask for (default {d.max_budget})")
+    p.add_argument("--max-depth", type=int, default=d.max_depth,
+                   help=f"deepest tree a client may ask for (default {d.max_depth})")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                   help=f"open sessions at once, all workers (default {d.max_sessions})")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, metavar="SECONDS",
+                   help=f"close sessions idle this long (default {d.idle_timeout_s:g})")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help=f"largest gRPC message (default {d.max_message_bytes})")
+    p.add_argument("--budget", type=int, default=d.default_budget,
+                   help=f"default tree budget (default {d.default_budget})")
+    p.add_argument("--depth", type=int, default=d.default_depth,
+                   help=f"default tree depth (default {d.default_depth})")
+    p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
+                   help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    positive = {
+        "--max-context": args.max_context, "--max-budget": args.max_budget,
+        "--max-depth": args.max_depth, "--max-sessions": args.max_sessions,
+        "--idle-timeout": args.idle_timeout, "--max-message-bytes": args.max_message_bytes,
+        "--budget": args.budget, "--depth": args.depth, "--workers": args.workers,
+    }
+    for flag, value in positive.items():
+        if value <= 0:
+            raise RedraftError(f"{flag} must be positive, got {value}")
+    if not 0 <= args.port < 65536:
+        raise RedraftError(f"--port must be in 0..65535, got {args.port}")
+    if args.budget > args.max_budget or args.depth > args.max_depth:
+        raise RedraftError("--budget/--depth must not exceed --max-budget/--max-depth")
+    if args.workers > 1 and args.port == 0:
+        raise RedraftError("--workers > 1 needs a fixed --port (the processes share it)")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise RedraftError("--tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key):
+        if path and not os.path.isfile(path):
+            raise RedraftError(f"TLS file not found: {path}")
+    return ServiceConfig(
+        max_context_len=args.max_context,
+        max_budget=args.max_budget,
+        max_depth=args.max_depth,
+        max_sessions=args.max_sessions,
+        idle_timeout_s=args.idle_timeout,
+        max_message_bytes=args.max_message_bytes,
+        default_budget=args.budget,
+        default_depth=args.depth,
+        grace_s=args.grace,
+        token=read_token(args.token_file),
+    )
+
+
+def read_token(path: str | None) -> str | None:
+    """The shared secret from --token-file, else from the environment, else none."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise RedraftError(f"cannot read --token-file: {exc}") from exc
+        if not token:
+            raise RedraftError(f"--token-file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _announce(line: str) -> None:
+    print(line, flush=True)
+
+
+def _worker(datastore: str, host: str, port: int, config: ServiceConfig,
+            stats: ServiceStats | None, tls: TLSFiles | None, reuse_port: bool) -> None:
+    """One server process: open the Reader here (never inherit one), serve until signalled."""
+    from redraft.datastore import Reader
+
+    reader = Reader(datastore)
+    asyncio.run(serve_forever(reader, host, port, config, stats, tls, reuse_port, _announce))
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    tls = TLSFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
+    if args.workers == 1:
+        _worker(args.datastore, args.host, args.port, config, None, tls, False)
+        return 0
+    from redraft.datastore import Reader
+
+    Reader(args.datastore)  # fail fast, with the datastore's own error, before spawning
+    ctx = mp.get_context("spawn")
+    stats = ServiceStats(ctx)
+    procs = [
+        ctx.Process(target=_worker, name=f"redraft-serve-{i}",
+                    args=(args.datastore, args.host, args.port, config, stats, tls, True))
+        for i in range(args.workers)
+    ]
+    for proc in procs:
+        proc.start()
+
+    def forward(signum, _frame) -> None:
+        for proc in procs:
+            if proc.is_alive() and proc.pid:
+                os.kill(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for proc in procs:
+        proc.join()
+    failed = [p.exitcode for p in procs if p.exitcode]
+    if failed:
+        print(f"redraft serve: workers exited with {failed}", file=sys.stderr)
+        return 1
+    return 0
