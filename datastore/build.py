@@ -1,0 +1,508 @@
+"""Building, appending to and deleting from a datastore.
+
+Pipeline: documents -> batched tokenization with the target model's fast tokenizer (its
+Rust backend encodes a batch on every core) -> shards of bounded size (token array with a
+separator after each document, suffix array from pydivsufsort, document offsets, first-token
+buckets) -> one LMDB file.
+
+Every change is atomic. The new file is written beside the datastore's `datastore.lmdb`
+(`.datastore.lmdb.tmp-PID`) and renamed over it only when complete and synced, so a build
+killed at any point leaves the previous datastore as it was and nothing half-written that
+opens. Append and delete copy the current file first (no re-tokenizing, no re-sorting of
+existing shards): the published file is never modified in place, which is what lets readers
+map it without locks and keep their snapshot while it is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from pydivsufsort import divsufsort
+from pyroaring import BitMap
+from redraft.datastore import format as fmt
+from redraft.datastore.corpus import Document, expand_inputs, iter_documents
+from redraft.datastore.errors import (
+    CorpusError,
+    DatastoreError,
+    InvalidQuery,
+    TokenizerMismatch,
+)
+
+# One shard's suffix-array build peaks near 20-26 bytes per token: 128 Mi tokens ~ 3.3 GB.
+DEFAULT_SHARD_TOKENS = 128 * 1024 * 1024
+BATCH_CHARS = 2 << 20  # text per tokenizer batch: big enough to keep every core busy
+
+TokenDocs = Iterable[Sequence[int] | np.ndarray | tuple[str, Sequence[int] | np.ndarray]]
+
+
+# ---- tokenization ---------------------------------------------------------------------
+def _tokenizer_info(tokenizer) -> tuple[object, str, str, int]:
+    """(tokenizer object, name, fingerprint, vocab size) from a name or a loaded tokenizer."""
+    from redraft.datastore.tokenizer import (
+        DEFAULT_MODEL,
+        load_tokenizer,
+        tokenizer_fingerprint,
+        vocab_size,
+    )
+
+    if tokenizer is None or isinstance(tokenizer, str):
+        name = tokenizer or DEFAULT_MODEL
+        tok = load_tokenizer(name)
+    else:
+        tok = tokenizer
+        name = str(getattr(tok, "name_or_path", "") or type(tok).__name__)
+    return tok, name, tokenizer_fingerprint(tok), vocab_size(tok)
+
+
+def _batches(docs: Iterable[Document], batch_chars: int) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    size = 0
+    for d in docs:
+        batch.append(d)
+        size += len(d.text)
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def tokenize_documents(docs: Iterable[Document], tokenizer, *, batch_chars: int = BATCH_CHARS,
+                       progress=None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, token ids) per document, encoding in batches on all cores."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    for batch in _batches(docs, batch_chars):
+        texts = [d.text for d in batch]
+        if backend is not None:
+            ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        else:
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for d, seq in zip(batch, ids):
+            if progress is not None:
+                progress.update(len(d.text))
+            yield d.name, np.asarray(seq, dtype=np.int64)
+
+
+# ---- shards ---------------------------------------------------------------------------
+def suffix_array(tokens: np.ndarray) -> np.ndarray:
+    """Token-order suffix array of a uint16/uint32 array, as little-endian uint32."""
+    if len(tokens) > fmt.MAX_SHARD_LEN:
+        raise ValueError("shard too large for uint32 offsets")
+    return divsufsort(tokens).astype("<u4", copy=False)
+
+
+class _StoreWriter:
+    """Writes shards and the header into one (temporary) LMDB file."""
+
+    def __init__(self, file: str, manifest: dict, *, copy_from: str | None = None,
+                 progress: bool = False) -> None:
+        if copy_from is not None:
+            shutil.copyfile(copy_from, file)
+        self.file = file
+        self.manifest = manifest
+        self.progress = progress
+        self.env = fmt.open_env(file, write=True, map_size=1 << 40 if sys.maxsize > 2**32
+                                else 1 << 31)
+        self.vocab = int(manifest["tokenizer"]["vocab_size"])
+        self.sep = int(manifest["separator"])
+        self.dtype = np.dtype(manifest["token_dtype"])
+        self.be = self.dtype.newbyteorder(">")
+        self.corpora: dict[str, BitMap] = {}
+        self.deleted = BitMap()
+        if copy_from is not None:
+            with self.env.begin() as txn:
+                for name in manifest["corpora"]:
+                    raw = txn.get(fmt.corpus_key(name))
+                    self.corpora[name] = BitMap.deserialize(raw) if raw else BitMap()
+                raw = txn.get(fmt.KEY_DELETED)
+                self.deleted = BitMap.deserialize(raw) if raw else BitMap()
+
+    @property
+    def next_doc(self) -> int:
+        shards = self.manifest["shards"]
+        return shards[-1]["first_doc"] + shards[-1]["n_docs"] if shards else 0
+
+    def add_shard(self, docs: list[np.ndarray], names: list[str], corpus: str) -> None:
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        starts = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum(lengths + 1, out=starts[1:])
+        length = int(starts[-1])
+        tokens = np.empty(length, dtype=self.dtype)
+        for d, s in zip(docs, starts[:-1]):
+            tokens[s:s + len(d)] = d
+        tokens[starts[1:] - 1] = self.sep
+        t0 = time.perf_counter()
+        if self.progress:
+            print(f"sorting shard {len(self.manifest['shards'])} ({length:,} tokens)",
+                  file=sys.stderr, flush=True)
+        sa = suffix_array(tokens)
+        sa_s = time.perf_counter() - t0
+        counts = np.bincount(tokens, minlength=self.sep + 1)
+        bucket = np.zeros(self.sep + 2, dtype="<u4")
+        np.cumsum(counts, out=bucket[1:])
+        arrays = {
+            "tokens": tokens.astype(self.be),
+            "sa": sa,
+            "docs": starts.astype("<u4"),
+            "bucket": bucket,
+        }
+        del tokens
+        idx = len(self.manifest["shards"])
+        first = self.next_doc
+        names_blob = zlib.compress("\n".join(n.replace("\n", "\\n") for n in names).encode(), 6)
+        checks = {}
+        with self.env.begin(write=True) as txn:
+            for what, arr in arrays.items():
+                buf = memoryview(np.ascontiguousarray(arr)).cast("B")
+                checks[what] = fmt.crc32(buf)
+                txn.put(fmt.shard_key(idx, what), buf)
+            txn.put(fmt.shard_key(idx, "names"), names_blob)
+        n_tok = int(lengths.sum())
+        self.manifest["shards"].append({
+            "id": idx, "corpus": corpus, "first_doc": first, "n_docs": len(docs),
+            "n_tokens": n_tok, "length": length, "crc32": checks, "sa_seconds": round(sa_s, 3),
+        })
+        self.corpora.setdefault(corpus, BitMap()).add_range(first, first + len(docs))
+
+    def finish(self) -> dict:
+        """Recount, write bitmaps and the manifest, sync and close. Returns the manifest."""
+        m = self.manifest
+        m["n_shards"] = len(m["shards"])
+        _recount(m, self._doc_lengths, self.deleted)
+        checks = {}
+        with self.env.begin(write=True) as txn:
+            for name, bm in self.corpora.items():
+                raw = bm.serialize()
+                checks["corpus/" + name] = fmt.crc32(raw)
+                txn.put(fmt.corpus_key(name), raw)
+            raw = self.deleted.serialize()
+            checks["deleted"] = fmt.crc32(raw)
+            txn.put(fmt.KEY_DELETED, raw)
+            m["checksums"] = checks
+            fmt.write_header(txn, m)
+        self.env.sync(True)
+        self.env.close()
+        return m
+
+    def _doc_lengths(self, shard: dict) -> np.ndarray:
+        with self.env.begin(buffers=True) as txn:
+            starts = np.frombuffer(txn.get(fmt.shard_key(shard["id"], "docs")), dtype="<u4")
+            return np.diff(starts.astype(np.int64)) - 1
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.env.close()
+
+
+def _recount(m: dict, doc_lengths: Callable[[dict], np.ndarray], deleted: BitMap) -> None:
+    """Totals of live (not deleted) documents and tokens, overall and per corpus."""
+    corpora: dict[str, dict] = {}
+    n_docs = n_tokens = 0
+    gone_all = np.asarray(deleted.to_array(), dtype=np.int64)
+    for sh in m["shards"]:
+        c = corpora.setdefault(sh["corpus"], {"n_docs": 0, "n_tokens": 0, "n_shards": 0})
+        c["n_shards"] += 1
+        docs, toks = sh["n_docs"], sh["n_tokens"]
+        lo, hi = sh["first_doc"], sh["first_doc"] + sh["n_docs"]
+        gone = gone_all[(gone_all >= lo) & (gone_all < hi)]
+        if len(gone):
+            docs -= len(gone)
+            toks -= int(doc_lengths(sh)[gone - lo].sum())
+        c["n_docs"] += docs
+        c["n_tokens"] += toks
+        n_docs += docs
+        n_tokens += toks
+    m["corpora"] = corpora
+    m["n_docs"] = n_docs
+    m["n_tokens"] = n_tokens
+    m["n_deleted"] = len(deleted)
+
+
+def _check_ids(name: str, ids: np.ndarray, vocab: int) -> np.ndarray:
+    if ids.ndim != 1:
+        raise CorpusError(f"{name}: token ids must be a flat sequence")
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise CorpusError(f"{name}: token id {bad} outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def _pretokenized(documents: TokenDocs) -> Iterator[tuple[str, np.ndarray]]:
+    for i, d in enumerate(documents):
+        if isinstance(d, tuple) and len(d) == 2 and isinstance(d[0], str):
+            name, ids = d
+        else:
+            name, ids = f"doc{i}", d
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except (TypeError, ValueError) as exc:
+            raise CorpusError(f"{name}: not a sequence of token ids") from exc
+        yield name, arr
+
+
+def _write_shards(writer: _StoreWriter, docs: Iterable[tuple[str, np.ndarray]], corpus: str,
+                  shard_tokens: int) -> tuple[int, int]:
+    """Group documents into shards of at most `shard_tokens` tokens and write them."""
+    vocab = writer.vocab
+    limit = max(1, min(int(shard_tokens), fmt.MAX_SHARD_LEN))
+    buf: list[np.ndarray] = []
+    names: list[str] = []
+    size = n_docs = n_tokens = 0
+    for name, ids in docs:
+        if not len(ids):
+            continue
+        _check_ids(name, ids, vocab)
+        if len(ids) + 1 > fmt.MAX_SHARD_LEN:
+            raise CorpusError(f"{name}: document of {len(ids):,} tokens exceeds a shard")
+        if buf and size + len(ids) + 1 > limit:
+            writer.add_shard(buf, names, corpus)
+            buf, names, size = [], [], 0
+        buf.append(ids.astype(writer.dtype))
+        names.append(name)
+        size += len(ids) + 1
+        n_docs += 1
+        n_tokens += len(ids)
+    if buf:
+        writer.add_shard(buf, names, corpus)
+    if n_docs == 0:
+        raise CorpusError("empty corpus: the inputs hold no text")
+    return n_docs, n_tokens
+
+
+# ---- atomic publication ---------------------------------------------------------------
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """One writer per datastore; stale temporary files of killed writers are removed."""
+    fd = os.open(out / fmt.WRITE_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise DatastoreError(f"{out}: another process is writing this datastore") from exc
+        for f in out.glob(fmt.TMP_PREFIX + "*"):
+            with contextlib.suppress(OSError):
+                f.unlink()
+        yield
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, final: str) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    dfd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _run_writer(out: Path, manifest: dict, fill: Callable[[_StoreWriter], None],
+                copy_from: str | None, progress: bool) -> dict:
+    tmp = str(out / f"{fmt.TMP_PREFIX}{os.getpid()}")
+    writer = _StoreWriter(tmp, manifest, copy_from=copy_from, progress=progress)
+    try:
+        fill(writer)
+        result = writer.finish()
+        _publish(tmp, str(out / fmt.DATA_FILE))
+        return result
+    except BaseException:
+        writer.abort()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _progress_bar(enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    # disable=None: draw only on a terminal, so logs and piped stderr stay clean.
+    return tqdm(desc=desc, unit="char", unit_scale=True, disable=None, file=sys.stderr)
+
+
+def _token_stream(inputs, documents, tok, *, field, exclude, skip_bad, progress):
+    if documents is not None:
+        return _pretokenized(documents), None
+    bar = _progress_bar(progress, "tokenizing")
+    docs = iter_documents(inputs, field=field, exclude=exclude, skip_bad=skip_bad,
+                          on_skip=lambda msg: print(f"skipped: {msg}", file=sys.stderr))
+    return tokenize_documents(docs, tok, progress=bar), bar
+
+
+def _check_corpus_name(corpus: str) -> str:
+    if not corpus or len(corpus) > 200 or any(c in corpus for c in "\n\r\0"):
+        raise CorpusError(f"bad corpus name {corpus!r}")
+    return corpus
+
+
+def build_datastore(
+    inputs: Sequence[str | os.PathLike] | None,
+    out: str | os.PathLike,
+    *,
+    tokenizer=None,
+    documents: TokenDocs | None = None,
+    fingerprint: str | None = None,
+    vocab_size: int | None = None,
+    corpus: str = "default",
+    field: str | None = None,
+    exclude: Sequence[str] = (),
+    skip_bad: bool = False,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: bool = False,
+) -> dict:
+    """Build a datastore at `out` (a directory) from corpus inputs; replace any old one.
+
+    `tokenizer` is a model name (default: the embedded default model) or a loaded
+    tokenizer. For pre-tokenized input pass `documents` (sequences of ids, or (name, ids)
+    pairs) with `fingerprint` and `vocab_size` instead of `inputs`; ids of any width work
+    (uint32 arrays when the vocabulary exceeds 65,535). Returns the manifest.
+    """
+    _check_corpus_name(corpus)
+    if documents is None:
+        expand_inputs(inputs or [], exclude)  # fail on bad inputs before touching `out`
+        tok, name, fp, vocab = _tokenizer_info(tokenizer)
+    else:
+        if fingerprint is None or vocab_size is None:
+            raise DatastoreError("pre-tokenized documents need fingerprint and vocab_size")
+        tok, fp, vocab = None, fingerprint, int(vocab_size)
+        name = tokenizer if isinstance(tokenizer, str) else "pretokenized"
+    try:
+        fmt.token_dtype(vocab)
+    except ValueError as exc:
+        raise DatastoreError(str(exc)) from exc
+    out_p = Path(out)
+    if out_p.exists() and not out_p.is_dir():
+        raise DatastoreError(f"{out}: exists and is not a directory")
+    created = not out_p.exists()
+    out_p.mkdir(parents=True, exist_ok=True)
+    manifest = fmt.new_manifest(
+        tokenizer_name=name, fingerprint=fp, vocab_size=vocab,
+        build={"shard_tokens": int(shard_tokens), "field": field,
+               "history": []},
+    )
+    bar = None
+    try:
+        with _locked(out_p):
+            stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
+                                        skip_bad=skip_bad, progress=progress)
+            t0 = time.perf_counter()
+
+            def fill(w: _StoreWriter) -> None:
+                n_docs, n_tok = _write_shards(w, stream, corpus, shard_tokens)
+                manifest["build"]["history"].append(_event("build", corpus, n_docs, n_tok, t0))
+
+            return _run_writer(out_p, manifest, fill, None, progress)
+    except BaseException:
+        if created:
+            _remove_if_empty(out_p)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _event(op: str, corpus: str | None, n_docs: int, n_tokens: int, t0: float) -> dict:
+    return {"op": op, "corpus": corpus, "n_docs": n_docs, "n_tokens": n_tokens,
+            "seconds": round(time.perf_counter() - t0, 3),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _remove_if_empty(out: Path) -> None:
+    with contextlib.suppress(OSError):
+        (out / fmt.WRITE_LOCK).unlink()
+        out.rmdir()
+
+
+def _existing(path: str | os.PathLike) -> tuple[Path, dict]:
+    from redraft.datastore.reader import Reader
+
+    with Reader(path) as r:
+        return Path(os.path.dirname(r.file)), r.manifest
+
+
+def append_corpus(
+    inputs: Sequence[str | os.PathLike] | None,
+    path: str | os.PathLike,
+    *,
+    tokenizer=None,
+    documents: TokenDocs | None = None,
+    fingerprint: str | None = None,
+    corpus: str = "default",
+    field: str | None = None,
+    exclude: Sequence[str] = (),
+    skip_bad: bool = False,
+    shard_tokens: int | None = None,
+    progress: bool = False,
+) -> dict:
+    """Add documents to an existing datastore as new shards; existing shards are kept as is.
+
+    The tokenizer defaults to the one the datastore was built with and must match its
+    fingerprint (TokenizerMismatch otherwise). Returns the new manifest.
+    """
+    _check_corpus_name(corpus)
+    out, manifest = _existing(path)
+    want = manifest["tokenizer"]["fingerprint"]
+    if documents is None:
+        expand_inputs(inputs or [], exclude)
+        tok, _, fp, _ = _tokenizer_info(tokenizer or manifest["tokenizer"]["name"])
+    else:
+        tok, fp = None, fingerprint
+    if fp != want:
+        raise TokenizerMismatch(
+            f"tokenizer fingerprint {fp} does not match the datastore's {want} "
+            f"(built with {manifest['tokenizer']['name']})")
+    shard_tokens = shard_tokens or manifest["build"].get("shard_tokens", DEFAULT_SHARD_TOKENS)
+    bar = None
+    try:
+        with _locked(out):
+            out, manifest = _existing(out)  # re-read under the lock
+            stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
+                                        skip_bad=skip_bad, progress=progress)
+            t0 = time.perf_counter()
+
+            def fill(w: _StoreWriter) -> None:
+                n_docs, n_tok = _write_shards(w, stream, corpus, shard_tokens)
+                manifest["build"]["history"].append(_event("append", corpus, n_docs, n_tok, t0))
+
+            return _run_writer(out, manifest, fill, str(out / fmt.DATA_FILE), progress)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def delete_documents(path: str | os.PathLike, doc_ids: Iterable[int]) -> dict:
+    """Tombstone documents by global id; every lookup then ignores them. Returns the manifest.
+
+    Already deleted ids are accepted (deleting is idempotent); ids that never existed are an
+    InvalidQuery.
+    """
+    ids = sorted({int(i) for i in doc_ids})
+    out, manifest = _existing(path)
+    with _locked(out):
+        out, manifest = _existing(out)
+        total = sum(s["n_docs"] for s in manifest["shards"])
+        bad = [i for i in ids if not 0 <= i < total]
+        if bad:
+            raise InvalidQuery(f"document id {bad[0]} out of range [0, {total})")
+        t0 = time.perf_counter()
+
+        def fill(w: _StoreWriter) -> None:
+            w.deleted.update(ids)
+            manifest["build"]["history"].append(_event("delete", None, len(ids), 0, t0))
+
+        return _run_writer(out, manifest, fill, str(out / fmt.DATA_FILE), False)
