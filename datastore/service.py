@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -92,8 +93,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.fingerprint = str(reader.tokenizer_fingerprint)
         self.corpora = set(getattr(reader, "corpora", {}) or {})
         self.stopping = False
-        self._sessions: dict[str, asyncio.Task] = {}
-        self._idle: set[str] = set()
+        self._stop_future: asyncio.Future | None = None
         self._next_id = 0
 
     # ---- validation -------------------------------------------------------------------
@@ -253,31 +253,35 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         except _Abort as exc:
             await self._fail(context, exc)
 
-    async def _read(self, context, session_id: str | None):
-        """Next request, or None at the client's end of stream; idle too long -> abort."""
-        if session_id:
-            self._idle.add(session_id)
-        try:
-            req = await asyncio.wait_for(context.read(), self.config.idle_timeout_s)
-        except asyncio.CancelledError:
-            if self.stopping:  # shutdown ends idle sessions with a status a client retries
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down") from None
-            raise
-        except asyncio.TimeoutError:
-            self.stats.add(sessions_idle_closed=1)
-            raise _Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"session idle for more than {self.config.idle_timeout_s:g} s; closed",
-            ) from None
-        finally:
-            if session_id:
-                self._idle.discard(session_id)
-        return None if req is grpc.aio.EOF else req
+    async def _read(self, context):
+        """Next request, or None at the client's end of stream.
+
+        Waits for the request, the idle timeout or server shutdown, whichever comes first;
+        an idle or shut-down session ends with a status instead of holding a slot.
+        """
+        if self._stop_future is None:
+            self._stop_future = asyncio.get_running_loop().create_future()
+        read = asyncio.ensure_future(context.read())
+        done, _ = await asyncio.wait(
+            (read, self._stop_future), timeout=self.config.idle_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if read in done:
+            req = read.result()
+            return None if req is grpc.aio.EOF else req
+        read.add_done_callback(_discard)  # the call ends below; its read ends with it
+        if self.stopping:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        self.stats.add(sessions_idle_closed=1)
+        raise _Abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"session idle for more than {self.config.idle_timeout_s:g} s; closed",
+        )
 
     async def _session(self, context) -> None:
         if self.stopping:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        first = await self._read(context, None)
+        first = await self._read(context)
         if first is None:
             return
         if first.WhichOneof("kind") != "open":
@@ -300,7 +304,6 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             )
         self._next_id += 1
         session_id = f"{id(self):x}-{self._next_id}"
-        self._sessions[session_id] = asyncio.current_task()
         try:
             ctx: list[int] = list(opening.prompt)
             pld = None
@@ -312,7 +315,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 draft_pb2.SessionReply(draft=reply, session_id=session_id, context_len=len(ctx))
             )
             while not self.stopping:
-                req = await self._read(context, session_id)
+                req = await self._read(context)
                 if req is None:
                     return
                 if req.WhichOneof("kind") != "step":
@@ -337,7 +340,6 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 )
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
-            self._sessions.pop(session_id, None)
             self.stats.close_session()
 
     async def Info(self, request, context):
@@ -397,9 +399,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def shutdown(self) -> None:
         """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE."""
         self.stopping = True
-        for sid, task in list(self._sessions.items()):
-            if sid in self._idle:
-                task.cancel()
+        if self._stop_future is not None and not self._stop_future.done():
+            self._stop_future.set_result(None)
 
 
 # ---- server assembly --------------------------------------------------------------------
@@ -472,3 +473,94 @@ async def serve_forever(reader, host: str, port: int, config: ServiceConfig,
     await service.shutdown()
     await server.stop(config.grace_s)
     announce("redraft serve: stopped")
+
+
+class ServerThread:
+    """A real server on a background event-loop thread, for tests, benchmarks and embedding.
+
+    Why: the decoder and the tests need the actual gRPC service in-process (no subprocess
+    start-up, no mocks); `with ServerThread(reader) as srv: DraftClient(srv.address)`.
+    """
+
+    def __init__(self, reader, host: str = "127.0.0.1", port: int = 0,
+                 config: ServiceConfig | None = None, tls: TLSFiles | None = None) -> None:
+        self.reader = reader
+        self.host = host
+        self.port = port
+        self.config = config or ServiceConfig()
+        self.tls = tls
+        self.stats = ServiceStats()
+        self.service: DrafterService | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopped: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="redraft-server")
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+
+        async def main() -> None:
+            try:
+                self._server, self.service, self._health, self.port = await start_server(
+                    self.reader, self.host, self.port, self.config, self.stats, self.tls
+                )
+            except BaseException as exc:  # reported to start()'s caller
+                self._error = exc
+                self._ready.set()
+                return
+            self._stopped = asyncio.Event()
+            self._ready.set()
+            await self._stopped.wait()  # set by stop() once the server has fully stopped
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Graceful stop as on SIGTERM: health NOT_SERVING, idle sessions ended, then stop."""
+        if self._loop is None or self._server is None or self._loop.is_closed():
+            return
+
+        async def shutdown() -> None:
+            await self._health.enter_graceful_shutdown()
+            await self.service.shutdown()
+            await self._server.stop(self.config.grace_s if grace is None else grace)
+            self._stopped.set()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(60)
+        except RuntimeError:  # loop already gone
+            pass
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(grace=0.5)
+
+
+def _discard(fut: asyncio.Future) -> None:
+    """Retrieve an abandoned read's outcome so asyncio does not log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
+

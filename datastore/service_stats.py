@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
+import threading
 import time
 from typing import Any
 
@@ -41,9 +41,13 @@ class ServiceStats:
     """Process-shared counters and a latency histogram (microseconds)."""
 
     def __init__(self, ctx: Any = None) -> None:
-        ctx = ctx or mp.get_context("spawn")
-        self._arr = ctx.Array("d", _HIST0 + _N_BUCKETS, lock=False)
-        self._lock = ctx.Lock()
+        """`ctx`: a multiprocessing context to share with worker processes; None = local."""
+        if ctx is None:
+            self._arr: Any = [0.0] * (_HIST0 + _N_BUCKETS)
+            self._lock: Any = threading.Lock()
+        else:
+            self._arr = ctx.Array("d", _HIST0 + _N_BUCKETS, lock=False)
+            self._lock = ctx.Lock()
         self.started = time.time()
 
     def add(self, **counts: float) -> None:
