@@ -14,11 +14,11 @@ from redraft.datastore.draft import Draft
 
 
 def select_top(draft: Draft, budget: int) -> Draft:
-    """Keep the `budget` nodes with the highest path probability, as a valid tree.
+    """Keep the `budget` nodes with the highest path probability, best first, as a tree.
 
     A path probability never exceeds its parent's (probs are <= 1), so ordering by
-    (path probability desc, depth asc) puts every parent before its children and any prefix
-    of that order is closed under parents: the kept nodes always form a tree.
+    (path probability desc, depth asc) puts every parent before its children: the kept
+    nodes form a tree, and so does any prefix of them (a caller may truncate further).
     """
     n = len(draft)
     if budget <= 0 or n == 0:
@@ -28,16 +28,14 @@ def select_top(draft: Draft, budget: int) -> Draft:
     for p in draft.parents:
         depth.append(0 if p < 0 else depth[p] + 1)
     order = sorted(range(n), key=lambda i: (-path[i], depth[i], i))[:budget]
-    # Re-sort the kept nodes so parents precede children even with equal keys (stable ids).
-    kept = set(order)
-    for i in order:  # defensive: a prob > 1 could break the invariant; drop orphans
+    placed: set[int] = set()
+    kept: list[int] = []
+    for i in order:  # a prob > 1 could put a child before its parent: drop such orphans
         p = draft.parents[i]
-        while p >= 0 and p in kept:
-            p = draft.parents[p]
-        if p >= 0:
-            kept.discard(i)
-    order = [i for i in order if i in kept]
-    order.sort(key=lambda i: (depth[i], -path[i], i))
+        if p < 0 or p in placed:
+            placed.add(i)
+            kept.append(i)
+    order = kept
     new_id = {old: k for k, old in enumerate(order)}
     return Draft(
         tokens=[draft.tokens[i] for i in order],

@@ -199,8 +199,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             d = pld.propose(budget=budget, max_depth=p.max_depth)
             pld_match = d.match_len
             drafts.append(d)
-        if len(drafts) == 1:
-            tree = select_top(drafts[0], budget)
+        if len(drafts) == 1:  # already best-first and within the budget
+            tree = drafts[0] if len(drafts[0]) <= budget else select_top(drafts[0], budget)
         else:
             tree = merge_drafts(drafts, budget)
         expected = tree.expected_accepted

@@ -1,0 +1,350 @@
+"""The draft service over real gRPC on loopback: trees, bad input, auth, TLS, limits, health."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from redraft.datastore import Reader, build_datastore
+from redraft.datastore.client import (
+    AuthenticationFailed,
+    DraftClient,
+    DraftParams,
+    IncompatibleTokenizer,
+    InvalidRequest,
+    LimitExceeded,
+)
+from redraft.datastore.merge import merge_drafts
+from redraft.datastore.pld import PromptLookup, prompt_lookup
+from redraft.datastore.service import ServerThread, ServiceConfig, TLSFiles
+from redraft.proto import draft_pb2, draft_pb2_grpc
+
+FP = "sha256:service-test"
+VOCAB = 512
+
+
+def make_docs(seed: int, n_docs: int, phrases: int) -> list[list[int]]:
+    """Documents stitched from a few shared phrases, so suffixes recur across documents."""
+    rng = random.Random(seed)
+    bank = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 12))] for _ in range(phrases)]
+    docs = []
+    for _ in range(n_docs):
+        doc: list[int] = []
+        while len(doc) < 120:
+            doc += rng.choice(bank) if rng.random() < 0.8 else [rng.randrange(1, VOCAB)]
+        docs.append(doc)
+    return docs
+
+
+DOCS_A = make_docs(1, 30, 12)
+DOCS_B = make_docs(2, 20, 8)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    from redraft.datastore import append_corpus
+
+    path = str(tmp_path_factory.mktemp("svc") / "ds")
+    build_datastore(None, path, documents=DOCS_A, fingerprint=FP, vocab_size=VOCAB, corpus="a")
+    append_corpus(None, path, documents=DOCS_B, fingerprint=FP, corpus="b")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reader(store):
+    with Reader(store) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def server(reader):
+    with ServerThread(reader) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def client(server):
+    with DraftClient(server.address, timeout=5) as c:
+        yield c
+
+
+def same_tree(got, want) -> None:
+    assert got.tokens == want.tokens
+    assert got.parents == want.parents
+    assert got.sources == want.sources
+    assert got.probs == pytest.approx(want.probs, rel=1e-6)
+    assert got.match_len == want.match_len
+
+
+def local_draft(reader, ctx, pl: PromptLookup | None, budget=64, depth=16, corpora=None,
+                sources=("rest", "pld")):
+    """What the service should answer, computed in-process with the same components."""
+    drafts = []
+    if "rest" in sources:
+        drafts.append(reader.propose(ctx, budget=budget, max_depth=depth, max_match_len=16,
+                                     min_match_len=2, corpora=corpora))
+    if "pld" in sources:
+        drafts.append(pl.propose(budget, depth) if pl else prompt_lookup(ctx, budget, depth))
+    return merge_drafts(drafts, budget)
+
+
+def test_info_reports_the_manifest(client, reader):
+    info = client.info()
+    assert info.tokenizer_fingerprint == FP
+    assert info.vocab_size == VOCAB
+    assert info.n_tokens == reader.n_tokens and info.n_docs == reader.n_docs
+    assert set(info.corpora) == {"a", "b"}
+    assert info.corpora["b"]["n_docs"] == len(DOCS_B)
+    assert info.limits["max_budget"] == ServiceConfig().max_budget
+    assert info.manifest["n_tokens"] == reader.n_tokens
+
+
+def test_propose_equals_in_process_reader(client, reader):
+    for doc in (DOCS_A[3], DOCS_B[5]):
+        ctx = doc[:40]
+        rest = client.propose(ctx, DraftParams(budget=32, sources=["rest"]))
+        same_tree(rest, reader.propose(ctx, budget=32, max_depth=16))
+        assert len(rest) > 0 and set(rest.sources) == {"rest"}
+        both = client.propose(ctx, DraftParams(budget=24, max_depth=8))
+        same_tree(both, local_draft(reader, ctx, None, budget=24, depth=8))
+        only_b = client.propose(ctx, DraftParams(budget=16, sources=["rest"], corpora=["b"]))
+        same_tree(only_b, reader.propose(ctx, budget=16, corpora=["b"]))
+
+
+def test_session_steps_equal_in_process_drafts(client, reader):
+    doc = DOCS_A[7] + DOCS_B[2]
+    prompt, rest = doc[:20], doc[20:]
+    pl = PromptLookup()
+    pl.extend(prompt)
+    with client.session(prompt, DraftParams(budget=32), FP) as s:
+        same_tree(s.draft, local_draft(reader, prompt, pl, budget=32))
+        ctx = list(prompt)
+        rng = random.Random(3)
+        hits = 0
+        while rest:
+            k = rng.randrange(1, 5)
+            accepted, rest = rest[:k], rest[k:]
+            ctx += accepted
+            pl.extend(accepted)
+            budget = rng.choice([None, 8, 64])
+            got = s.step(accepted, budget=budget)
+            same_tree(got, local_draft(reader, ctx, pl, budget=budget or 32))
+            assert s.context_len == len(ctx)
+            hits += len(got) > 0
+        assert hits > 10
+        assert s.expected_accepted == pytest.approx(got.expected_accepted, rel=1e-5)
+
+
+def test_pld_only_session_drafts_from_its_own_context(client):
+    prompt = [500, 501, 502, 503, 504, 505, 9, 500, 501]
+    with client.session(prompt, DraftParams(budget=8, sources=["pld"]), FP) as s:
+        assert s.draft.tokens[0] == 502 and set(s.draft.sources) == {"pld"}
+        assert s.pld_match_len == 2 and s.draft.match_len == 0
+        d = s.step([502, 503])
+        assert d.tokens[:2] == [504, 505]
+
+
+def raw_session(server, *requests, metadata=()):
+    """Drive a session with the generated stub, to send what the client class never would."""
+    with grpc.insecure_channel(server.address) as ch:
+        stub = draft_pb2_grpc.DrafterStub(ch)
+        return list(stub.Session(iter(requests), timeout=5, metadata=metadata))
+
+
+def opening(prompt=(1, 2, 3), fp=FP, **params):
+    return draft_pb2.SessionRequest(open=draft_pb2.SessionOpen(
+        prompt=list(prompt), tokenizer_fingerprint=fp, params=draft_pb2.DraftParams(**params)))
+
+
+def stepping(accepted=(4,), budget=0):
+    return draft_pb2.SessionRequest(step=draft_pb2.SessionStep(accepted=list(accepted),
+                                                               budget=budget))
+
+
+BAD_SESSIONS = {
+    "step before open": ([stepping()], grpc.StatusCode.INVALID_ARGUMENT, "must start with"),
+    "open twice": ([opening(), opening()], grpc.StatusCode.INVALID_ARGUMENT, "already open"),
+    "prompt id too big": ([opening(prompt=[1, VOCAB])], grpc.StatusCode.INVALID_ARGUMENT,
+                          f"token id {VOCAB} is outside"),
+    "negative prompt id": ([opening(prompt=[-3])], grpc.StatusCode.INVALID_ARGUMENT,
+                           "token id -3"),
+    "accepted id too big": ([opening(), stepping([70000])], grpc.StatusCode.INVALID_ARGUMENT,
+                            "step.accepted"),
+    "huge budget": ([opening(budget=10**6)], grpc.StatusCode.INVALID_ARGUMENT, "max_budget"),
+    "huge step budget": ([opening(), stepping(budget=10**6)], grpc.StatusCode.INVALID_ARGUMENT,
+                         "step.budget"),
+    "huge depth": ([opening(max_depth=10**5)], grpc.StatusCode.INVALID_ARGUMENT, "max_depth"),
+    "unknown corpus": ([opening(corpora=["nope"])], grpc.StatusCode.INVALID_ARGUMENT,
+                       "unknown corpora ['nope']"),
+    "unknown source": ([opening(sources=[7])], grpc.StatusCode.INVALID_ARGUMENT,
+                       "unknown source 7"),
+    "min over max match": ([opening(min_match_len=9, max_match_len=3)],
+                           grpc.StatusCode.INVALID_ARGUMENT, "min_match_len 9 > max_match_len 3"),
+    "wrong tokenizer": ([opening(fp="sha256:other")], grpc.StatusCode.FAILED_PRECONDITION,
+                        "does not match the datastore's"),
+    "no tokenizer": ([opening(fp="")], grpc.StatusCode.FAILED_PRECONDITION, "is required"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SESSIONS))
+def test_bad_session_input_gets_its_status_and_others_keep_working(server, client, case):
+    requests, code, text = BAD_SESSIONS[case]
+    with client.session(DOCS_A[0][:30], DraftParams(budget=16), FP) as good:
+        with pytest.raises(grpc.RpcError) as err:
+            raw_session(server, *requests)
+        assert err.value.code() == code
+        assert text in err.value.details()
+        assert len(good.step(DOCS_A[0][30:33])) > 0  # the other session is unaffected
+
+
+def test_bad_propose_input_raises_typed_errors(client):
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        client.propose([1, 2, VOCAB + 5])
+    with pytest.raises(InvalidRequest, match="unknown corpora"):
+        client.propose([1, 2], DraftParams(corpora=["zzz"]))
+    with pytest.raises(InvalidRequest, match="max_budget"):
+        client.propose([1, 2], DraftParams(budget=5000))
+    with pytest.raises(IncompatibleTokenizer, match="does not match"):
+        client.propose([1, 2], tokenizer_fingerprint="sha256:nope")
+    with pytest.raises(IncompatibleTokenizer):
+        client.session([1, 2], None, "sha256:nope").__enter__()
+    assert client.stats()["errors"] >= 5
+    assert len(client.propose(DOCS_A[1][:30])) > 0  # still serving
+
+
+def test_health_and_reflection_answer(server):
+    with grpc.insecure_channel(server.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "redraft.v1.Drafter"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(refl.ServerReflectionInfo(iter([req]), timeout=5))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"redraft.v1.Drafter", "grpc.health.v1.Health"} <= names
+
+
+def test_stats_count_requests_sessions_and_hits(reader):
+    with ServerThread(reader) as srv, DraftClient(srv.address) as c:
+        with c.session(DOCS_A[4][:25], DraftParams(budget=16), FP) as s:
+            for i in range(25, 45, 4):
+                s.step(DOCS_A[4][i : i + 4])
+            st = c.stats()
+            assert st["sessions_active"] == 1
+        c.propose([1, 2, 3])
+        st = c.stats()
+    assert st["requests"] == 7 and st["session_steps"] == 5 and st["propose_calls"] == 1
+    assert st["sessions_opened"] == 1 and st["sessions_active"] == 0
+    assert 1 <= st["hits"] <= 7 and st["rest_hits"] >= 1
+    assert 0 < st["latency_p50_us"] <= st["latency_p99_us"]
+    assert st["limits"]["max_sessions"] == ServiceConfig().max_sessions
+
+
+def test_token_auth(reader):
+    config = ServiceConfig(token="s3cret")
+    with ServerThread(reader, config=config) as srv:
+        for token in (None, "wrong"):
+            with DraftClient(srv.address, token=token) as c:
+                with pytest.raises(AuthenticationFailed, match="token"):
+                    c.info()
+                with pytest.raises(AuthenticationFailed):
+                    c.session([1, 2], None, FP).__enter__()
+                with pytest.raises(AuthenticationFailed):
+                    c.stats()
+        with DraftClient(srv.address, token="s3cret") as c:
+            assert c.info().vocab_size == VOCAB
+            with c.session(DOCS_A[2][:20], None, FP) as s:
+                s.step(DOCS_A[2][20:22])
+        with grpc.insecure_channel(srv.address) as ch:  # health needs no token (probes)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls(reader, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    with ServerThread(reader, tls=TLSFiles(str(cert), str(key))) as srv:
+        with DraftClient(srv.address, tls=str(cert)) as c:
+            assert c.info().tokenizer_fingerprint == FP
+            with c.session(DOCS_A[5][:20], None, FP) as s:
+                s.step(DOCS_A[5][20:21])
+        with DraftClient(srv.address, timeout=2) as plain:  # plaintext to a TLS port fails
+            with pytest.raises(Exception):  # noqa: B017 - UNAVAILABLE, typed as ServiceError
+                plain.info()
+
+
+def test_limits(reader):
+    config = ServiceConfig(max_sessions=2, max_context_len=50, idle_timeout_s=0.4,
+                           max_message_bytes=4096)
+    with ServerThread(reader, config=config) as srv, DraftClient(srv.address) as c:
+        a = c.session([1, 2, 3], None, FP).__enter__()
+        b = c.session([1, 2, 3], None, FP).__enter__()
+        with pytest.raises(LimitExceeded, match="max_sessions=2"):
+            c.session([1], None, FP).__enter__()
+        b.close()
+        deadline = time.monotonic() + 5
+        while c.stats()["sessions_active"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(LimitExceeded, match="would reach 53 tokens"):
+            a.step([5] * 50)
+        with pytest.raises(LimitExceeded, match="prompt of 51 tokens"):
+            c.session([1] * 51, None, FP).__enter__()
+        with pytest.raises(LimitExceeded, match="context of 60 tokens"):
+            c.propose([1] * 60)
+        with pytest.raises(LimitExceeded):  # 2,000 ids > 4 KiB message
+            c.propose(list(range(2000)))
+        idle = c.session([1, 2], None, FP).__enter__()
+        idle.step([3])
+        time.sleep(0.7)
+        with pytest.raises(LimitExceeded, match="idle"):
+            idle.step([4])
+        st = c.stats()
+        assert st["sessions_active"] == 0 and st["sessions_idle_closed"] == 1
+        assert st["refused_sessions"] == 1
+
+
+KILLED_CLIENT = """
+import sys, time
+from redraft.datastore.client import DraftClient
+c = DraftClient(sys.argv[1])
+s = c.session([1, 2, 3], None, sys.argv[2]).__enter__()
+s.step([4])
+print("open", flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_client_session_is_reclaimed(server, client):
+    before = client.stats()["sessions_active"]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.address, FP],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        assert client.stats()["sessions_active"] == before + 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while client.stats()["sessions_active"] > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats()["sessions_active"] == before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
