@@ -62,7 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_query)
 
     s = sub.add_parser("stats", help="print a datastore's manifest and sizes as JSON")
-    s.add_argument("datastore", metavar="DIR")
+    s.add_argument("datastore", metavar="DIR", nargs="?")
+    s.add_argument("--server", metavar="ADDR",
+                   help="print a running draft service's counters instead (token from "
+                   "$REDRAFT_TOKEN)")
     s.add_argument("--no-verify", action="store_true",
                    help="skip checking the arrays' checksums (which reads the whole file)")
     s.set_defaults(func=cmd_stats)
@@ -167,6 +170,13 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from redraft.datastore.reader import Reader
+
+    if args.server:
+        from redraft.datastore.service_cli import print_server_stats
+
+        return print_server_stats(args.server)
+    if not args.datastore:
+        raise RedraftError("stats needs a datastore DIR or --server ADDR")
 
     with Reader(args.datastore, verify=not args.no_verify) as r:
         size = os.path.getsize(r.file)

@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redraft.datastore.draft import PLD, REST, Draft
-from redraft.datastore.errors import DatastoreError
+from redraft.datastore.errors import DatastoreError, RedraftError
 from redraft.datastore.merge import merge_drafts, select_top
 from redraft.datastore.pld import PromptLookup
 from redraft.datastore.service_stats import ServiceStats
@@ -442,14 +442,18 @@ async def start_server(
         server,
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if tls is not None:
-        with open(tls.key, "rb") as f:
-            key = f.read()
-        with open(tls.cert, "rb") as f:
-            cert = f.read()
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls is not None:
+            with open(tls.key, "rb") as f:
+                key = f.read()
+            with open(tls.cert, "rb") as f:
+                cert = f.read()
+            creds = grpc.ssl_server_credentials([(key, cert)])
+            bound = server.add_secure_port(address, creds)
+        else:
+            bound = server.add_insecure_port(address)
+    except (RuntimeError, OSError) as exc:
+        raise RedraftError(f"cannot listen on {address}: {exc}") from exc
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

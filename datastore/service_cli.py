@@ -157,3 +157,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"redraft serve: workers exited with {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def print_server_stats(address: str, timeout: float = 5.0) -> int:
+    """`redraft stats --server ADDR`: the service's counters as JSON on stdout."""
+    import json
+
+    from redraft.datastore.client import DraftClient
+
+    with DraftClient(address, token=os.environ.get(TOKEN_ENV) or None, timeout=timeout) as c:
+        json.dump(c.stats(), sys.stdout, indent=2, sort_keys=True)
+    print()
+    return 0
