@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint proto demo bench-datastore clean
+.PHONY: install test lint proto demo bench-datastore stdlib-datastore clean
 
 install: $(STAMP)
 
@@ -34,6 +34,21 @@ proto: install
 		--grpc_python_out=.proto-out --pyi_out=.proto-out redraft/proto/draft.proto
 	cp .proto-out/redraft/proto/draft_pb2*.py* proto/
 	rm -rf .proto-out
+
+# The standard-library code datastore: every .py file of the running Python's stdlib
+# (third-party site-packages left out; the few test files that are not UTF-8 skipped).
+STDLIB_DS := data/stdlib
+stdlib-datastore: $(STDLIB_DS)/datastore.lmdb
+
+$(STDLIB_DS)/datastore.lmdb: $(STAMP)
+	STDLIB="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" && \
+	$(VENV)/bin/redraft index --tokenizer smollm2-135m --out $(STDLIB_DS) --corpus stdlib \
+		--exclude '*/site-packages/*' --exclude '*/dist-packages/*' --skip-bad \
+		"$$STDLIB/**/*.py"
+
+# The datastore benchmark (builds its own held-out datastores under bench-out/).
+bench-datastore: install
+	$(PY) tools/bench_datastore.py --out bench-out/datastore
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -443,8 +443,8 @@ class Reader:
             return None
         k = min(total, k_max)
         g = (np.arange(k, dtype=np.int64) * total) // k
-        offs = L + np.arange(depth, dtype=np.int64)
-        rows = []
+        offs = (L + np.arange(depth, dtype=np.int64))[:, None]
+        cols = []
         off = 0
         for sh, cnt, start, pos in segs:
             if len(segs) == 1:
@@ -455,13 +455,13 @@ class Reader:
                 if not len(local):
                     continue
             p = sh.sa[start + local].astype(np.int64) if pos is None else pos[local]
-            idx = p[:, None] + offs
+            idx = offs + p
             np.minimum(idx, sh.length - 1, out=idx)
-            rows.append(sh.tokens[idx])
-        return rows[0].astype(np.int64) if len(rows) == 1 else np.concatenate(rows).astype(
-            np.int64)
+            cols.append(sh.tokens[idx])
+        return (cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)).astype(np.int64)
 
     def _tree(self, levels, support: int, budget: int, depth: int, k_max: int) -> Draft:
+        """Continuation samples of each level (one column per occurrence) -> trie -> Draft."""
         parts, weights = [], []
         lam = support / (support + 1.0) if len(levels) > 1 else 1.0
         for n, (L, ranges) in enumerate(levels):
@@ -470,43 +470,44 @@ class Reader:
                 continue
             share = lam if n == 0 else 1.0 - lam
             parts.append(W)
-            weights.append(np.full(len(W), max(1, int(_MASS * share) // len(W)), np.int64))
+            weights.append(np.full(W.shape[1], max(1, int(_MASS * share) // W.shape[1]),
+                                   np.int64))
         if not parts:
             return Draft()
         L = levels[0][0]
         if len(parts) == 1 and len(levels[0][1]) == 1:
-            W, wt = parts[0], weights[0]  # one sorted SA range: rows already in trie order
-        else:
-            W, wt = np.concatenate(parts), np.concatenate(weights)
-            order = np.lexsort(W.T[::-1])
-            W, wt = W[order], wt[order]
-        return _trie_draft(W, wt, self.separator, budget, L)
+            # One SA range sampled in order: columns are already lexicographically sorted.
+            return _trie_draft(parts[0], None, self.separator, budget, L)
+        W, wt = np.concatenate(parts, axis=1), np.concatenate(weights)
+        order = np.lexsort(W[::-1])
+        return _trie_draft(W[:, order], wt[order], self.separator, budget, L)
 
 
-def _trie_draft(W: np.ndarray, wt: np.ndarray, sep: int, budget: int, match_len: int) -> Draft:
-    """Top-`budget` trie nodes of lexicographically sorted continuation rows."""
-    k, D = W.shape
-    valid = np.logical_and.accumulate(W != sep, axis=1)
-    ar = np.arange(D)
+def _trie_draft(W: np.ndarray, wt: np.ndarray | None, sep: int, budget: int,
+                match_len: int) -> Draft:
+    """Top-`budget` trie nodes of continuations given as sorted columns of W (depth x k).
+
+    Column i opens a new node at depth d unless it equals column i-1 on rows 0..d; a node's
+    mass is the weight of the columns it spans (unit weights when `wt` is None). Cells after
+    a document's end (the separator) belong to no node.
+    """
+    D, k = W.shape
+    valid = np.logical_and.accumulate(W != sep, axis=0)
     new = valid.copy()
     if k > 1:
-        eq = (W[1:] == W[:-1]) & valid[1:]
-        lcp = np.logical_and.accumulate(eq, axis=1).sum(axis=1)
-        new[1:] &= lcp[:, None] <= ar
-    newT = new.T.ravel()  # column-major: depth by depth, rows in order
-    starts = np.flatnonzero(newT)
+        new[:, 1:] &= np.logical_or.accumulate(W[:, 1:] != W[:, :-1], axis=0)
+    flat = new.ravel()  # depth-major: every parent precedes its children
+    starts = np.flatnonzero(flat)
     if not len(starts):
         return Draft(match_len=match_len)
-    validT = valid.T.ravel()
-    bounds = np.flatnonzero(newT | ~validT)
-    ends = np.append(bounds, D * k)[np.searchsorted(bounds, starts) + 1]
-    cw = np.zeros(D * k + 1, dtype=np.int64)
-    np.cumsum((valid.T * wt).ravel(), out=cw[1:])
-    mass = cw[ends] - cw[starts]
-    nid = np.cumsum(newT) - 1
+    cells = valid.ravel().astype(np.int64) if wt is None else (valid * wt).ravel()
+    # Cells between two starts belong to the first (cells no node spans are empty).
+    mass = np.add.reduceat(cells, starts)
+    root = k if wt is None else int(wt.sum())
     dep = starts // k
-    row = starts - dep * k
-    parent = np.where(dep > 0, nid[np.maximum(starts - k, 0)], -1)
+    nid = np.cumsum(flat) - 1
+    parent = nid[starts - k]
+    parent[dep == 0] = -1
     score = mass * (D + 1) + (D - dep)  # by mass, then shallower first: parents precede
     nn = len(starts)
     if nn > budget:
@@ -514,14 +515,14 @@ def _trie_draft(W: np.ndarray, wt: np.ndarray, sep: int, budget: int, match_len:
         sel = sel[np.argsort(-score[sel], kind="stable")]
     else:
         sel = np.argsort(-score, kind="stable")
-    remap = np.full(nn, -1, dtype=np.int64)
+    remap = np.empty(nn + 1, dtype=np.int64)
     remap[sel] = np.arange(len(sel))
+    remap[-1] = -1  # parent -1 maps to -1
     par = parent[sel]
-    root = int(wt.sum())
-    pmass = np.where(par >= 0, mass[np.maximum(par, 0)], root)
+    pmass = np.append(mass, root)[par]
     return Draft(
-        tokens=W[row[sel], dep[sel]].tolist(),
-        parents=np.where(par >= 0, remap[np.maximum(par, 0)], -1).tolist(),
+        tokens=W.ravel()[starts[sel]].tolist(),
+        parents=remap[par].tolist(),
         probs=(mass[sel] / pmass).tolist(),
         sources=[REST] * len(sel),
         match_len=match_len,

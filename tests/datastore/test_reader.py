@@ -1,0 +1,240 @@
+"""Reader verbs against the brute-force reference: random data, both token widths, shards."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from redraft.datastore import InvalidQuery, Reader
+
+
+def _patterns(rng, docs, n, max_len=6, vocab=5):
+    """Patterns that occur (cut from docs) and random ones (mostly absent)."""
+    out = []
+    for _ in range(n):
+        d = docs[int(rng.integers(len(docs)))]
+        L = int(rng.integers(1, max_len + 1))
+        if len(d) >= L and rng.random() < 0.7:
+            o = int(rng.integers(0, len(d) - L + 1))
+            out.append(d[o:o + L])
+        else:
+            out.append(rng.integers(0, vocab, size=L).tolist())
+    return out
+
+
+@pytest.mark.parametrize("vocab,alphabet", [(5, None), (70000, [0, 1, 65534, 65535, 69999])],
+                         ids=["uint16", "uint32"])
+@pytest.mark.parametrize("shard_tokens", [10_000, 300], ids=["1shard", "shards"])
+def test_verbs_match_brute_force(make_store, helpers, vocab, alphabet, shard_tokens):
+    rng = np.random.default_rng(vocab + shard_tokens)
+    docs = helpers.random_docs(rng, 40, vocab, alphabet=alphabet)
+    path = make_store(docs, vocab=vocab, shard_tokens=shard_tokens)
+    ref = helpers.Ref(docs)
+    with Reader(path) as r:
+        assert r.manifest["token_dtype"] == ("uint16" if vocab < 65536 else "uint32")
+        assert (r.manifest["n_shards"] > 1) == (shard_tokens == 300)
+        assert r.n_tokens == sum(map(len, docs)) and r.n_docs == len(docs)
+        pats = _patterns(rng, docs, 60)
+        if alphabet:
+            pats = [[alphabet[t % len(alphabet)] for t in p] for p in pats]
+        for pat in pats:
+            assert r.count(pat) == ref.count(pat), pat
+            assert r.next_token_counts(pat) == ref.next_counts(pat), pat
+            assert r.find(pat, limit=10**6) == sorted(ref.occurrences(pat)), pat
+            assert r.find(pat, limit=3) == sorted(ref.occurrences(pat))[:3]
+        for _ in range(60):
+            ctx = rng.choice(alphabet or np.arange(vocab), size=int(rng.integers(1, 20))).tolist()
+            for max_len, min_len in [(16, 1), (4, 2), (20, 3)]:
+                assert r.longest_match(ctx, max_len=max_len, min_len=min_len) == ref.longest(
+                    ctx, max_len, min_len), (ctx, max_len, min_len)
+
+
+def test_matches_never_cross_documents(make_store):
+    docs = [[1, 2, 3], [4, 5, 6], [3, 4]]
+    with Reader(make_store(docs)) as r:
+        assert r.count([3, 4]) == 1  # only inside doc 2, not across doc 0 -> doc 1
+        assert r.count([2, 3, 4]) == 0
+        assert r.find([3, 4]) == [(2, 0)]
+        assert r.next_token_counts([3]) == {4: 1}  # doc 0's final 3 is followed by nothing
+        assert r.longest_match([1, 2, 3, 4, 5]) == 2  # [4, 5] in doc 1; [3, 4, 5] nowhere
+        d = r.propose([7, 1, 2, 3], budget=10, min_support=1)
+        assert d.match_len == 3 and len(d) == 0  # doc 0 ends after [1, 2, 3]: nothing follows
+
+
+def _compare_tree(helpers, d, L, want, budget):
+    d.validate()
+    assert d.match_len == L
+    assert set(d.sources) <= {"rest"}
+    got = helpers.draft_paths(d)
+    assert len(d) == min(budget, len(want))
+    for path, p in got.items():
+        assert path in want, path
+        assert p == pytest.approx(want[path], rel=1e-9, abs=1e-12), path
+    # the chosen nodes are the best ones: their scores are the top of the reference's
+    top = sorted(want.values(), reverse=True)[:len(d)]
+    assert sorted(got.values(), reverse=True) == pytest.approx(top, rel=1e-9, abs=1e-12)
+    # best first: path probabilities never increase along the output order
+    pp = d.path_probs()
+    assert all(a >= b - 1e-12 for a, b in zip(pp, pp[1:]))
+
+
+@pytest.mark.parametrize("shard_tokens", [10_000, 250])
+def test_propose_matches_brute_force(make_store, helpers, shard_tokens):
+    rng = np.random.default_rng(7)
+    docs = helpers.random_docs(rng, 30, 4, max_len=50)
+    path = make_store(docs, vocab=4, shard_tokens=shard_tokens)
+    with Reader(path) as r:
+        shard_docs = [list(range(s["first_doc"], s["first_doc"] + s["n_docs"]))
+                      for s in r.manifest["shards"]]
+        ref = helpers.Ref(docs, shard_docs=shard_docs, sep=r.separator)
+        checked = 0
+        for _ in range(40):
+            ctx = rng.integers(0, 4, size=int(rng.integers(2, 12))).tolist()
+            for kw in [dict(max_occurrences=10**6, min_support=1),
+                       dict(max_occurrences=7, min_support=1),
+                       dict(max_occurrences=10**6, min_support=50, max_depth=5)]:
+                if len(r.manifest["shards"]) > 1 and kw["max_occurrences"] == 7:
+                    continue  # cross-shard sampling order is covered in the 1-shard case
+                L, want = ref.propose_masses(ctx, **kw)
+                for budget in (1000, 9):
+                    d = r.propose(ctx, budget=budget, **kw)
+                    _compare_tree(helpers, d, L, want, budget)
+                checked += bool(want)
+        assert checked > 20
+
+
+def test_sampling_spreads_over_the_whole_range(make_store):
+    """With more occurrences than max_occurrences, the sample covers all continuations."""
+    docs = [[7, t] for t in range(7)] * 20  # [7, t] for t = 0..6, 140 docs
+    with Reader(make_store(docs)) as r:
+        d = r.propose([7], budget=64, max_occurrences=7, min_match_len=1, min_support=1)
+        # the first 7 suffixes in SA order would all continue with 0; an even spread sees all
+        assert sorted(d.tokens) == list(range(7))
+        assert d.probs == pytest.approx([1 / 7] * 7)
+
+
+def test_backoff_when_support_is_low(make_store):
+    docs = [[1, 2, 3, 4], [9, 2, 3, 5], [8, 2, 3, 5], [7, 2, 3, 5]]
+    with Reader(make_store(docs, vocab=10)) as r:
+        only_long = r.propose([1, 2, 3], min_support=1)
+        assert only_long.match_len == 3 and only_long.tokens == [4]
+        mixed = r.propose([1, 2, 3], min_support=4)
+        assert mixed.match_len == 3
+        paths = dict(zip(mixed.tokens, mixed.probs))
+        # long match (n=1) gets 1/2; [2, 3] (4 occurrences: 4,5,5,5) shares the other half
+        assert paths[4] == pytest.approx(0.5 + 0.5 * 0.25)
+        assert paths[5] == pytest.approx(0.5 * 0.75)
+
+
+def test_corpus_filters_and_unknown_corpora(make_store, helpers, tmp_path):
+    from redraft.datastore import append_corpus
+
+    rng = np.random.default_rng(3)
+    a = helpers.random_docs(rng, 15, 4)
+    b = helpers.random_docs(rng, 15, 4)
+    path = make_store(a, vocab=4, corpus="a")
+    append_corpus(None, path, documents=b, fingerprint="test-vocab-4", corpus="b")
+    ref = helpers.Ref(a + b, corpus_of=["a"] * 15 + ["b"] * 15)
+    with Reader(path) as r:
+        assert r.corpora == {"a": {"n_docs": 15, "n_tokens": sum(map(len, a))},
+                             "b": {"n_docs": 15, "n_tokens": sum(map(len, b))}}
+        for pat in _patterns(rng, a + b, 40, max_len=4, vocab=4):
+            for corp in (None, ["a"], ["b"], "b", ["a", "b"]):
+                c = [corp] if isinstance(corp, str) else corp
+                assert r.count(pat, corpora=corp) == ref.count(pat, c)
+                assert r.find(pat, corpora=corp) == sorted(ref.occurrences(pat, c))[:100]
+                assert r.next_token_counts(pat, corpora=corp) == ref.next_counts(pat, c)
+                assert r.longest_match(pat, corpora=corp) == ref.longest(pat, 16, 1, c)
+                L, want = ref.propose_masses(pat, min_match_len=1, min_support=1,
+                                             max_occurrences=10**6, corpora=c)
+                d = r.propose(pat, budget=10**4, min_match_len=1, min_support=1,
+                              max_occurrences=10**6, corpora=corp)
+                _compare_tree(helpers, d, L, want, 10**4)
+        with pytest.raises(InvalidQuery, match="unknown corpora"):
+            r.count([1], corpora=["nope"])
+        with pytest.raises(InvalidQuery, match="unknown corpora"):
+            r.propose([1, 2], corpora="nope")
+
+
+def test_deleted_documents_are_invisible_to_every_verb(make_store, helpers):
+    from redraft.datastore import delete_documents
+
+    rng = np.random.default_rng(11)
+    docs = helpers.random_docs(rng, 40, 4)
+    path = make_store(docs, vocab=4, shard_tokens=400)
+    gone = [0, 3, 4, 17, 39]
+    m = delete_documents(path, gone)
+    assert m["n_deleted"] == 5 and m["n_docs"] == 35
+    assert m["n_tokens"] == sum(len(d) for i, d in enumerate(docs) if i not in gone)
+    ref = helpers.Ref(docs, deleted=gone)
+    with Reader(path) as r:
+        assert r.n_docs == 35
+        for pat in _patterns(rng, docs, 60, max_len=5, vocab=4):
+            assert r.count(pat) == ref.count(pat)
+            assert r.find(pat, limit=10**6) == sorted(ref.occurrences(pat))
+            assert r.next_token_counts(pat) == ref.next_counts(pat)
+            assert r.longest_match(pat) == ref.longest(pat)
+            L, want = ref.propose_masses(pat, min_match_len=1, min_support=1,
+                                         max_occurrences=10**6)
+            d = r.propose(pat, budget=10**4, min_match_len=1, min_support=1,
+                          max_occurrences=10**6)
+            _compare_tree(helpers, d, L, want, 10**4)
+        # a pattern unique to a deleted document is gone everywhere
+        only = docs[3] + [3, 3, 3, 2, 1]
+        assert r.count(docs[3]) == ref.count(docs[3])
+        assert all(doc != 3 for doc, _ in r.find(docs[3]))
+        assert r.longest_match(only) == ref.longest(only)
+
+
+def test_delete_validates_ids(make_store):
+    from redraft.datastore import delete_documents
+
+    path = make_store([[1, 2], [2, 3]])
+    with pytest.raises(InvalidQuery, match="out of range"):
+        delete_documents(path, [2])
+    delete_documents(path, [1])
+    delete_documents(path, [1])  # idempotent
+    with Reader(path) as r:
+        assert r.n_docs == 1 and r.count([2]) == 1
+
+
+def test_bad_queries_raise_invalid_query(make_store):
+    with Reader(make_store([[1, 2, 3]], vocab=8)) as r:
+        for bad in ([1, 8], [-1, 2], [1.5, 2.0], [[1, 2]], ["a"], [2**70]):
+            with pytest.raises(InvalidQuery):
+                r.propose(bad)
+            with pytest.raises(InvalidQuery):
+                r.count(bad)
+        with pytest.raises(InvalidQuery, match="outside the vocabulary"):
+            r.longest_match([0, 99])
+        with pytest.raises(InvalidQuery, match="empty"):
+            r.count([])
+        with pytest.raises(InvalidQuery):
+            r.propose([1, 2], min_match_len=3, max_match_len=2)
+        with pytest.raises(InvalidQuery):
+            r.propose([1, 2], max_depth=0)
+        assert r.propose([]).tokens == []
+        assert r.propose([1, 2], budget=0).tokens == []
+        assert r.propose(np.array([1, 2], dtype=np.uint32), min_support=1).tokens == [3]
+
+
+def test_concurrent_threads_get_the_serial_answers(make_store, helpers):
+    rng = np.random.default_rng(5)
+    docs = helpers.random_docs(rng, 200, 6, max_len=200)
+    ctxs = [rng.integers(0, 6, size=12).tolist() for _ in range(300)]
+    with Reader(make_store(docs, vocab=6, shard_tokens=5000)) as r:
+        serial = [r.propose(c, budget=32) for c in ctxs]
+        with ThreadPoolExecutor(8) as ex:
+            parallel = list(ex.map(lambda c: r.propose(c, budget=32), ctxs * 3))
+    assert parallel == serial * 3
+
+
+def test_closed_reader_refuses_queries(make_store):
+    from redraft.datastore import DatastoreError
+
+    r = Reader(make_store([[1, 2]]))
+    r.close()
+    r.close()
+    with pytest.raises(DatastoreError, match="closed"):
+        r.count([1])
