@@ -159,8 +159,14 @@ class DraftClient:
         timeout: float = 5.0,
         max_message_bytes: int = 16 << 20,
         reconnect: bool = True,
+        own_connection: bool = False,
     ) -> None:
-        """`tls`: False (plaintext), True (system roots) or a CA/cert PEM file path."""
+        """`tls`: False (plaintext), True (system roots) or a CA/cert PEM file path.
+
+        gRPC shares one connection among a process's channels to the same address;
+        `own_connection=True` gives this client its own (so a multi-worker server can spread
+        clients over its processes).
+        """
         self.address = address
         self.timeout = float(timeout)
         self.reconnect = reconnect
@@ -172,6 +178,8 @@ class DraftClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
+        if own_connection:
+            options.append(("grpc.use_local_subchannel_pool", 1))
         if tls:
             roots = None
             if isinstance(tls, str):

@@ -1,0 +1,223 @@
+"""The client as the decoder uses it: typed errors, deadlines, reconnect, and `redraft serve`
+as a real subprocess (SIGTERM, several workers, `redraft stats --server`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redraft.datastore import Reader, build_datastore
+from redraft.datastore.client import (
+    DraftClient,
+    DraftParams,
+    DraftTimeout,
+    InvalidRequest,
+    ServiceUnavailable,
+)
+from redraft.datastore.merge import merge_drafts
+from redraft.datastore.pld import prompt_lookup
+from redraft.datastore.service import ServerThread
+from redraft.decoder.cli import main as redraft_main
+
+FP = "sha256:client-test"
+VOCAB = 300
+RNG = random.Random(5)
+PHRASES = [[RNG.randrange(1, VOCAB) for _ in range(8)] for _ in range(6)]
+DOCS = [sum((RNG.choice(PHRASES) for _ in range(15)), []) for _ in range(20)]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("client") / "ds")
+    build_datastore(None, path, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reader(store):
+    with Reader(store) as r:
+        yield r
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_parameters_fail_before_the_network():
+    c = DraftClient(f"127.0.0.1:{free_port()}", timeout=1)
+    with pytest.raises(InvalidRequest, match="budget"):
+        c.propose([1], DraftParams(budget=-1))
+    with pytest.raises(InvalidRequest, match="sources"):
+        c.propose([1], DraftParams(sources=["medusa"]))
+    with pytest.raises(InvalidRequest, match="token ids"):
+        c.session([1, -2], None, FP)
+    c.close()
+
+
+def test_unreachable_server_is_a_typed_error_quickly():
+    with DraftClient(f"127.0.0.1:{free_port()}", timeout=3) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ServiceUnavailable):
+            c.info()
+        with pytest.raises(ServiceUnavailable):
+            c.session([1, 2], None, FP).__enter__()
+        assert time.monotonic() - t0 < 3
+
+
+def test_session_reopens_after_a_server_restart(reader):
+    port = free_port()
+    prompt, more = DOCS[0][:30], DOCS[0][30:34]
+    with DraftClient(f"127.0.0.1:{port}", timeout=3) as c:
+        with ServerThread(reader, port=port):
+            s = c.session(prompt, DraftParams(budget=16), FP).__enter__()
+            s.step(DOCS[0][30:32])
+        # server A is gone; B takes the same port with the same datastore
+        with ServerThread(reader, port=port) as b:
+            d = s.step(DOCS[0][32:34])
+            assert s.reconnects == 1
+            ctx = prompt + more
+            want = merge_drafts([reader.propose(ctx, budget=16), prompt_lookup(ctx, 16)], 16)
+            assert d.tokens == want.tokens and d.parents == want.parents
+            assert s.context_len == len(ctx)
+            assert len(s.step(DOCS[0][34:35])) > 0
+            assert b.stats.get("sessions_opened") == 1
+            s.close()
+        with pytest.raises(ServiceUnavailable):  # nobody there any more
+            s2 = c.session(prompt, None, FP)
+            s2.__enter__()
+
+
+def test_session_without_reconnect_reports_shutdown(reader):
+    with ServerThread(reader) as srv:
+        c = DraftClient(srv.address, reconnect=False)
+        s = c.session(DOCS[1][:10], None, FP).__enter__()
+        srv.stop(grace=1)
+        with pytest.raises(ServiceUnavailable, match="shutting down"):
+            s.step([1])
+        c.close()
+
+
+def start_serve(store: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
+    """`redraft serve` as a subprocess; returns it once every worker announced its port."""
+    workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines = []
+    while len(lines) < workers:
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError(f"serve died: {proc.stderr.read()}")
+        if "listening on" in line:
+            lines.append(line.split("listening on ")[1].strip())
+    return proc, lines
+
+
+def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, capsys):
+    proc, (address,) = start_serve(store, "--port", "0", "--grace", "3")
+    try:
+        with DraftClient(address, timeout=0.5) as c:
+            s = c.session(DOCS[2][:20], DraftParams(budget=8), FP).__enter__()
+            s.step(DOCS[2][20:22])
+            # a frozen server: the step's deadline fires, no hang
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(DraftTimeout):
+                    s.step(DOCS[2][22:23])
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert time.monotonic() - t0 < 2.0
+            assert redraft_main(["stats", "--server", address]) == 0
+            printed = json.loads(capsys.readouterr().out)
+            assert printed["sessions_opened"] == 1 and printed["requests"] >= 2
+
+            # steps keep flowing while SIGTERM arrives: each one is answered or refused as
+            # UNAVAILABLE, never anything else, and the server exits 0
+            outcomes: list[str] = []
+            done = threading.Event()
+
+            def stepper() -> None:
+                with c.session(DOCS[3][:20], DraftParams(budget=8), FP) as s2:
+                    i = 20
+                    while not done.is_set() and i < 10_000:
+                        try:
+                            s2.step([DOCS[3][i % len(DOCS[3])]])
+                            outcomes.append("ok")
+                        except ServiceUnavailable:
+                            outcomes.append("unavailable")
+                            return
+                        i += 1
+
+            t = threading.Thread(target=stepper)
+            t.start()
+            while len(outcomes) < 20 and t.is_alive():
+                time.sleep(0.01)
+            with grpc.insecure_channel(address) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=2)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0
+            done.set()
+            t.join(10)
+            assert outcomes.count("ok") >= 20 and set(outcomes) <= {"ok", "unavailable"}
+            assert "stopped" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_workers_share_a_port_and_counters(store):
+    port = free_port()
+    proc, addresses = start_serve(store, "--port", str(port), "--workers", "2")
+    try:
+        assert addresses == [f"127.0.0.1:{port}"] * 2
+        # each client is one connection; the kernel spreads connections over the workers
+        clients: list[DraftClient] = []
+        sessions = []
+        pids: set[int] = set()
+        while len(pids) < 2 and len(clients) < 40:
+            c = DraftClient(addresses[0], own_connection=True)
+            clients.append(c)
+            sessions.append(c.session(DOCS[len(clients) % 20][:20], None, FP).__enter__())
+            sessions[-1].step([1])
+            pids.add(c.stats()["pid"])
+        assert len(pids) == 2  # both workers serve, and count into the same totals:
+        assert all(c.stats()["sessions_active"] == len(clients) for c in clients)
+        for c in clients:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
+    assert redraft_main(["serve", "--datastore", str(tmp_path / "none")]) == 2
+    assert "error" in capsys.readouterr().err
+    assert redraft_main(["serve", "--datastore", store, "--max-budget", "0"]) == 2
+    assert "--max-budget must be positive" in capsys.readouterr().err
+    assert redraft_main(["serve", "--datastore", store, "--tls-cert", "x.pem"]) == 2
+    assert redraft_main(["serve", "--datastore", store, "--workers", "2", "--port", "0"]) == 2
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    assert redraft_main(["serve", "--datastore", store, "--token-file", str(empty)]) == 2
+    assert "empty" in capsys.readouterr().err
