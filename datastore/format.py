@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 import zlib
 
@@ -123,8 +124,47 @@ def open_env(file: str, *, write: bool = False, map_size: int | None = None) -> 
                      map_size=max(size, 1 << 20), max_dbs=0, readahead=False)
 
 
-def open_checked(path: str | os.PathLike) -> tuple[str, lmdb.Environment]:
-    """Open a datastore file and check what can be checked in O(1): file, size, magic."""
+# LMDB refuses to open one file twice in a process, yet several Readers (a service and a
+# writer checking the manifest, say) may want the same file: they share one environment,
+# each with its own read transaction. Keyed by pid too: an environment never crosses fork().
+_ENVS: dict[tuple, list] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _file_id(file: str) -> tuple:
+    st = os.stat(file)
+    return (os.getpid(), st.st_dev, st.st_ino)
+
+
+def acquire_env(file: str) -> tuple[tuple, lmdb.Environment]:
+    """A shared read-only environment of `file` and the key to release it with."""
+    with _ENVS_LOCK:
+        for _ in range(3):
+            key = _file_id(file)
+            if key in _ENVS:
+                _ENVS[key][1] += 1
+                return key, _ENVS[key][0]
+            env = open_env(file)
+            if _file_id(file) == key:  # not replaced while we opened it
+                _ENVS[key] = [env, 1]
+                return key, env
+            env.close()
+        raise lmdb.Error(f"{file} keeps being replaced")
+
+
+def release_env(key: tuple) -> None:
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _ENVS[key]
+            entry[0].close()
+
+
+def open_checked(path: str | os.PathLike) -> tuple[str, tuple, lmdb.Environment]:
+    """Open a datastore file and check what O(1) allows: file, LMDB header, size."""
     p = os.fspath(path)
     if not os.path.exists(p):
         raise DatastoreNotFound(f"{p}: no such datastore")
@@ -132,19 +172,19 @@ def open_checked(path: str | os.PathLike) -> tuple[str, lmdb.Environment]:
     if not os.path.isfile(file):
         raise DatastoreNotFound(f"{p}: no datastore here (missing {DATA_FILE})")
     try:
-        env = open_env(file)
-    except lmdb.Error as exc:
+        key, env = acquire_env(file)
+    except (lmdb.Error, OSError) as exc:
         raise DatastoreCorrupt(f"{file}: not a readable datastore file ({exc})") from exc
     try:
         # A truncated file would fault (SIGBUS) on first touch of a missing page: refuse it.
         need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        if os.path.getsize(file) < need:
-            raise DatastoreCorrupt(
-                f"{file}: truncated ({os.path.getsize(file)} bytes, the index needs {need})")
+        size = os.path.getsize(file)
+        if size < need:
+            raise DatastoreCorrupt(f"{file}: truncated ({size} bytes, the index needs {need})")
     except BaseException:
-        env.close()
+        release_env(key)
         raise
-    return file, env
+    return file, key, env
 
 
 def read_manifest(txn: lmdb.Transaction, file: str) -> dict:

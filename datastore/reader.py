@@ -114,7 +114,7 @@ class Reader:
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
         self.path = os.fspath(path)
-        self.file, self._env = fmt.open_checked(path)
+        self.file, self._env_key, self._env = fmt.open_checked(path)
         self._closed = False
         try:
             self._txn = self._env.begin(buffers=True)
@@ -201,7 +201,7 @@ class Reader:
         txn = getattr(self, "_txn", None)
         if txn is not None:
             txn.abort()
-        self._env.close()
+        fmt.release_env(self._env_key)
 
     def __enter__(self) -> Reader:
         return self
