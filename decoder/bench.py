@@ -1,0 +1,319 @@
+"""`redraft bench`: Spec-Bench, side by side with Hugging Face's own generate.
+
+Every method runs in one process, interleaved per question (the order rotates from question
+to question), so machine noise hits all methods alike. Speed-ups are ratios to `hf-greedy`
+measured in the same run. Multi-turn questions run turn by turn through the chat template,
+each method continuing its own conversation, as Spec-Bench does.
+
+Each turn's tokens are compared with `hf-greedy`'s. Where they differ, the target's top-two
+logit gap at the first differing position is reported: a tree forward and a one-token
+forward round differently in the last bits, so a tiny gap is a numerical near-tie and
+anything larger is a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from redraft.datastore.errors import RedraftError
+
+MT_BENCH = {
+    "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+}
+CATEGORY_NAMES = {
+    "translation": "translation",
+    "summarization": "summarization",
+    "qa": "question answering",
+    "math_reasoning": "mathematical reasoning",
+    "rag": "retrieval-augmented generation",
+}
+MULTI_TURN = "multi-turn conversation"
+CATEGORIES = [MULTI_TURN, *CATEGORY_NAMES.values()]
+NEAR_TIE = 1e-3  # logit gap under which a difference is a rounding near-tie, not a bug
+
+
+class BenchError(RedraftError):
+    """Bad benchmark input: missing question file, unknown method, bad counts."""
+
+
+@dataclass
+class Question:
+    question_id: int
+    category: str  # one of CATEGORIES
+    turns: list[str]
+
+
+@dataclass
+class TurnResult:
+    tokens: list[int]
+    text: str
+    steps: int  # target forwards after prefill
+    seconds: float  # wall clock of the whole call, prefill included, for every method alike
+
+
+@dataclass
+class Record:
+    question_id: int
+    category: str
+    method: str
+    turn: int
+    new_tokens: int
+    steps: int
+    seconds: float
+    identical: bool | None = None  # to hf-greedy's tokens for the same turn
+    first_diff: int | None = None
+    logit_gap: float | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+def load_questions(path: str | Path, per_category: int | None) -> list[Question]:
+    """Spec-Bench questions grouped into its six categories; `per_category` spread evenly."""
+    path = Path(path)
+    if not path.is_file():
+        raise BenchError(f"question file not found: {path}")
+    grouped: dict[str, list[Question]] = defaultdict(list)
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                cat = rec["category"]
+                q = Question(int(rec["question_id"]), MULTI_TURN if cat in MT_BENCH
+                             else CATEGORY_NAMES.get(cat, cat), [str(t) for t in rec["turns"]])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BenchError(f"{path}:{n}: not a Spec-Bench question ({exc})") from None
+            grouped[q.category].append(q)
+    if not grouped:
+        raise BenchError(f"{path}: no questions")
+    out: list[Question] = []
+    for cat in [*CATEGORIES, *sorted(set(grouped) - set(CATEGORIES))]:
+        qs = grouped.get(cat, [])
+        if per_category and len(qs) > per_category:
+            # Evenly spaced, so the 8 MT-Bench sub-categories all appear in "multi-turn".
+            qs = [qs[i * len(qs) // per_category] for i in range(per_category)]
+        out.extend(qs)
+    return out
+
+
+# -- methods ---------------------------------------------------------------------------------
+
+
+class Method:
+    """One way of generating a turn's answer from chat messages."""
+
+    name = "method"
+
+    def run(self, messages: list[dict], max_new_tokens: int) -> TurnResult:
+        raise NotImplementedError
+
+
+class HFMethod(Method):
+    """Hugging Face's own `generate`: greedy, or greedy with its prompt lookup."""
+
+    def __init__(self, name: str, model, tokenizer, prompt_lookup_num_tokens: int | None = None):
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kwargs = {}
+        if prompt_lookup_num_tokens:
+            self.kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
+        self._forwards = 0
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_args) -> None:
+        self._forwards += 1
+
+    def run(self, messages: list[dict], max_new_tokens: int) -> TurnResult:
+        ids = chat_ids(self.tokenizer, messages)
+        input_ids = torch.tensor([ids], device=self.model.device)
+        eos = self.model.generation_config.eos_token_id
+        self._forwards = 0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                max_new_tokens=max_new_tokens, eos_token_id=eos,
+                pad_token_id=self.tokenizer.pad_token_id or eos, **self.kwargs,
+            )
+        seconds = time.perf_counter() - t0
+        tokens = out[0, len(ids):].tolist()
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return TurnResult(tokens, text, max(self._forwards - 1, 0), seconds)
+
+
+class RedraftMethod(Method):
+    """redraft's Generator with one drafter configuration (None = plain decoding)."""
+
+    def __init__(self, name: str, generator) -> None:
+        self.name = name
+        self.generator = generator
+
+    def run(self, messages: list[dict], max_new_tokens: int) -> TurnResult:
+        t0 = time.perf_counter()
+        res = self.generator.generate(messages, max_new_tokens=max_new_tokens)
+        seconds = time.perf_counter() - t0
+        return TurnResult(res.tokens, res.text, res.stats.steps, seconds)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+def top2_gap(model, ids: Sequence[int]) -> float:
+    """The target's top-two logit gap for the token after `ids` (a plain forward)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)], device=model.device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def compare(
+    model, prompt: list[int], ref: list[int], got: list[int]
+) -> tuple[bool, int | None, float | None]:
+    """(identical, first differing position, top-two logit gap there)."""
+    if got == ref:
+        return True, None, None
+    pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    gap = top2_gap(model, prompt + ref[:pos]) if pos < len(ref) else None
+    return False, pos, gap
+
+
+def run_bench(
+    questions: Sequence[Question],
+    methods: Sequence[Method],
+    model,
+    tokenizer,
+    max_new_tokens: int,
+    progress: Callable[[int], None] | None = None,
+) -> list[Record]:
+    """Run every method on every question, interleaved per question; hf-greedy is the reference."""
+    names = [m.name for m in methods]
+    if "hf-greedy" not in names:
+        raise BenchError("the methods must include hf-greedy, the reference every ratio divides by")
+    records: list[Record] = []
+    for qi, q in enumerate(questions):
+        order = list(methods[qi % len(methods):]) + list(methods[: qi % len(methods)])
+        turns: dict[str, list[tuple[list[int], TurnResult]]] = {}
+        for method in order:
+            messages: list[dict] = []
+            done = []
+            for turn in q.turns:
+                messages.append({"role": "user", "content": turn})
+                prompt = chat_ids(tokenizer, messages)
+                result = method.run(list(messages), max_new_tokens)
+                done.append((prompt, result))
+                messages.append({"role": "assistant", "content": result.text})
+            turns[method.name] = done
+            if progress:
+                progress(1)
+        reference = turns["hf-greedy"]
+        for method in methods:
+            for t, (prompt, res) in enumerate(turns[method.name]):
+                ref_prompt, ref = reference[t]
+                same_prompt = prompt == ref_prompt
+                # A conversation whose earlier turn differed has a different prompt here.
+                identical, pos, gap = (
+                    compare(model, prompt, ref.tokens, res.tokens)
+                    if same_prompt else (False, 0, None)
+                )
+                records.append(Record(q.question_id, q.category, method.name, t,
+                                      len(res.tokens), res.steps, res.seconds,
+                                      identical, pos, gap, res.tokens))
+    return records
+
+
+def summarize(records: Sequence[Record]) -> dict:
+    """Per method × category (and overall): tokens/forward, tokens/s, speed-up, identity."""
+    by: dict[tuple[str, str], list[Record]] = defaultdict(list)
+    for r in records:
+        by[(r.method, r.category)].append(r)
+        by[(r.method, "overall")].append(r)
+    base = {cat: _tps(rs) for (m, cat), rs in by.items() if m == "hf-greedy"}
+    rows = []
+    for (method, cat), rs in sorted(by.items()):
+        tps = _tps(rs)
+        diffs = [r for r in rs if r.identical is False]
+        rows.append({
+            "method": method, "category": cat, "turns": len(rs),
+            "tokens_per_forward": round(
+                sum(r.new_tokens for r in rs) / max(1, sum(r.steps for r in rs)), 3
+            ),
+            "tokens_per_second": round(tps, 2),
+            "speedup": round(tps / base[cat], 3) if base.get(cat) else None,
+            "identical": f"{len(rs) - len(diffs)}/{len(rs)}",
+            "max_gap_at_diff": max((r.logit_gap or 0.0 for r in diffs), default=None),
+            "median_seconds_per_turn": round(statistics.median(r.seconds for r in rs), 3),
+        })
+    return {"rows": rows}
+
+
+def _tps(rs: Sequence[Record]) -> float:
+    secs = sum(r.seconds for r in rs)
+    return sum(r.new_tokens for r in rs) / secs if secs else 0.0
+
+
+def markdown_table(summary: dict, methods: Sequence[str]) -> str:
+    lines = [
+        "| category | method | tokens/forward | tokens/s | speed-up vs hf-greedy | identical |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    cats = [c for c in [*CATEGORIES, "overall"] if any(r["category"] == c for r in summary["rows"])]
+    index = {(r["method"], r["category"]): r for r in summary["rows"]}
+    for cat in cats:
+        for m in methods:
+            r = index.get((m, cat))
+            if r:
+                sp = f"{r['speedup']:.2f}×" if r["speedup"] is not None else "–"
+                lines.append(f"| {cat} | {m} | {r['tokens_per_forward']:.2f} | "
+                             f"{r['tokens_per_second']:.1f} | {sp} | {r['identical']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = [c for c in [*CATEGORIES, "overall"] if any(r["category"] == c for r in summary["rows"])]
+    index = {(r["method"], r["category"]): r for r in summary["rows"]}
+    shown = [m for m in methods if m != "hf-greedy"]
+    width = 0.8 / max(1, len(shown))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cats)), 4.5))
+    for i, m in enumerate(shown):
+        values = [(index.get((m, c)) or {}).get("speedup") or 0.0 for c in cats]
+        ax.bar([x + i * width for x in range(len(cats))], values, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(shown) - 1) / 2 for x in range(len(cats))])
+    ax.set_xticklabels(cats, rotation=20, ha="right")
+    ax.set_ylabel("speed-up over hf-greedy")
+    ax.set_title("Spec-Bench speed-up per category")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, records: Sequence[Record], summary: dict, methods: Sequence[str],
+                  meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "records.jsonl").open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    (out / "summary.json").write_text(json.dumps({**meta, **summary}, indent=2) + "\n")
+    (out / "summary.md").write_text(markdown_table(summary, methods))
+    plot(summary, methods, out / "speedup.png")
