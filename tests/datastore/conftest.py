@@ -105,7 +105,9 @@ class Ref:
         lam = n1 / (n1 + 1.0) if len(levels) > 1 else 1.0
         rows, weights = [], []
         for n, lv in enumerate(levels):
-            occ = self.sa_order(ctx[len(ctx) - lv:], corpora)
+            occ = self.occurrences(ctx[len(ctx) - lv:], corpora)
+            if len(occ) > max_occurrences:  # which ones are sampled depends on SA order
+                occ = self.sa_order(ctx[len(ctx) - lv:], corpora)
             k = min(len(occ), max_occurrences)
             picks = [occ[(i * len(occ)) // k] for i in range(k)]
             share = lam if n == 0 else 1.0 - lam
