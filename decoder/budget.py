@@ -1,0 +1,226 @@
+"""Sizing each step's tree to the hardware.
+
+A tree forward of N tokens costs cost(N) seconds; a tree whose nodes have path probabilities
+p_i yields 1 + sum(p_i) tokens in expectation. Each step keeps the k best nodes that
+maximise (1 + sum of their p_i) / cost(k + 1). On a CPU cost grows quickly with N (the
+DESIGN notes 64 tokens at ~3x one), on a GPU it is nearly flat up to ~64, so the same
+rule drafts little on one and a lot on the other. The cost curve is measured once per
+(model, device, dtype, threads) and cached on disk.
+
+The drafters' probabilities are estimates. `Calibrator` corrects them online from what the
+target actually accepted (per source, binned by the predicted probability), so a drafter
+whose guesses never hit is soon given a budget of zero: with nothing accepted, decoding
+costs no more than plain decoding plus the drafter's own (small) lookup time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from redraft.decoder.acceptance import Acceptance
+from redraft.decoder.tree import Tree
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cache_dir() -> Path:
+    """Where measured cost curves live (REDRAFT_CACHE overrides, as for tokenizers)."""
+    root = os.environ.get("REDRAFT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "redraft"
+    )
+    return Path(root) / "costs"
+
+
+@dataclass
+class CostModel:
+    """Forward time as a function of the number of tokens fed (root + tree nodes)."""
+
+    sizes: list[int]
+    seconds: list[float]
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        # Timings are noisy; a cost curve that goes down with more tokens is noise, not fact.
+        running = 0.0
+        fixed = []
+        for s in self.seconds:
+            running = max(running, s)
+            fixed.append(running)
+        self.seconds = fixed
+
+    def cost(self, n: int) -> float:
+        """Seconds for a forward of n tokens, interpolated (linearly extrapolated past the end)."""
+        xs, ys = self.sizes, self.seconds
+        if n <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if n <= xs[i]:
+                t = (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + slope * (n - xs[-1])
+
+    def relative(self, n: int) -> float:
+        return self.cost(n) / self.cost(1)
+
+    @property
+    def max_nodes(self) -> int:
+        """Largest tree the curve covers (tree nodes, the root excluded)."""
+        return self.sizes[-1] - 1
+
+    def select(self, tree: Tree, max_nodes: int | None = None) -> list[int]:
+        """Indices of the best-node prefix that maximises expected tokens per second."""
+        if not len(tree):
+            return []
+        limit = min(len(tree), self.max_nodes if max_nodes is None else max_nodes)
+        order = tree.best_nodes()[:limit]
+        pp = tree.path_probs()
+        best_k, best_rate, expected = 0, 1.0 / self.cost(1), 0.0
+        for k, node in enumerate(order, start=1):
+            expected += pp[node]
+            rate = (1.0 + expected) / self.cost(k + 1)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return sorted(order[:best_k])
+
+    def choose(self, tree: Tree, max_nodes: int | None = None) -> Tree:
+        """The sub-tree `select` picks."""
+        keep = self.select(tree, max_nodes)
+        return tree if len(keep) == len(tree) else tree.subset(keep)
+
+    # -- measuring and caching -------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {"sizes": self.sizes, "seconds": self.seconds, "device": self.device}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        return cls([int(s) for s in data["sizes"]], [float(s) for s in data["seconds"]],
+                   str(data.get("device", "cpu")))
+
+    @classmethod
+    def measure(
+        cls, model, sizes: Sequence[int] = DEFAULT_SIZES, prefix: int = 128, rounds: int = 5
+    ) -> CostModel:
+        """Time one forward of n tokens over a cached prefix, for each n.
+
+        Sizes are interleaved round by round and the minimum is kept: on a shared machine
+        noise only ever adds time, so the fastest of a few runs is the best estimate of the
+        intrinsic cost, and interleaving keeps a busy spell from skewing one size.
+        """
+        from redraft.decoder.verify import TreeVerifier
+
+        verifier = TreeVerifier(model)
+        vocab = int(model.config.vocab_size)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).tolist()
+        verifier.prefill(ids[:prefix])
+        sync = torch.cuda.synchronize if verifier.device.type == "cuda" else (lambda: None)
+        best = {n: float("inf") for n in sizes}
+        for rnd in range(rounds + 1):
+            for n in sizes:
+                tree = Tree.chain(ids[prefix + 1 : prefix + n])
+                sync()
+                t0 = time.perf_counter()
+                verifier.tree_forward(ids[prefix], tree)
+                sync()
+                elapsed = time.perf_counter() - t0
+                verifier.commit([])
+                if rnd:  # round 0 warms up allocations and kernels
+                    best[n] = min(best[n], elapsed)
+        return cls(list(sizes), [best[n] for n in sizes], verifier.device.type)
+
+    @classmethod
+    def for_model(cls, model, name: str, directory: Path | None = None) -> CostModel:
+        """The cached curve for this model on this device, measured on first use."""
+        p = next(model.parameters())
+        cfg = model.config
+        key_src = json.dumps(
+            [name, type(model).__name__, getattr(cfg, "num_hidden_layers", None),
+             getattr(cfg, "hidden_size", None), getattr(cfg, "vocab_size", None),
+             str(p.device.type), str(p.dtype), torch.get_num_threads(),
+             torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else ""]
+        )
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+        path = (directory or cache_dir()) / f"{key}.json"
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError):
+            pass
+        curve = cls.measure(model)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(curve.to_json()))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return curve
+
+
+# -- calibration ------------------------------------------------------------------------
+
+
+@dataclass
+class _Bins:
+    """Hit / trial counts per predicted-probability bin, seeded with a weak prior."""
+
+    hits: list[float]
+    trials: list[float]
+
+
+@dataclass
+class Calibrator:
+    """Maps a drafter's predicted acceptance probability to the observed one, per source."""
+
+    bins: int = 10
+    prior_weight: float = 2.0
+    min_prob: float = 0.0
+    _table: dict[str, _Bins] = field(default_factory=dict)
+
+    def _get(self, source: str) -> _Bins:
+        table = self._table.get(source)
+        if table is None:
+            centers = [(i + 0.5) / self.bins for i in range(self.bins)]
+            table = _Bins([c * self.prior_weight for c in centers], [self.prior_weight] * self.bins)
+            self._table[source] = table
+        return table
+
+    def _bin(self, p: float) -> int:
+        return min(self.bins - 1, max(0, int(p * self.bins)))
+
+    def apply(self, tree: Tree) -> Tree:
+        """A copy of the tree whose probs are the calibrated ones."""
+        probs = []
+        for p, src in zip(tree.probs, tree.sources):
+            t = self._get(src)
+            b = self._bin(p)
+            probs.append(t.hits[b] / t.trials[b])
+        return Tree(tree.tokens, tree.parents, probs, tree.sources)
+
+    def observe(self, raw: Tree, verified: Tree, acc: Acceptance) -> None:
+        """Record, for every verified node whose parent was accepted, whether it was accepted.
+
+        `raw` holds the drafter's original probs for the same nodes as `verified`.
+        """
+        accepted = set(acc.nodes)
+        for i, parent in enumerate(verified.parents):
+            if parent >= 0 and parent not in accepted:
+                continue
+            t = self._get(raw.sources[i])
+            b = self._bin(raw.probs[i])
+            t.trials[b] += 1.0
+            if i in accepted:
+                t.hits[b] += 1.0
+
+    def rate(self, source: str) -> float:
+        """Observed acceptance rate over all bins (prior included), for reports."""
+        t = self._get(source)
+        return sum(t.hits) / sum(t.trials)

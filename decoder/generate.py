@@ -1,0 +1,360 @@
+"""The decoding loop and the `Generator` API.
+
+Stages, named as in gpt-fast: `prefill` puts the prompt into the KV cache; every later step
+is `speculative_decode` (draft a tree, verify it in one forward, accept a path + a bonus
+token). `decode_one_token` is the same step with an empty tree, so plain decoding — the
+baseline — runs through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from redraft.datastore.errors import RedraftError
+from redraft.decoder.acceptance import Acceptance, SamplingParams, accept
+from redraft.decoder.budget import Calibrator, CostModel
+from redraft.decoder.drafters import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
+from redraft.decoder.tree import Tree
+from redraft.decoder.verify import TreeVerifier
+
+log = logging.getLogger("redraft.decoder")
+
+
+class GenerationError(RedraftError):
+    """Bad generation input: empty or too-long prompt, max_new_tokens <= 0, bad sampling."""
+
+
+@dataclass
+class GenerationStats:
+    """What one generation cost and how well drafting worked."""
+
+    prompt_tokens: int = 0
+    steps: int = 0  # target forwards after prefill
+    new_tokens: int = 0
+    seconds: float = 0.0  # decoding time, prefill excluded
+    prefill_seconds: float = 0.0
+    drafted: int = 0  # tree nodes verified
+    accepted: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per source
+    drafter_errors: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["tokens_per_step"] = round(self.tokens_per_step, 4)
+        out["tokens_per_second"] = round(self.tokens_per_second, 3)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (the EOS token included when it ended the generation)
+    text: str
+    stats: GenerationStats
+    finish_reason: str  # "length", "eos" or "stop"
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "text": self.text, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+# -- stages --------------------------------------------------------------------------------
+
+
+def prefill(verifier: TreeVerifier, ids: Sequence[int]) -> int:
+    """Cache every prompt token but the last, which becomes the first step's root."""
+    verifier.prefill(list(ids[:-1]))
+    return int(ids[-1])
+
+
+def speculative_decode(
+    verifier: TreeVerifier,
+    root: int,
+    tree: Tree,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> Acceptance:
+    """One target forward over root + tree, acceptance, and cache compaction."""
+    logits = verifier.tree_forward(root, tree)
+    acc = accept(logits, tree, params, generator)
+    verifier.commit(acc.nodes)
+    return acc
+
+
+def decode_one_token(
+    verifier: TreeVerifier, root: int, params: SamplingParams, generator: torch.Generator
+) -> int:
+    """Plain autoregressive decoding: a speculative step with nothing drafted."""
+    return speculative_decode(verifier, root, Tree(), params, generator).bonus
+
+
+# -- the generator ---------------------------------------------------------------------------
+
+
+class TextStream:
+    """Iterates over text pieces as tokens are accepted; `.result` is set when it ends."""
+
+    def __init__(self, steps: Iterator[list[int]], tokenizer) -> None:
+        self._steps = steps
+        self._tokenizer = tokenizer
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokens: list[int] = []
+        shown = ""
+        while True:
+            try:
+                tokens.extend(next(self._steps))
+            except StopIteration as stop:
+                self.result = stop.value
+                break
+            text = self._tokenizer.decode(tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue  # a multi-byte character is split across tokens: wait for the rest
+            if text.startswith(shown) and len(text) > len(shown):
+                yield text[len(shown) :]
+                shown = text
+        final = self.result.text
+        if final.startswith(shown) and len(final) > len(shown):
+            yield final[len(shown) :]
+
+
+class Generator:
+    """A target model + tokenizer + drafter, with lossless `generate` and `stream`.
+
+    `drafter=None` is plain decoding through the same loop. The cost curve for tree sizes is
+    measured on first use (and cached on disk) unless one is given.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        drafter: Drafter | Sequence[Drafter] | None = None,
+        *,
+        model_name: str = "model",
+        cost: CostModel | None = None,
+        max_nodes: int | None = None,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        if isinstance(drafter, Sequence) and not isinstance(drafter, Drafter):
+            drafter = (
+                None if not drafter else drafter[0] if len(drafter) == 1 else MergedDrafter(drafter)
+            )
+        self.drafter: Drafter | None = drafter
+        self.model_name = model_name
+        self._cost = cost
+        self.max_nodes = max_nodes
+        self.max_depth = max_depth
+        self.calibrator = Calibrator()
+        self.verifier = TreeVerifier(model)
+        self.context_limit = _context_limit(model)
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    @property
+    def cost(self) -> CostModel:
+        if self._cost is None:
+            self._cost = CostModel.for_model(self.model, self.model_name)
+        return self._cost
+
+    # -- input -------------------------------------------------------------------------
+
+    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+        """Prompt ids from ids, a string, or a list of chat messages ({'role', 'content'})."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise GenerationError("empty prompt")
+            if chat is None:
+                chat = bool(getattr(self.tokenizer, "chat_template", None))
+            if chat:
+                return self._chat_ids([{"role": "user", "content": prompt}])
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
+            return self._chat_ids(list(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise GenerationError("empty prompt")
+        vocab = int(self.model.config.vocab_size)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise GenerationError(f"prompt token id {bad[0]} outside the vocabulary (size {vocab})")
+        return ids
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise GenerationError("this model's tokenizer has no chat template")
+        if not any(str(m.get("content", "")).strip() for m in messages):
+            raise GenerationError("empty prompt")
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    # -- decoding ----------------------------------------------------------------------
+
+    def generate(self, prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
+        """Decode until max_new_tokens, EOS or a stop string; returns tokens, text and stats."""
+        steps = self._run(prompt, max_new_tokens, **kwargs)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    def stream(self, prompt, max_new_tokens: int = 128, **kwargs) -> TextStream:
+        """Like `generate`, but iterate over the returned stream to get text as it is accepted."""
+        return TextStream(self._run(prompt, max_new_tokens, **kwargs), self.tokenizer)
+
+    def _run(
+        self,
+        prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | None = None,
+        eos: bool = True,
+        chat: bool | None = None,
+        seed: int | None = 0,
+        typical: bool = False,
+    ):
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
+        if max_new_tokens is None or int(max_new_tokens) <= 0:
+            raise GenerationError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        ids = self.encode(prompt, chat)
+        if len(ids) >= self.context_limit:
+            raise GenerationError(
+                f"prompt is {len(ids)} tokens; the model's context is {self.context_limit}"
+            )
+        max_new = min(int(max_new_tokens), self.context_limit - len(ids))
+        stop = [s for s in (stop or []) if s]
+        eos_ids = self.eos_ids if eos else set()
+        generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
+        drafter = self.drafter
+        stats = GenerationStats(prompt_tokens=len(ids))
+        cost = self.cost if drafter is not None else None
+
+        t0 = time.perf_counter()
+        root = prefill(self.verifier, ids)
+        _sync(self.verifier.device)
+        stats.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        context = list(ids)
+        out: list[int] = []
+        finish = "length"
+        drafter_ok = drafter is not None
+        failures_before = drafter.failures if drafter is not None else 0
+        if drafter_ok:
+            drafter_ok = self._safe(stats, drafter.begin, context)
+        try:
+            while len(out) < max_new:
+                remaining = max_new - len(out)
+                raw = Tree()
+                if drafter_ok and remaining > 1:
+                    budget = min(self.max_nodes or cost.max_nodes, cost.max_nodes)
+                    try:
+                        raw = drafter.propose(context, budget)
+                        raw.validate(int(self.model.config.vocab_size))
+                    except Exception as exc:  # drafts are optional: never fail a generation
+                        self._drafter_failed(stats, exc)
+                        drafter_ok, raw = False, Tree()
+                    raw = raw.limit_depth(min(self.max_depth, remaining - 1))
+                tree = raw
+                if len(raw):
+                    calibrated = self.calibrator.apply(raw)
+                    keep = cost.select(calibrated, self.max_nodes)
+                    raw, tree = raw.subset(keep), calibrated.subset(keep)
+                acc = speculative_decode(self.verifier, root, tree, params, generator)
+                stats.steps += 1
+                if len(tree):
+                    stats.drafted += len(tree)
+                    self.calibrator.observe(raw, tree, acc)
+                    for node in acc.nodes:
+                        src = tree.sources[node]
+                        stats.accepted[src] = stats.accepted.get(src, 0) + 1
+                new = acc.tokens[:remaining]
+                for i, t in enumerate(new):
+                    if t in eos_ids:
+                        new, finish = new[: i + 1], "eos"
+                        break
+                out.extend(new)
+                context.extend(new)
+                root = new[-1]
+                if stop and finish != "eos":
+                    text = self.tokenizer.decode(out, skip_special_tokens=True)
+                    if any(s in text for s in stop):
+                        finish = "stop"
+                if drafter_ok and finish == "length" and len(out) < max_new:
+                    drafter_ok = self._safe(stats, drafter.update, new)
+                yield new
+                if finish != "length":
+                    break
+        finally:
+            if drafter is not None:
+                self._safe(stats, drafter.end)
+                stats.drafter_errors += drafter.failures - failures_before
+        _sync(self.verifier.device)
+        stats.seconds = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        if finish == "stop":
+            cut = min(text.find(s) for s in stop if s in text)
+            text = text[:cut]
+        return GenerationResult(out, text, stats, finish, ids)
+
+    def _safe(self, stats: GenerationStats, fn, *args) -> bool:
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:  # drafts are optional: see _drafter_failed
+            self._drafter_failed(stats, exc)
+            return False
+
+    @staticmethod
+    def _drafter_failed(stats: GenerationStats, exc: Exception) -> None:
+        stats.drafter_errors += 1
+        log.warning("drafter failed (%s); continuing without drafts", exc)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _context_limit(model) -> int:
+    cfg = model.config
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 30
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for value in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

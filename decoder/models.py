@@ -1,0 +1,53 @@
+"""Loading the target model: the same name resolution as the datastore side, so both agree.
+
+CUDA and bfloat16 when a GPU is present (verification is memory-bound there and bf16 halves
+the traffic); float32 on CPU, where bf16 matmuls are slow and rounding would make tree and
+sequential forwards disagree more often.
+"""
+
+from __future__ import annotations
+
+import torch
+from redraft.datastore.errors import ModelNotFound
+from redraft.datastore.tokenizer import load_tokenizer, resolve_model
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ModelNotFound(f"unknown dtype {dtype!r} (known: {', '.join(_DTYPES)})") from None
+
+
+def load_model(name: str | None = None, device: str | None = None, dtype=None):
+    """Return (model, tokenizer) for a model name (see `resolve_model`), in eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    source = resolve_model(name)
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    tokenizer = load_tokenizer(name)
+    hf_logging.disable_progress_bar()  # GGUF de-quantisation bars would clutter streamed output
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, dtype=torch_dtype, **source.kwargs()
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelNotFound(f"cannot load model {source.name!r}: {exc}") from exc
+    finally:
+        hf_logging.enable_progress_bar()
+    model.to(device)
+    model.eval()
+    return model, tokenizer

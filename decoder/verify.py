@@ -1,0 +1,143 @@
+"""Tree verification: the only code that touches transformers internals (mask, positions, cache).
+
+One decoding step feeds the *root* (the last token, not yet in the cache) followed by the
+draft tree's nodes. Row 0 of the returned logits predicts the first new token; row i + 1
+predicts the token after node i. Each row may attend to the cached prefix, the root, and its
+own ancestors only, which is expressed as a 4-D additive float mask `[1, 1, N, L + N]` in the
+model's dtype, with `position_ids = L + depth` (transformers 5.x: a bool mask is silently
+misread under eager attention, and the cache is passed as `cache=`).
+
+After acceptance, `commit` keeps the root's and the accepted nodes' key/value entries and
+drops every rejected node, so the cache always equals what a plain sequential decode would
+have built.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from redraft.datastore.errors import RedraftError
+from redraft.decoder.tree import Tree
+
+
+class UnsupportedModel(RedraftError):
+    """A model whose cache layout the verifier cannot compact (e.g. sliding-window layers)."""
+
+
+def _make_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older signature without config
+        return DynamicCache()
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.x calls it `cache`; earlier releases `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def tree_mask_rows(tree: Tree) -> list[list[int]]:
+    """For each of the N + 1 rows (root, then nodes), the in-tree rows it may attend to."""
+    rows: list[list[int]] = [[0]]
+    for i, parent in enumerate(tree.parents):
+        rows.append(rows[parent + 1] + [i + 1])
+    return rows
+
+
+class TreeVerifier:
+    """Owns the KV cache of one generation and runs tree forwards over it."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._cache_kw = _cache_kwarg(model)
+        self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.cache = None
+        self._pending = 0  # tree rows in the cache that `commit` has not resolved yet
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens whose keys/values are in the cache (excluding an unresolved tree)."""
+        if self.cache is None:
+            return 0
+        return int(self.cache.get_seq_length()) - self._pending
+
+    def reset(self) -> None:
+        self.cache = _make_cache(self.model)
+        self._pending = 0
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> None:
+        """Start a generation: put `ids` (the context minus its last token) into a fresh cache."""
+        self.reset()
+        if not ids:
+            return
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        kwargs = {self._cache_kw: self.cache, "use_cache": True}
+        if self._keep_kw:
+            kwargs["logits_to_keep"] = 1  # the vocabulary projection of a long prompt is waste
+        self.model(input_ids=x, **kwargs)
+
+    @torch.inference_mode()
+    def tree_forward(self, root: int, tree: Tree) -> torch.Tensor:
+        """One target forward over root + tree; returns float32 logits of shape [N + 1, V]."""
+        if self.cache is None:
+            self.reset()
+        if self._pending:
+            raise RuntimeError("tree_forward called twice without commit")
+        past = self.cached_len
+        n = len(tree) + 1
+        ids = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=self.device)
+        depth = [0, *tree.depths()]
+        positions = torch.tensor([[past + d for d in depth]], dtype=torch.long, device=self.device)
+        kwargs = {self._cache_kw: self.cache, "use_cache": True, "position_ids": positions}
+        if n > 1:
+            allowed = torch.zeros((n, past + n), dtype=torch.bool, device=self.device)
+            allowed[:, :past] = True
+            for row, cols in enumerate(tree_mask_rows(tree)):
+                allowed[row, [past + c for c in cols]] = True
+            mask = torch.zeros((1, 1, n, past + n), dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            kwargs["attention_mask"] = mask
+        # A single token needs no mask: it may see everything, as in plain decoding.
+        out = self.model(input_ids=ids, **kwargs)
+        self._pending = n
+        return out.logits[0].float()
+
+    def commit(self, accepted: list[int]) -> None:
+        """Keep the root and the accepted nodes (tree indices along one path), drop the rest."""
+        n = self._pending
+        if n == 0:
+            raise RuntimeError("commit without a pending tree_forward")
+        total = int(self.cache.get_seq_length())
+        base = total - n  # cache length before the tree: index of the root row
+        k = len(accepted)
+        self._pending = 0
+        if accepted == list(range(k)):
+            # The accepted path is the first k nodes in order: dropping the tail is enough.
+            if n - 1 - k > 0:
+                self._crop(n - 1 - k)
+            return
+        idx = torch.tensor([base + 1 + a for a in accepted], dtype=torch.long)
+        for layer in self.cache.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or getattr(layer, "is_sliding", False):
+                raise UnsupportedModel(
+                    f"cache layer {type(layer).__name__} cannot be compacted for tree decoding"
+                )
+            i = idx.to(keys.device)
+            layer.keys = torch.cat([keys[..., : base + 1, :], keys.index_select(-2, i)], dim=-2)
+            layer.values = torch.cat(
+                [values[..., : base + 1, :], values.index_select(-2, i)], dim=-2
+            )
+
+    def _crop(self, count: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise UnsupportedModel("sliding-window cache layers are not supported")
+        self.cache.crop(-count)
