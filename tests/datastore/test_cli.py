@@ -62,7 +62,8 @@ def test_index_query_stats(store, capsys, tmp_path):
     assert "".join(q["pieces"][:4]) == "\n    return a -"
     assert q["parents"][0] == -1 and all(0 < p <= 1 for p in q["probs"])
 
-    rc, out, _ = run(capsys, "query", "--datastore", store, "--text", "    return a", "--budget", "4")
+    rc, out, _ = run(capsys, "query", "--datastore", store, "--text", "    return a",
+                     "--budget", "4")
     assert rc == 0 and out.startswith("match_len: ") and len(out.strip().splitlines()) == 5
 
     ids = ",".join(map(str, q["tokens"][:1]))
