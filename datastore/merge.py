@@ -20,30 +20,38 @@ def select_top(draft: Draft, budget: int) -> Draft:
     (path probability desc, depth asc) puts every parent before its children: the kept
     nodes form a tree, and so does any prefix of them (a caller may truncate further).
     """
-    n = len(draft)
-    if budget <= 0 or n == 0:
+    if budget <= 0 or not draft.tokens:
         return Draft(match_len=draft.match_len)
-    path = draft.path_probs()
+    path: list[float] = []
     depth: list[int] = []
-    for p in draft.parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    order = sorted(range(n), key=lambda i: (-path[i], depth[i], i))[:budget]
-    placed: set[int] = set()
-    kept: list[int] = []
-    for i in order:  # a prob > 1 could put a child before its parent: drop such orphans
-        p = draft.parents[i]
-        if p < 0 or p in placed:
-            placed.add(i)
-            kept.append(i)
-    order = kept
-    new_id = {old: k for k, old in enumerate(order)}
-    return Draft(
-        tokens=[draft.tokens[i] for i in order],
-        parents=[-1 if draft.parents[i] < 0 else new_id[draft.parents[i]] for i in order],
-        probs=[float(draft.probs[i]) for i in order],
-        sources=[draft.sources[i] for i in order],
-        match_len=draft.match_len,
-    )
+    for prob, parent in zip(draft.probs, draft.parents):
+        if parent < 0:
+            path.append(prob)
+            depth.append(0)
+        else:
+            path.append(path[parent] * prob)
+            depth.append(depth[parent] + 1)
+    return _take(draft.tokens, draft.parents, draft.probs, draft.sources, path, depth, budget,
+                 draft.match_len)
+
+
+def _take(tokens: list[int], parents: list[int], probs: list[float], sources: list[str],
+          path: list[float], depth: list[int], budget: int, match_len: int) -> Draft:
+    keys = sorted(zip([-p for p in path], depth, range(len(tokens))))[:budget]
+    new_id: dict[int, int] = {}
+    out = Draft(match_len=match_len)
+    for _, _, i in keys:
+        parent = parents[i]
+        if parent >= 0:
+            parent = new_id.get(parent, -2)
+            if parent == -2:  # a prob > 1 put a child before its parent: drop the orphan
+                continue
+        new_id[i] = len(out.tokens)
+        out.tokens.append(tokens[i])
+        out.parents.append(parent)
+        out.probs.append(float(probs[i]))
+        out.sources.append(sources[i])
+    return out
 
 
 def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
@@ -54,28 +62,38 @@ def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
     taking the larger one keeps each source's calibration instead of inventing a combined one.
     `match_len` of the result is the longest of the inputs'.
     """
+    match_len = max((d.match_len for d in drafts), default=0)
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
     sources: list[str] = []
-    index: dict[tuple[int, int], int] = {}
+    index: dict[int, int] = {}
     for d in drafts:
         remap: list[int] = []
         for tok, par, prob, src in zip(d.tokens, d.parents, d.probs, d.sources):
             mp = -1 if par < 0 else remap[par]
-            key = (mp, tok)
+            key = ((mp + 1) << 32) | tok  # (merged parent, token) as one int: cheap to hash
             node = index.get(key)
             if node is None:
                 node = len(tokens)
                 index[key] = node
                 tokens.append(tok)
                 parents.append(mp)
-                probs.append(float(prob))
+                probs.append(prob)
                 sources.append(src)
             elif prob > probs[node]:
-                probs[node] = float(prob)
+                probs[node] = prob
                 sources[node] = src
             remap.append(node)
-    match_len = max((d.match_len for d in drafts), default=0)
-    merged = Draft(tokens, parents, probs, sources, match_len=match_len)
-    return select_top(merged, budget)
+    if budget <= 0 or not tokens:
+        return Draft(match_len=match_len)
+    path: list[float] = []
+    depth: list[int] = []
+    for prob, parent in zip(probs, parents):
+        if parent < 0:
+            path.append(prob)
+            depth.append(0)
+        else:
+            path.append(path[parent] * prob)
+            depth.append(depth[parent] + 1)
+    return _take(tokens, parents, probs, sources, path, depth, budget, match_len)
