@@ -31,12 +31,13 @@ def select_top(draft: Draft, budget: int) -> Draft:
         else:
             path.append(path[parent] * prob)
             depth.append(depth[parent] + 1)
-    return _take(draft.tokens, draft.parents, draft.probs, draft.sources, path, depth, budget,
+    return take_top(draft.tokens, draft.parents, draft.probs, draft.sources, path, depth, budget,
                  draft.match_len)
 
 
-def _take(tokens: list[int], parents: list[int], probs: list[float], sources: list[str],
-          path: list[float], depth: list[int], budget: int, match_len: int) -> Draft:
+def take_top(tokens: list[int], parents: list[int], probs: list[float], sources: list[str],
+             path: list[float], depth: list[int], budget: int, match_len: int) -> Draft:
+    """The `budget` best nodes of a tree given as arrays with path probs and depths."""
     keys = sorted(zip([-p for p in path], depth, range(len(tokens))))[:budget]
     new_id: dict[int, int] = {}
     out = Draft(match_len=match_len)
@@ -96,4 +97,4 @@ def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
         else:
             path.append(path[parent] * prob)
             depth.append(depth[parent] + 1)
-    return _take(tokens, parents, probs, sources, path, depth, budget, match_len)
+    return take_top(tokens, parents, probs, sources, path, depth, budget, match_len)

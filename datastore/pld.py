@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from redraft.datastore.draft import PLD, Draft
-from redraft.datastore.merge import select_top
+from redraft.datastore.merge import take_top
 
 
 @dataclass(frozen=True)
@@ -126,43 +126,49 @@ class PromptLookup:
     def _tree(self, occ: Sequence[_Occurrence], budget: int, max_depth: int) -> Draft:
         toks = self.tokens
         n = len(toks)
-        # Trie over the occurrences' continuations. Each node: token, parent, and the weight
-        # and best match length of the occurrences that pass through it.
+        # Trie over the occurrences' continuations. Each node: token, parent, depth, and the
+        # weight and best match length of the occurrences that pass through it.
         tokens: list[int] = []
         parents: list[int] = []
+        depth: list[int] = []
         weight: list[float] = []
         best: list[int] = []
-        children: dict[tuple[int, int], int] = {}
+        children: dict[int, int] = {}
         for o in occ:
-            w = float(o.match_len * o.match_len)  # longer matches dominate the vote
+            m = o.match_len
+            w = float(m * m)  # longer matches dominate the vote
             parent = -1
-            depth = depth_for_match(o.match_len, max_depth)
-            for pos in range(o.end + 1, min(n, o.end + 1 + depth)):
-                key = (parent, toks[pos])
+            d = 0
+            for tok in toks[o.end + 1 : min(n, o.end + 1 + depth_for_match(m, max_depth))]:
+                key = ((parent + 1) << 32) | tok
                 node = children.get(key)
                 if node is None:
                     node = len(tokens)
                     children[key] = node
-                    tokens.append(toks[pos])
+                    tokens.append(tok)
                     parents.append(parent)
-                    weight.append(0.0)
-                    best.append(0)
-                weight[node] += w
-                best[node] = max(best[node], o.match_len)
+                    depth.append(d)
+                    weight.append(w)
+                    best.append(m)
+                else:
+                    weight[node] += w
+                    if m > best[node]:
+                        best[node] = m
                 parent = node
+                d += 1
         # probs[i] = confidence of the supporting match (which grows with depth: after d
         # accepted tokens the match is d longer) x the node's share of its siblings' weight.
         sibling_total: dict[int, float] = {}
-        for i, p in enumerate(parents):
-            sibling_total[p] = sibling_total.get(p, 0.0) + weight[i]
-        depth_of: list[int] = []
+        for p, w in zip(parents, weight):
+            sibling_total[p] = sibling_total.get(p, 0.0) + w
         probs: list[float] = []
+        path: list[float] = []
         for i, p in enumerate(parents):
-            d = 0 if p < 0 else depth_of[p] + 1
-            depth_of.append(d)
-            probs.append(match_confidence(best[i] + d) * weight[i] / sibling_total[p])
-        draft = Draft(tokens, parents, probs, [PLD] * len(tokens), match_len=occ[0].match_len)
-        return select_top(draft, budget)
+            prob = match_confidence(best[i] + depth[i]) * weight[i] / sibling_total[p]
+            probs.append(prob)
+            path.append(prob if p < 0 else path[p] * prob)
+        return take_top(tokens, parents, probs, [PLD] * len(tokens), path, depth, budget,
+                     occ[0].match_len)
 
 
 def prompt_lookup(
