@@ -257,6 +257,29 @@ class ServiceDrafter(Drafter):
                 pass
 
 
+KNOWN_DRAFTERS = ("none", "pld", "rest")
+
+
+def parse_names(names: str | Sequence[str] | None) -> list[str]:
+    """Validate a drafter name or comma-separated combination; default `pld`."""
+    if names is None:
+        names = "pld"
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.lower() for n in names))
+    if not names:
+        raise UnknownDrafter("no drafter named (use none, pld, rest or a combination)")
+    for n in names:
+        if n == "medusa":
+            raise UnknownDrafter("drafter 'medusa' is not available yet (no trained heads)")
+        if n not in KNOWN_DRAFTERS:
+            raise UnknownDrafter(f"unknown drafter {n!r} (known: none, pld, rest; combine "
+                                 "with commas, e.g. pld,rest)")
+    if "none" in names and len(names) > 1:
+        raise UnknownDrafter("'none' cannot be combined with other drafters")
+    return names
+
+
 def build_drafter(
     names: str | Sequence[str] | None,
     *,
@@ -271,23 +294,9 @@ def build_drafter(
     `rest` reads `datastore` in process, or asks `draft_service` (PLD always runs locally:
     it needs no corpus and a network round trip would cost more than the lookup).
     """
-    if names is None:
-        names = "pld"
-    if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
-    names = list(dict.fromkeys(n.lower() for n in names))
-    if not names:
-        raise UnknownDrafter("no drafter named (use none, pld, rest or a combination)")
-    known = {"none", "pld", "rest", "medusa"}
-    for n in names:
-        if n not in known:
-            raise UnknownDrafter(f"unknown drafter {n!r} (known: none, pld, rest, pld,rest)")
-    if "none" in names:
-        if len(names) > 1:
-            raise UnknownDrafter("'none' cannot be combined with other drafters")
+    names = parse_names(names)
+    if names == ["none"]:
         return None
-    if "medusa" in names:
-        raise UnknownDrafter("drafter 'medusa' is not available in this build (no trained heads)")
     drafters: list[Drafter] = []
     if "pld" in names:
         drafters.append(PLDDrafter(max_depth=max_depth))

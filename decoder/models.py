@@ -7,6 +7,9 @@ sequential forwards disagree more often.
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import torch
 from redraft.datastore.errors import ModelNotFound
 from redraft.datastore.tokenizer import load_tokenizer, resolve_model
@@ -30,20 +33,38 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
         raise ModelNotFound(f"unknown dtype {dtype!r} (known: {', '.join(_DTYPES)})") from None
 
 
-def load_model(name: str | None = None, device: str | None = None, dtype=None):
-    """Return (model, tokenizer) for a model name (see `resolve_model`), in eval mode."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+_LOADED: dict[tuple, tuple] = {}
 
+
+def load_model(name: str | None = None, device: str | None = None, dtype=None):
+    """Return (model, tokenizer) for a model name (see `resolve_model`), in eval mode.
+
+    Loaded models are kept for the life of the process (loading the default model means
+    de-quantising a GGUF file, ~10 s), so repeated calls with the same arguments are free.
+    """
     source = resolve_model(name)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
+    key = (source, device, torch_dtype)
+    if key not in _LOADED:
+        _LOADED[key] = _load(source, name, device, torch_dtype)
+    return _LOADED[key]
+
+
+def _load(source, name, device: str, torch_dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
     tokenizer = load_tokenizer(name)
-    hf_logging.disable_progress_bar()  # GGUF de-quantisation bars would clutter streamed output
+    # Progress bars (GGUF de-quantisation writes a bare tqdm bar to stderr) would clutter
+    # streamed output; the captured text is dropped unless loading fails.
+    hf_logging.disable_progress_bar()
+    captured = io.StringIO()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=torch_dtype, **source.kwargs()
-        )
+        with contextlib.redirect_stderr(captured):
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=torch_dtype, **source.kwargs()
+            )
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"cannot load model {source.name!r}: {exc}") from exc
     finally:
