@@ -54,3 +54,32 @@ def default_model():
 def _private_cache(tmp_path_factory, monkeypatch):
     """Cost curves and other caches go to a per-session folder, never the user's."""
     monkeypatch.setenv("REDRAFT_CACHE", str(tmp_path_factory.getbasetemp() / "redraft-cache"))
+
+
+# Code-writing prompts: the workload retrieval from a code datastore is meant for.
+CODE_PROMPTS = [
+    "Write a Python function that reads a CSV file and returns a list of dictionaries.",
+    "Write a Python class implementing a stack with push, pop and peek methods.",
+    "Write a Python function that checks whether a string is a palindrome, with tests.",
+]
+
+# The CPU cost ratios measured for the default model (DESIGN.md), as a fixed curve: tests
+# then choose the same trees on every machine, and skip the ~10 s measurement.
+CPU_COST = ([1, 8, 16, 32, 64], [0.06, 0.06 * 1.36, 0.06 * 1.62, 0.06 * 2.14, 0.06 * 3.1])
+
+
+@pytest.fixture(scope="session")
+def code_datastore(tmp_path_factory):
+    """A small retrieval datastore over a few standard-library modules, real tokenizer."""
+    if not have_default_model():
+        pytest.skip("default model package not installed (make install)")
+    import csv
+    import json
+    import string
+
+    from redraft.datastore import build_datastore
+
+    out = tmp_path_factory.mktemp("codeds") / "ds"
+    files = [csv.__file__, json.__file__, string.__file__]
+    build_datastore(files, str(out), tokenizer="smollm2-135m", corpus="stdlib")
+    return str(out)

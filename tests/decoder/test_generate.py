@@ -1,0 +1,161 @@
+"""End to end on the default model: speculative greedy output is token-for-token the plain
+greedy output, through every drafter, including a draft service that dies mid-generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from redraft.datastore import Reader
+from redraft.datastore.service import ServerThread
+from redraft.datastore.tokenizer import tokenizer_fingerprint
+from redraft.decoder.budget import CostModel
+from redraft.decoder.drafters import (
+    DatastoreDrafter,
+    MergedDrafter,
+    PLDDrafter,
+    ServiceDrafter,
+    build_drafter,
+)
+from redraft.decoder.generate import GenerationError, Generator
+
+from .conftest import CODE_PROMPTS, CPU_COST
+
+NEW = 40
+NEAR_TIE = 1e-3  # fp32 logits gap below which tree/sequential rounding may flip the argmax
+
+
+@pytest.fixture(scope="module")
+def plain(default_model):
+    model, tok = default_model
+    gen = Generator(model, tok, None, cost=CostModel(*CPU_COST))
+    return {p: gen.generate(p, max_new_tokens=NEW) for p in CODE_PROMPTS}
+
+
+def assert_same_or_near_tie(model, result, reference) -> None:
+    """Identical tokens, or a first difference where the target's top two logits tie."""
+    if result.tokens == reference.tokens:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(result.tokens, reference.tokens)) if a != b)
+    ids = reference.prompt_ids + reference.tokens[:i]
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    gap = float(top2[0] - top2[1])
+    print(f"first difference at token {i}: top-2 logit gap {gap:.2e}")
+    assert gap < NEAR_TIE, f"tokens differ at {i} with a top-2 gap of {gap:.3g}: a bug"
+
+
+def test_plain_decoding_matches_hf_generate(default_model, plain):
+    model, tok = default_model
+    ref = plain[CODE_PROMPTS[0]]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ref.prompt_ids]), max_new_tokens=NEW,
+                             do_sample=False, eos_token_id=sorted(
+                                 {tok.eos_token_id, model.generation_config.eos_token_id}))
+    assert out[0, len(ref.prompt_ids):].tolist() == ref.tokens
+
+
+@pytest.mark.parametrize("which", ["pld", "rest", "pld,rest"])
+def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_datastore, which):
+    model, tok = default_model
+    drafter = build_drafter(which, tokenizer=tok, datastore=code_datastore)
+    gen = Generator(model, tok, drafter, cost=CostModel(*CPU_COST))
+    steps = tokens = 0
+    for prompt in CODE_PROMPTS:
+        r = gen.generate(prompt, max_new_tokens=NEW)
+        assert_same_or_near_tie(model, r, plain[prompt])
+        assert r.stats.new_tokens == len(r.tokens) and r.stats.drafter_errors == 0
+        steps += r.stats.steps
+        tokens += r.stats.new_tokens
+    drafter.close()
+    assert tokens / steps > 1.1, f"{which}: drafts were never accepted ({tokens}/{steps})"
+
+
+def test_stream_yields_the_generated_text(default_model, plain):
+    model, tok = default_model
+    gen = Generator(model, tok, PLDDrafter(), cost=CostModel(*CPU_COST))
+    s = gen.stream(CODE_PROMPTS[1], max_new_tokens=NEW)
+    pieces = list(s)
+    assert len(pieces) > 1 and "".join(pieces) == s.result.text
+    assert s.result.tokens == plain[CODE_PROMPTS[1]].tokens
+
+
+def test_service_dying_mid_generation_falls_back_with_identical_output(
+    default_model, plain, code_datastore
+):
+    model, tok = default_model
+    reader = Reader(code_datastore)
+    server = ServerThread(reader).start()
+    try:
+        service = ServiceDrafter(server.address, tokenizer_fingerprint(tok),
+                                 fallback=PLDDrafter(), timeout=2.0)
+        service.check()
+        gen = Generator(model, tok, MergedDrafter([service]), cost=CostModel(*CPU_COST))
+        prompt = CODE_PROMPTS[0]
+        stream = gen.stream(prompt, max_new_tokens=NEW)
+        seen = 0
+        for _ in stream:
+            seen += 1
+            if seen == 3:
+                server.stop(grace=0)  # the service goes away mid-generation
+        r = stream.result
+        assert_same_or_near_tie(model, r, plain[prompt])
+        assert r.stats.drafter_errors >= 1
+        service.close()
+    finally:
+        server.stop(grace=0)
+        reader.close()
+
+
+def test_unreachable_service_is_not_a_failed_generation(default_model, plain):
+    model, tok = default_model
+    service = ServiceDrafter("127.0.0.1:9", tokenizer_fingerprint(tok), fallback=PLDDrafter(),
+                             timeout=1.0)
+    service.check()  # unreachable: a warning, not an error
+    gen = Generator(model, tok, service, cost=CostModel(*CPU_COST))
+    r = gen.generate(CODE_PROMPTS[2], max_new_tokens=NEW)
+    assert_same_or_near_tie(model, r, plain[CODE_PROMPTS[2]])
+    assert r.stats.drafter_errors == 1 and r.stats.tokens_per_step > 1.0
+    service.close()
+
+
+def test_eos_stop_strings_and_max_new_tokens(default_model):
+    model, tok = default_model
+    gen = Generator(model, tok, PLDDrafter(), cost=CostModel(*CPU_COST))
+    r = gen.generate("Say hello.", max_new_tokens=200)
+    assert r.finish_reason == "eos" and r.tokens[-1] in gen.eos_ids
+    assert r.stats.new_tokens < 200
+    r = gen.generate(CODE_PROMPTS[0], max_new_tokens=5)
+    assert len(r.tokens) == 5 and r.finish_reason == "length"
+    r = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW, stop=["def "])
+    assert r.finish_reason == "stop" and "def " not in r.text
+
+
+def test_bad_inputs_are_clear_errors(default_model):
+    model, tok = default_model
+    gen = Generator(model, tok, PLDDrafter(), cost=CostModel(*CPU_COST))
+    with pytest.raises(GenerationError, match="empty prompt"):
+        gen.generate("   ")
+    with pytest.raises(GenerationError, match="empty prompt"):
+        gen.generate([])
+    with pytest.raises(GenerationError, match="max_new_tokens must be positive"):
+        gen.generate("hi", max_new_tokens=0)
+    with pytest.raises(GenerationError, match="context is 8192"):
+        gen.generate([5] * 9000)
+    with pytest.raises(GenerationError, match="outside the vocabulary"):
+        gen.generate([5, 10**6])
+    with pytest.raises(GenerationError, match="temperature"):
+        gen.generate("hi", temperature=-1)
+    with pytest.raises(GenerationError, match="top_p"):
+        gen.generate("hi", temperature=1, top_p=0)
+
+
+def test_incompatible_datastore_is_refused(tmp_path, default_model):
+    from redraft.datastore import TokenizerMismatch, build_datastore
+
+    _, tok = default_model
+    path = str(tmp_path / "other")
+    build_datastore(None, path, documents=[[1, 2, 3, 4]], fingerprint="sha256:other",
+                    vocab_size=100)
+    with pytest.raises(TokenizerMismatch, match="fingerprint"):
+        DatastoreDrafter(path, tok)
