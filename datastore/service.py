@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -462,8 +463,13 @@ async def start_server(
 
 async def serve_forever(reader, host: str, port: int, config: ServiceConfig,
                         stats: ServiceStats | None = None, tls: TLSFiles | None = None,
-                        reuse_port: bool = False, announce=print) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully (in-flight work finishes)."""
+                        reuse_port: bool = False, announce=print,
+                        parent_pid: int | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully (in-flight work finishes).
+
+    A worker process passes `parent_pid`: if that parent dies (even by SIGKILL, which it
+    cannot forward), the worker stops too instead of holding the port forever.
+    """
     server, service, health_servicer, bound = await start_server(
         reader, host, port, config, stats, tls, reuse_port
     )
@@ -472,11 +478,22 @@ async def serve_forever(reader, host: str, port: int, config: ServiceConfig,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    orphan_watch = None
+    if parent_pid is not None:
+        orphan_watch = asyncio.ensure_future(_watch_parent(parent_pid, stop))
     await stop.wait()
+    if orphan_watch is not None:
+        orphan_watch.cancel()
     await health_servicer.enter_graceful_shutdown()
     await service.shutdown()
     await server.stop(config.grace_s)
     announce("redraft serve: stopped")
+
+
+async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(1.0)
+    stop.set()
 
 
 class ServerThread:

@@ -121,7 +121,9 @@ def _worker(datastore: str, host: str, port: int, config: ServiceConfig,
     from redraft.datastore import Reader
 
     reader = Reader(datastore)
-    asyncio.run(serve_forever(reader, host, port, config, stats, tls, reuse_port, _announce))
+    parent = os.getppid() if stats is not None else None
+    asyncio.run(serve_forever(reader, host, port, config, stats, tls, reuse_port, _announce,
+                              parent_pid=parent))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import signal
 import socket
@@ -110,21 +111,43 @@ def test_session_without_reconnect_reports_shutdown(reader):
 
 
 def start_serve(store: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
-    """`redraft serve` as a subprocess; returns it once every worker announced its port."""
+    """`redraft serve` as a subprocess in its own process group; returns it once every
+    worker announced its address (or fails within 60 s, never hangs)."""
     workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
     proc = subprocess.Popen(
         [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    lines = []
-    while len(lines) < workers:
-        line = proc.stdout.readline()
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")],
+                     daemon=True).start()
+    proc.lines = lines  # the rest of stdout, for the caller
+    addresses: list[str] = []
+    while len(addresses) < workers:
+        try:
+            line = lines.get(timeout=60)
+        except queue.Empty:
+            line = ""
         if not line:
-            proc.kill()
-            raise AssertionError(f"serve died: {proc.stderr.read()}")
+            stop_group(proc)
+            raise AssertionError(f"serve did not start: {proc.stderr.read()}")
         if "listening on" in line:
-            lines.append(line.split("listening on ")[1].strip())
-    return proc, lines
+            addresses.append(line.split("listening on ")[1].strip())
+    return proc, addresses
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Kill the server and any worker it started (they share its process group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def rest_of_stdout(proc: subprocess.Popen) -> str:
+    out = []
+    while (line := proc.lines.get(timeout=10)) != "":
+        out.append(line)
+    return "".join(out)
 
 
 def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, capsys):
@@ -176,11 +199,9 @@ def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, capsys):
             done.set()
             t.join(10)
             assert outcomes.count("ok") >= 20 and set(outcomes) <= {"ok", "unavailable"}
-            assert "stopped" in proc.stdout.read()
+            assert "stopped" in rest_of_stdout(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_group(proc)
 
 
 def test_serve_workers_share_a_port_and_counters(store):
@@ -205,9 +226,23 @@ def test_serve_workers_share_a_port_and_counters(store):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_group(proc)
+
+
+def test_workers_exit_when_their_parent_is_killed(store):
+    port = free_port()
+    proc, _ = start_serve(store, "--port", str(port), "--workers", "2")
+    try:
+        import psutil
+
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) >= 2
+        os.kill(proc.pid, signal.SIGKILL)  # cannot be forwarded
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive
+    finally:
+        stop_group(proc)
 
 
 def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
