@@ -13,8 +13,10 @@ anything larger is a bug.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -54,7 +56,7 @@ class Question:
 class TurnResult:
     tokens: list[int]
     text: str
-    steps: int  # target forwards after prefill
+    steps: int  # target forwards that produced new tokens
     seconds: float  # wall clock of the whole call, prefill included, for every method alike
 
 
@@ -146,7 +148,8 @@ class HFMethod(Method):
         seconds = time.perf_counter() - t0
         tokens = out[0, len(ids):].tolist()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return TurnResult(tokens, text, max(self._forwards - 1, 0), seconds)
+        # HF's prefill forward already yields the first new token, so every forward counts.
+        return TurnResult(tokens, text, self._forwards, seconds)
 
 
 class RedraftMethod(Method):
@@ -190,6 +193,14 @@ def compare(
     pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     gap = top2_gap(model, prompt + ref[:pos]) if pos < len(ref) else None
     return False, pos, gap
+
+
+def warm_up(methods: Sequence[Method]) -> None:
+    """One short answer per method before timing: first-call costs (allocations, the cost
+    curve a Generator measures once per device) must not land on the first question."""
+    for method in methods:
+        method.run([{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                   max_new_tokens=8)
 
 
 def run_bench(
@@ -317,3 +328,102 @@ def write_outputs(out: Path, records: Sequence[Record], summary: dict, methods: 
     (out / "summary.json").write_text(json.dumps({**meta, **summary}, indent=2) + "\n")
     (out / "summary.md").write_text(markdown_table(summary, methods))
     plot(summary, methods, out / "speedup.png")
+
+
+# -- command line ----------------------------------------------------------------------------
+
+HF_METHODS = ("hf-greedy", "hf-pld")
+REDRAFT_METHODS = {  # method name -> drafter names for build_drafter
+    "redraft-none": "none",
+    "redraft-pld": "pld",
+    "redraft-rest": "rest",
+    "redraft-default": "pld,rest",
+}
+DEFAULT_METHODS = "hf-greedy,hf-pld,redraft-pld,redraft-rest,redraft-default"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` to the `redraft` parser."""
+    p = sub.add_parser(
+        "bench",
+        help="Spec-Bench, side by side with Hugging Face generate and prompt lookup",
+        description="Run Spec-Bench questions with every method interleaved per question; "
+        "report tokens per forward, tokens/s, speed-up over hf-greedy and token identity.",
+    )
+    p.add_argument("--model", default=None, help="model name (default: smollm2-135m)")
+    p.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl",
+                   help="Spec-Bench question.jsonl")
+    p.add_argument("--per-category", type=int, default=10,
+                   help="questions per category (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated, from {', '.join([*HF_METHODS, *REDRAFT_METHODS])}")
+    rest = p.add_mutually_exclusive_group()
+    rest.add_argument("--datastore", metavar="DIR", help="datastore for the rest drafters")
+    rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
+    p.add_argument("--out", default="bench-out/spec_bench", help="output directory")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=run_command)
+
+
+def parse_methods(spec: str, has_retrieval: bool) -> list[str]:
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    known = [*HF_METHODS, *REDRAFT_METHODS]
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise BenchError(f"unknown method {unknown[0]!r} (known: {', '.join(known)})")
+    if "hf-greedy" not in names:
+        names.insert(0, "hf-greedy")
+    needs_rest = [m for m in names if "rest" in REDRAFT_METHODS.get(m, "")]
+    if needs_rest and not has_retrieval:
+        raise BenchError(f"{needs_rest[0]} needs --datastore DIR or --draft-service ADDR")
+    return list(dict.fromkeys(names))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from redraft.decoder.drafters import build_drafter
+    from redraft.decoder.generate import Generator
+    from redraft.decoder.models import load_model
+    from tqdm import tqdm
+
+    if args.max_new_tokens <= 0:
+        raise BenchError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.per_category < 0:
+        raise BenchError(f"--per-category must be >= 0, got {args.per_category}")
+    names = parse_methods(args.methods, bool(args.datastore or args.draft_service))
+    questions = load_questions(args.questions, args.per_category or None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    methods: list[Method] = []
+    drafters = []
+    for name in names:
+        if name in HF_METHODS:
+            methods.append(HFMethod(name, model, tokenizer,
+                                    10 if name == "hf-pld" else None))
+            continue
+        drafter = build_drafter(REDRAFT_METHODS[name], tokenizer=tokenizer,
+                                datastore=args.datastore, draft_service=args.draft_service)
+        drafters.append(drafter)
+        methods.append(RedraftMethod(name, Generator(model, tokenizer, drafter,
+                                                     model_name=args.model or "smollm2-135m")))
+    warm_up(methods)
+    total = len(questions) * len(methods)
+    try:
+        with tqdm(total=total, desc="spec-bench", unit="answer", file=sys.stderr) as bar:
+            records = run_bench(questions, methods, model, tokenizer, args.max_new_tokens,
+                                progress=bar.update)
+    finally:
+        for d in drafters:
+            if d is not None and hasattr(d, "close"):
+                d.close()
+    summary = summarize(records)
+    meta = {"model": args.model or "smollm2-135m", "questions": len(questions),
+            "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
+            "methods": names, "datastore": args.datastore, "draft_service": args.draft_service,
+            "torch_threads": torch.get_num_threads(), "device": str(model.device)}
+    out = Path(args.out)
+    write_outputs(out, records, summary, names, meta)
+    print(markdown_table(summary, names))
+    print(f"results in {out}/ (records.jsonl, summary.json, summary.md, speedup.png)")
+    return 0

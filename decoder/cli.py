@@ -28,9 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the decoder's subcommands (generate, bench) to the `redraft` parser."""
-    from redraft.decoder import commands
+    from redraft.decoder import bench, commands
 
     commands.register(sub)
+    bench.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

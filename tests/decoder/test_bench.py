@@ -1,0 +1,106 @@
+"""The Spec-Bench runner: question selection, accounting, identity check, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from redraft.decoder.bench import (
+    CATEGORIES,
+    MULTI_TURN,
+    BenchError,
+    HFMethod,
+    Record,
+    RedraftMethod,
+    load_questions,
+    markdown_table,
+    parse_methods,
+    run_bench,
+    summarize,
+    write_outputs,
+)
+
+
+def _write_questions(path, per_cat: int = 3) -> None:
+    cats = ["writing", "coding", "translation", "summarization", "qa", "math_reasoning", "rag"]
+    with path.open("w") as f:
+        qid = 0
+        for cat in cats:
+            for _ in range(per_cat):
+                qid += 1
+                turns = [f"q{qid} first", f"q{qid} second"] if cat in ("writing", "coding") else [
+                    f"q{qid}"]
+                f.write(json.dumps({"question_id": qid, "category": cat, "turns": turns}) + "\n")
+
+
+def test_questions_grouped_into_six_categories_and_spread_evenly(tmp_path):
+    path = tmp_path / "q.jsonl"
+    _write_questions(path)
+    qs = load_questions(path, per_category=2)
+    assert [q.category for q in qs].count(MULTI_TURN) == 2
+    # MT-Bench sub-categories are spread: one writing and one coding question, not two writing.
+    assert {q.question_id for q in qs if q.category == MULTI_TURN} == {1, 4}
+    assert {q.category for q in qs} == set(CATEGORIES)
+    assert len(load_questions(path, None)) == 21
+
+
+@pytest.mark.parametrize("content", ["", "{not json}\n", '{"category": "qa"}\n'])
+def test_bad_question_files_are_one_line_errors(tmp_path, content):
+    path = tmp_path / "q.jsonl"
+    path.write_text(content)
+    with pytest.raises(BenchError):
+        load_questions(path, 10)
+    with pytest.raises(BenchError, match="not found"):
+        load_questions(tmp_path / "missing.jsonl", 10)
+
+
+def test_methods_need_a_reference_and_retrieval_for_rest():
+    assert parse_methods("redraft-pld", False) == ["hf-greedy", "redraft-pld"]
+    with pytest.raises(BenchError, match="unknown method"):
+        parse_methods("hf-greedy,medusa2", False)
+    with pytest.raises(BenchError, match="--datastore"):
+        parse_methods("redraft-default", False)
+
+
+def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
+    recs = [
+        Record(1, "translation", "hf-greedy", 0, new_tokens=100, steps=100, seconds=10.0),
+        Record(1, "translation", "redraft-pld", 0, new_tokens=100, steps=40, seconds=5.0,
+               identical=True),
+        Record(2, "qa", "hf-greedy", 0, new_tokens=50, steps=50, seconds=10.0),
+        Record(2, "qa", "redraft-pld", 0, new_tokens=50, steps=50, seconds=10.0,
+               identical=False, first_diff=7, logit_gap=2e-5),
+    ]
+    rows = {(r["method"], r["category"]): r for r in summarize(recs)["rows"]}
+    assert rows[("redraft-pld", "translation")]["speedup"] == 2.0
+    assert rows[("redraft-pld", "translation")]["tokens_per_forward"] == 2.5
+    assert rows[("redraft-pld", "overall")]["speedup"] == pytest.approx(150 / 15 / (150 / 20), abs=1e-3)
+    assert rows[("redraft-pld", "qa")]["identical"] == "0/1"
+    assert rows[("redraft-pld", "qa")]["max_gap_at_diff"] == 2e-5
+    table = markdown_table(summarize(recs), ["hf-greedy", "redraft-pld"])
+    assert "| translation | redraft-pld | 2.50 | 20.0 | 2.00× | 1/1 |" in table
+    write_outputs(tmp_path / "out", recs, summarize(recs), ["hf-greedy", "redraft-pld"], {})
+    for name in ("records.jsonl", "summary.json", "summary.md", "speedup.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_on_the_default_model_is_token_identical(default_model, tmp_path):
+    from redraft.decoder.drafters import build_drafter
+    from redraft.decoder.generate import Generator
+
+    model, tok = default_model
+    path = tmp_path / "q.jsonl"
+    _write_questions(path, per_cat=1)
+    questions = [q for q in load_questions(path, 1) if q.category in (MULTI_TURN, "translation")]
+    methods = [
+        HFMethod("hf-greedy", model, tok),
+        HFMethod("hf-pld", model, tok, prompt_lookup_num_tokens=10),
+        RedraftMethod("redraft-pld", Generator(model, tok, build_drafter("pld"))),
+    ]
+    recs = run_bench(questions, methods, model, tok, max_new_tokens=12)
+    assert len(recs) == 3 * 3  # (2 turns + 1 turn) x 3 methods
+    hf = [r for r in recs if r.method == "hf-greedy"]
+    assert all(r.identical for r in hf) and all(r.steps == r.new_tokens for r in hf)
+    for r in recs:
+        assert r.identical or (r.logit_gap is not None and r.logit_gap < 1e-3), r
