@@ -45,6 +45,9 @@ class CostModel:
     sizes: list[int]
     seconds: list[float]
     device: str = "cpu"
+    # Drafting at all must promise this much more speed: a tree forward has fixed overheads
+    # (mask, drafter call, acceptance) and calibrated probabilities are estimates.
+    min_gain: float = 0.03
 
     def __post_init__(self) -> None:
         # Timings are noisy; a cost curve that goes down with more tokens is noise, not fact.
@@ -88,6 +91,8 @@ class CostModel:
             rate = (1.0 + expected) / self.cost(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        if best_rate * self.cost(1) < 1.0 + self.min_gain:
+            return []
         return sorted(order[:best_k])
 
     def choose(self, tree: Tree, max_nodes: int | None = None) -> Tree:
@@ -174,6 +179,8 @@ class _Bins:
 
     hits: list[float]
     trials: list[float]
+    observed_hits: int = 0
+    observed_trials: int = 0
 
 
 @dataclass
@@ -182,7 +189,6 @@ class Calibrator:
 
     bins: int = 10
     prior_weight: float = 2.0
-    min_prob: float = 0.0
     _table: dict[str, _Bins] = field(default_factory=dict)
 
     def _get(self, source: str) -> _Bins:
@@ -217,10 +223,12 @@ class Calibrator:
             t = self._get(raw.sources[i])
             b = self._bin(raw.probs[i])
             t.trials[b] += 1.0
+            t.observed_trials += 1
             if i in accepted:
                 t.hits[b] += 1.0
+                t.observed_hits += 1
 
     def rate(self, source: str) -> float:
-        """Observed acceptance rate over all bins (prior included), for reports."""
+        """Observed acceptance rate of the source's verified nodes (0 before any)."""
         t = self._get(source)
-        return sum(t.hits) / sum(t.trials)
+        return t.observed_hits / t.observed_trials if t.observed_trials else 0.0

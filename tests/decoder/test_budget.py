@@ -1,0 +1,80 @@
+"""Tree budgets follow the hardware's cost curve and the drafts' calibrated probabilities."""
+
+from __future__ import annotations
+
+import json
+
+from redraft.decoder.acceptance import Acceptance
+from redraft.decoder.budget import Calibrator, CostModel
+from redraft.decoder.tree import Tree
+
+from .conftest import CPU_COST, tiny_model
+
+
+def chain(probs, source="pld") -> Tree:
+    return Tree(list(range(10, 10 + len(probs))), list(range(-1, len(probs) - 1)), list(probs),
+                [source] * len(probs))
+
+
+def test_flat_gpu_curve_drafts_more_than_steep_cpu_curve():
+    tree = chain([0.8] * 30)
+    gpu = CostModel([1, 64], [0.02, 0.021])
+    cpu = CostModel(*CPU_COST)
+    steep = CostModel([1, 2, 4, 8], [1.0, 1.5, 2.5, 4.5])
+    n_gpu, n_cpu, n_steep = (len(c.choose(tree)) for c in (gpu, cpu, steep))
+    assert n_gpu >= 20 and 0 < n_cpu < n_gpu and n_steep < n_cpu
+
+
+def test_choice_maximises_expected_tokens_per_second():
+    cpu = CostModel(*CPU_COST)
+    tree = chain([0.9, 0.9, 0.5, 0.5, 0.3, 0.3, 0.2, 0.2, 0.1])
+    pp = tree.path_probs()
+    best = max(range(len(tree) + 1), key=lambda k: (1 + sum(pp[:k])) / cpu.cost(k + 1))
+    assert len(cpu.choose(tree)) == best
+
+
+def test_hopeless_drafts_get_no_budget():
+    cpu = CostModel(*CPU_COST)
+    assert len(cpu.choose(chain([0.01] * 16))) == 0
+    assert len(cpu.choose(Tree())) == 0
+
+
+def test_cost_curve_is_monotone_and_interpolates():
+    c = CostModel([1, 4, 16], [1.0, 0.9, 3.0])  # noise made 4 look cheaper than 1
+    assert c.seconds == [1.0, 1.0, 3.0]
+    assert c.cost(10) == 2.0 and c.cost(28) == 5.0 and c.relative(16) == 3.0
+
+
+def test_calibrator_learns_that_a_source_never_hits():
+    cal = Calibrator()
+    cpu = CostModel(*CPU_COST)
+    raw = chain([0.9] * 8, source="rest")
+    assert len(cpu.choose(cal.apply(raw))) > 0
+    for _ in range(30):  # the target rejects the first node every time
+        tree = cal.apply(raw)
+        cal.observe(raw, tree, Acceptance(nodes=[], tokens=[1]))
+    assert len(cpu.choose(cal.apply(raw))) == 0
+    assert cal.rate("rest") < 0.2
+    # another source is unaffected
+    assert len(cpu.choose(cal.apply(chain([0.9] * 8, source="pld")))) > 0
+
+
+def test_calibrator_learns_a_reliable_source():
+    cal = Calibrator()
+    raw = chain([0.35] * 6)
+    for _ in range(40):
+        tree = cal.apply(raw)
+        cal.observe(raw, tree, Acceptance(nodes=list(range(6)), tokens=list(range(7))))
+    assert min(cal.apply(raw).probs) > 0.9
+
+
+def test_cost_curve_is_measured_once_and_cached(tmp_path):
+    model = tiny_model("llama")
+    curve = CostModel.for_model(model, "tiny", directory=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and curve.sizes[0] == 1 and all(s > 0 for s in curve.seconds)
+    data = json.loads(files[0].read_text())
+    data["seconds"] = [7.0] * len(data["seconds"])
+    files[0].write_text(json.dumps(data))
+    again = CostModel.for_model(model, "tiny", directory=tmp_path)
+    assert again.seconds == [7.0] * len(curve.sizes)  # read from the cache, not re-measured

@@ -1,0 +1,93 @@
+"""`redraft generate` as a user runs it: one-line errors for bad input, --json records,
+JSONL prompts with multi-turn chats, and the --baseline comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from redraft.decoder.cli import main
+
+from .conftest import CODE_PROMPTS
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "  "], "empty prompt"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+        (["--prompt", "hi", "--drafters", "pld,ngram"], "unknown drafter 'ngram'"),
+        (["--prompt", "hi", "--drafters", "medusa"], "'medusa' is not available"),
+        (["--prompt", "hi", "--drafters", "none,pld"], "cannot be combined"),
+        (["--prompt", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--prompt", "hi", "--drafters", "rest"], "needs a datastore"),
+        (["--prompt", "hi", "--datastore", "/nonexistent/ds"], "/nonexistent/ds"),
+        (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(capsys, argv, message):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("redraft generate: error:")
+    assert message in err
+
+
+def test_bad_prompt_files(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    rc, _, err = run(capsys, "--prompts", str(bad))
+    assert rc == 2 and "bad.jsonl:2: not JSON" in err
+    bad.write_text('{"question": "no prompt field"}\n')
+    rc, _, err = run(capsys, "--prompts", str(bad))
+    assert rc == 2 and "needs a 'prompt' string or a 'turns' list" in err
+    rc, _, err = run(capsys, "--prompts", str(tmp_path / "missing.jsonl"))
+    assert rc == 2 and "cannot read prompts file" in err
+
+
+def test_incompatible_datastore(capsys, tmp_path):
+    from redraft.datastore import build_datastore
+
+    path = str(tmp_path / "other")
+    build_datastore(None, path, documents=[[1, 2, 3]], fingerprint="sha256:other", vocab_size=9)
+    rc, _, err = run(capsys, "--prompt", "hi", "--datastore", path)
+    assert rc == 2 and "fingerprint" in err and err.count("\n") == 1
+
+
+def test_too_long_prompt(capsys, default_model):
+    rc, _, err = run(capsys, "--prompt", "word " * 9000, "--drafters", "none")
+    assert rc == 2 and "the model's context is 8192" in err
+
+
+def test_json_records_with_baseline(capsys, default_model, code_datastore):
+    rc, out, err = run(capsys, "--prompt", CODE_PROMPTS[0], "--max-new-tokens", "24",
+                       "--datastore", code_datastore, "--json", "--baseline", "--threads", "1")
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1
+    rec = json.loads(lines[0])
+    s = rec["stats"]
+    assert len(rec["tokens"]) == s["new_tokens"] == 24 and rec["text"]
+    assert s["steps"] <= 24 and s["tokens_per_step"] == pytest.approx(24 / s["steps"], abs=1e-3)
+    assert set(s["accepted"]) <= {"pld", "rest"} and s["seconds"] > 0
+    assert rec["baseline"]["identical"] is True
+
+
+def test_prompts_file_with_turns_streams_text(capsys, default_model, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Say hi."}) + "\n"
+                 + json.dumps({"turns": ["Name a color.", "Name another one."]}) + "\n")
+    rc, out, err = run(capsys, "--prompts", str(f), "--max-new-tokens", "12", "--threads", "1")
+    assert rc == 0, err
+    assert out.strip() and err.count("tokens in") == 2  # one stats line per prompt
+    rc, out, _ = run(capsys, "--prompts", str(f), "--max-new-tokens", "12", "--json",
+                     "--drafters", "none")
+    recs = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(recs) == 2 and len(recs[1]["turns"]) == 2
+    assert recs[1]["stats"]["new_tokens"] == sum(t["stats"]["new_tokens"] for t in recs[1]["turns"])
+    assert recs[0]["stats"]["tokens_per_step"] == 1.0
