@@ -341,34 +341,43 @@ class DraftSession:
 
     # ---- steps -------------------------------------------------------------------------
     def step(self, accepted: Sequence[int], budget: int | None = None) -> Draft:
-        """Append the tokens accepted since the last step; returns the next draft."""
+        """Append the tokens accepted since the last step; returns the next draft.
+
+        The tokens count as part of the context even when the step fails (the decoder
+        accepted them whatever the drafts did), so a later step or reconnect stays in sync.
+        After the server went away or a step timed out, the next step reopens the session
+        with the whole context (when the client was made with reconnect=True).
+        """
         accepted = _check_ids(accepted, "accepted")
         if budget is not None and (budget < 0 or budget >= 1 << 32):
             raise InvalidRequest(f"budget must be a non-negative integer, got {budget}")
-        if self._call is None:
+        if self._call is None and not (self.session_id and self.client.reconnect):
             raise ServiceError("session is not open (use it as a context manager)")
+        self.context.extend(accepted)
+        if self._call is None:
+            return self._reopen(budget)
         req = draft_pb2.SessionRequest(
             step=draft_pb2.SessionStep(accepted=accepted, budget=budget or 0)
         )
         try:
-            draft = self._exchange(req)
+            return self._exchange(req)
         except ServiceUnavailable:
             if not self.client.reconnect:
                 raise
-            # The server went away (restart, failover): reopen once with the full context.
-            self.context.extend(accepted)
-            self.reconnects += 1
-            saved = self._proto_params
-            if budget:
-                self._proto_params = draft_pb2.DraftParams()
-                self._proto_params.CopyFrom(saved)
-                self._proto_params.budget = budget
-            try:
-                return self.open()
-            finally:
-                self._proto_params = saved
-        self.context.extend(accepted)
-        return draft
+            return self._reopen(budget)  # server restarted or failed over: try once more
+
+    def _reopen(self, budget: int | None) -> Draft:
+        """Open a fresh stream with the whole context (this step's budget, if any)."""
+        self.reconnects += 1
+        saved = self._proto_params
+        if budget:
+            self._proto_params = draft_pb2.DraftParams()
+            self._proto_params.CopyFrom(saved)
+            self._proto_params.budget = budget
+        try:
+            return self.open()
+        finally:
+            self._proto_params = saved
 
     def _exchange(self, req: draft_pb2.SessionRequest) -> Draft:
         call, requests = self._call, self._requests

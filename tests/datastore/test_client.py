@@ -56,6 +56,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
+    from redraft.datastore.service_cli import TOKEN_ENV, read_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert read_token(None) is None
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert read_token(None) == "from-env"
+    f = tmp_path / "tok"
+    f.write_text("from-file\n")
+    assert read_token(str(f)) == "from-file"
+
+
 def test_bad_parameters_fail_before_the_network():
     c = DraftClient(f"127.0.0.1:{free_port()}", timeout=1)
     with pytest.raises(InvalidRequest, match="budget"):
@@ -165,9 +177,12 @@ def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, capsys):
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
             assert time.monotonic() - t0 < 2.0
+            # the next step reopens the session with every token so far, the lost one too
+            assert len(s.step(DOCS[2][23:24])) >= 0 and s.reconnects == 1
+            assert s.context_len == 24 and s.context == DOCS[2][:24]
             assert redraft_main(["stats", "--server", address]) == 0
             printed = json.loads(capsys.readouterr().out)
-            assert printed["sessions_opened"] == 1 and printed["requests"] >= 2
+            assert printed["sessions_opened"] == 2 and printed["requests"] >= 3
 
             # steps keep flowing while SIGTERM arrives: each one is answered or refused as
             # UNAVAILABLE, never anything else, and the server exits 0
