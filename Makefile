@@ -46,6 +46,23 @@ $(STDLIB_DS)/datastore.lmdb: $(STAMP)
 		--exclude '*/site-packages/*' --exclude '*/dist-packages/*' --skip-bad \
 		"$$STDLIB/**/*.py"
 
+# The demo: build the standard-library datastore, serve it, answer a few code-writing
+# prompts with the default model (PLD + retrieval from the service), print each answer and
+# the measured speed-up over plain decoding, and stop the service whatever happens.
+DEMO_PORT ?= 50151
+demo: install $(STDLIB_DS)/datastore.lmdb
+	@set -e; \
+	$(VENV)/bin/redraft serve --datastore $(STDLIB_DS) --port $(DEMO_PORT) & SERVE=$$!; \
+	trap 'kill $$SERVE 2>/dev/null || true; wait $$SERVE 2>/dev/null || true' EXIT INT TERM; \
+	for i in $$(seq 1 120); do \
+		$(VENV)/bin/redraft stats --server 127.0.0.1:$(DEMO_PORT) >/dev/null 2>&1 && break; \
+		kill -0 $$SERVE 2>/dev/null || { echo "demo: draft service did not start" >&2; exit 1; }; \
+		sleep 0.5; \
+	done; \
+	$(VENV)/bin/redraft generate --prompts tools/demo_prompts.jsonl \
+		--draft-service 127.0.0.1:$(DEMO_PORT) --drafters pld,rest \
+		--max-new-tokens 128 --threads 1 --baseline
+
 # The datastore benchmark (builds its own held-out datastores under bench-out/).
 bench-datastore: install
 	$(PY) tools/bench_datastore.py --out bench-out/datastore
