@@ -16,6 +16,7 @@ map it without locks and keep their snapshot while it is replaced.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import shutil
@@ -178,6 +179,7 @@ class _StoreWriter:
         m = self.manifest
         m["n_shards"] = len(m["shards"])
         _recount(m, self._doc_lengths, self.deleted)
+        self._record_offsets()
         checks = {}
         with self.env.begin(write=True) as txn:
             for name, bm in self.corpora.items():
@@ -192,6 +194,36 @@ class _StoreWriter:
         self.env.sync(True)
         self.env.close()
         return m
+
+    def _record_offsets(self) -> None:
+        """File offset of every array stored in overflow pages (None for small inline ones).
+
+        py-lmdb touches every page of a value it returns (so that later reads never fault
+        with the GIL held); for arrays of gigabytes that would make opening O(size). Readers
+        therefore map these arrays themselves at the offsets recorded here. Overflow pages
+        are never moved by later transactions, so the offsets stay valid.
+        """
+        psize = self.env.stat()["psize"]
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            with self.env.begin(buffers=True) as txn:
+                for sh in self.manifest["shards"]:
+                    offsets = {}
+                    for what in fmt.SHARD_ARRAYS:
+                        view = np.frombuffer(txn.get(fmt.shard_key(sh["id"], what)), np.uint8)
+                        addr = view.ctypes.data
+                        head = ctypes.string_at(addr - fmt.PAGE_HEADER, fmt.PAGE_HEADER)
+                        pgno = int.from_bytes(head[:8], "little")
+                        off = pgno * psize + fmt.PAGE_HEADER
+                        probe = fmt.PAGE_HEADER + min(len(view), 64)
+                        ok = (fmt.overflow_header_ok(head, off, len(view), psize)
+                              and off + len(view) <= os.fstat(fd).st_size
+                              and os.pread(fd, probe, off - fmt.PAGE_HEADER)
+                              == ctypes.string_at(addr - fmt.PAGE_HEADER, probe))
+                        offsets[what] = off if ok else None
+                    sh["offsets"] = offsets
+        finally:
+            os.close(fd)
 
     def _doc_lengths(self, shard: dict) -> np.ndarray:
         with self.env.begin(buffers=True) as txn:

@@ -47,6 +47,21 @@ SHARD_ARRAYS = ("tokens", "sa", "docs", "bucket")
 MAX_SHARD_LEN = (1 << 30) - 1
 
 
+# LMDB stores a large value in "overflow" pages: a 16-byte page header (page number u64,
+# pad u16, flags u16, page count u32) followed by the value's bytes, contiguous in the file.
+PAGE_HEADER = 16
+P_OVERFLOW = 0x04
+
+
+def overflow_header_ok(header: bytes, offset: int, size: int, psize: int) -> bool:
+    """Whether `header` is the LMDB overflow-page header of a `size`-byte value at `offset`."""
+    if len(header) != PAGE_HEADER or offset < PAGE_HEADER:
+        return False
+    pgno, _, flags, pages = struct.unpack("<QHHI", header)
+    return (bool(flags & P_OVERFLOW) and pgno * psize == offset - PAGE_HEADER
+            and pages * psize >= size + PAGE_HEADER)
+
+
 def shard_key(shard: int, what: str) -> bytes:
     return f"shard/{shard:06d}/{what}".encode()
 

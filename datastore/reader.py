@@ -13,6 +13,7 @@ does), so a 16-token context costs about 4 probes instead of 15.
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import zlib
@@ -138,6 +139,35 @@ class Reader:
                 f"{self.file}: {key.decode()} has {len(buf)} bytes, the manifest says {size}")
         return buf
 
+    def _map_file(self) -> None:
+        """Our own read-only map of the same file the environment has open."""
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._env_key[1:]:
+                raise DatastoreError(f"{self.file}: replaced while opening; open it again")
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if st.st_size else None
+            self._mv = memoryview(self._mm) if self._mm is not None else memoryview(b"")
+        finally:
+            os.close(fd)
+
+    def _array(self, shard: dict, what: str, size: int):
+        """A zero-copy view of one shard array: mapped at its recorded offset when it lives
+        in LMDB overflow pages (checked against the page header), else read through LMDB."""
+        key = fmt.shard_key(shard["id"], what)
+        off = (shard.get("offsets") or {}).get(what)
+        if off is None:
+            return self._get(key, size)
+        with self._txn.cursor() as cur:  # positioning does not touch the value's pages
+            if not cur.set_key(key):
+                raise DatastoreCorrupt(f"{self.file}: missing {key.decode()}")
+        off = int(off)
+        head = self._mv[off - fmt.PAGE_HEADER:off].tobytes() if off >= fmt.PAGE_HEADER else b""
+        if off + size > len(self._mv) or not fmt.overflow_header_ok(head, off, size,
+                                                                     self._psize):
+            raise DatastoreCorrupt(f"{self.file}: {key.decode()} is not where the manifest says")
+        return self._mv[off:off + size]
+
     def _load(self) -> None:
         m = self.manifest
         try:
@@ -152,15 +182,17 @@ class Reader:
             raise DatastoreCorrupt(f"{self.file}: manifest lacks {exc}") from exc
         self._dtype = dtype
         self._be = dtype.newbyteorder(">")
+        self._psize = self._env.stat()["psize"]
+        self._map_file()
         self.deleted = BitMap.deserialize(bytes(self._get(fmt.KEY_DELETED)))
         gone = np.asarray(self.deleted.to_array(), dtype=np.int64)
         self._shards: list[_Shard] = []
         self._by_corpus: dict[str, list[_Shard]] = {}
         for sm in shards:
-            i, n = sm["id"], sm["length"]
+            n = sm["length"]
             sizes = {"tokens": n * dtype.itemsize, "sa": n * 4, "docs": (sm["n_docs"] + 1) * 4,
                      "bucket": (self.vocab_size + 2) * 4}
-            arrays = {w: self._get(fmt.shard_key(i, w), sizes[w]) for w in fmt.SHARD_ARRAYS}
+            arrays = {w: self._array(sm, w, sizes[w]) for w in fmt.SHARD_ARRAYS}
             lo = sm["first_doc"]
             mine = gone[(gone >= lo) & (gone < lo + sm["n_docs"])]
             mask = None
@@ -201,6 +233,15 @@ class Reader:
         txn = getattr(self, "_txn", None)
         if txn is not None:
             txn.abort()
+        mv, mm = getattr(self, "_mv", None), getattr(self, "_mm", None)
+        self._mv = self._mm = None
+        try:
+            if mv is not None:
+                mv.release()
+            if mm is not None:
+                mm.close()
+        except BufferError:
+            pass  # a view still exported somewhere: the map goes when that view does
         fmt.release_env(self._env_key)
 
     def __enter__(self) -> Reader:
@@ -214,9 +255,13 @@ class Reader:
 
     def verify(self) -> None:
         """Check every array and bitmap against the manifest's crc32 (reads the whole file)."""
+        w = self._dtype.itemsize
         for sm in self.manifest["shards"]:
+            n = sm["length"]
+            sizes = {"tokens": n * w, "sa": n * 4, "docs": (sm["n_docs"] + 1) * 4,
+                     "bucket": (self.vocab_size + 2) * 4}
             for what, want in sm["crc32"].items():
-                if fmt.crc32(self._get(fmt.shard_key(sm["id"], what))) != want:
+                if fmt.crc32(self._array(sm, what, sizes[what])) != want:
                     raise DatastoreCorrupt(
                         f"{self.file}: checksum mismatch in shard {sm['id']} {what}")
         for key, want in self.manifest.get("checksums", {}).items():

@@ -204,3 +204,19 @@ def test_bytes_per_token(make_store):
     path = make_store(docs, vocab=1000)
     size = os.path.getsize(path / fmt.DATA_FILE)
     assert size / 300_000 <= 6.2
+
+
+def test_large_arrays_are_mapped_at_recorded_offsets(make_store):
+    """Readers map big arrays themselves (LMDB's get would page in every byte on open)."""
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(0, 300, size=2000).tolist() for _ in range(20)]
+    path = make_store(docs, vocab=300)
+    data = (path / fmt.DATA_FILE).read_bytes()
+    with Reader(path) as r:
+        (sm,) = r.manifest["shards"]
+        (sh,) = r._shards
+        for what, arr in (("tokens", sh.tokens), ("sa", sh.sa), ("bucket", sh.bucket)):
+            off = sm["offsets"][what]
+            assert isinstance(off, int) and off % 4096 == fmt.PAGE_HEADER
+            assert data[off:off + arr.nbytes] == arr.tobytes()
+        assert sm["offsets"]["docs"] is None  # 21 offsets: small enough to live inline
