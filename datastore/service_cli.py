@@ -112,7 +112,9 @@ def read_token(path: str | None) -> str | None:
 
 
 def _announce(line: str) -> None:
-    print(line, flush=True)
+    """One write per line: several workers share stdout, and print() may split a line."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 def _worker(datastore: str, host: str, port: int, config: ServiceConfig,

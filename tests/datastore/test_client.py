@@ -124,7 +124,7 @@ def test_session_without_reconnect_reports_shutdown(reader):
 
 def start_serve(store: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     """`redraft serve` as a subprocess in its own process group; returns it once every
-    worker announced its address (or fails within 60 s, never hangs)."""
+    worker announced its address (or fails within 30 s, never hangs)."""
     workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
     proc = subprocess.Popen(
         [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store, *extra],
@@ -137,7 +137,7 @@ def start_serve(store: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     addresses: list[str] = []
     while len(addresses) < workers:
         try:
-            line = lines.get(timeout=60)
+            line = lines.get(timeout=30)
         except queue.Empty:
             line = ""
         if not line:
