@@ -1,0 +1,222 @@
+"""Benchmark of the draft service over loopback: one-session step latency, then many
+concurrent sessions (throughput, p99, health answering, server memory).
+
+The server is a real `redraft serve` subprocess; clients replay held-out code (this
+project's own sources, which are not in the standard-library datastore) as a decoder
+would: open a session with a prompt, then send 1-4 "accepted" tokens per step.
+
+    python tools/bench_service.py --datastore data/stdlib
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redraft.datastore.client import DraftClient, DraftParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def held_out_tokens(tokenizer_name: str) -> list[list[int]]:
+    """Token ids of this repository's Python sources (code the datastore has never seen)."""
+    from redraft.datastore.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_name)
+    files = sorted(glob.glob(os.path.join(ROOT, "datastore", "*.py"))
+                   + glob.glob(os.path.join(ROOT, "decoder", "*.py")))
+    out = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            ids = tok(f.read(), add_special_tokens=False)["input_ids"]
+        if len(ids) > 400:
+            out.append(ids)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def run_session(address: str, docs: list[list[int]], fp: str, params: DraftParams, seed: int,
+                until: float, max_steps: int, own: bool = False) -> dict:
+    """Replay documents as one decoder would; returns step latencies (s) and tree sizes."""
+    rng = random.Random(seed)
+    lat: list[float] = []
+    nodes = hits = 0
+    with DraftClient(address, timeout=10, own_connection=own) as c:
+        while time.monotonic() < until and len(lat) < max_steps:
+            doc = docs[rng.randrange(len(docs))]
+            start = rng.randrange(0, len(doc) - 300)
+            pos = start + 128
+            with c.session(doc[start:pos], params, fp) as s:
+                while pos < len(doc) - 4 and time.monotonic() < until and len(lat) < max_steps:
+                    k = rng.choice((1, 1, 2, 2, 3, 4))
+                    t0 = time.perf_counter()
+                    d = s.step(doc[pos : pos + k])
+                    lat.append(time.perf_counter() - t0)
+                    nodes += len(d)
+                    hits += len(d) > 0
+                    pos += k
+    return {"lat": lat, "nodes": nodes, "hits": hits}
+
+
+def _client_proc(args: tuple) -> dict:
+    address, docs, fp, params, seeds, until = args
+    results: list[dict] = []
+
+    def one(seed: int) -> None:
+        results.append(run_session(address, docs, fp, params, seed, until, 10**9, own=True))
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lat = [x for r in results for x in r["lat"]]
+    return {"lat": lat, "nodes": sum(r["nodes"] for r in results)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(proc: psutil.Process) -> float:
+    procs = [proc] + proc.children(recursive=True)
+    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--datastore", default=os.path.join(ROOT, "data", "stdlib"))
+    ap.add_argument("--workers", type=int, default=1, help="server processes")
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3000, help="steps of the one-session phase")
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=15.0, help="concurrent phase length")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", args.datastore,
+         "--port", str(port), "--workers", str(args.workers), "--max-budget",
+         str(max(1024, args.budget))],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        for _ in range(args.workers):
+            if "listening" not in server.stdout.readline():
+                raise SystemExit("server did not start")
+        client = DraftClient(address)
+        info = client.info()
+        docs = held_out_tokens(info.tokenizer_name)
+        params = DraftParams(budget=args.budget, max_depth=args.depth)
+        ps = psutil.Process(server.pid)
+        report: dict = {"datastore_tokens": info.n_tokens, "workers": args.workers,
+                        "budget": args.budget, "depth": args.depth,
+                        "held_out_tokens": sum(map(len, docs))}
+
+        # warm-up, then one session stepping as fast as it can
+        run_session(address, docs, info.tokenizer_fingerprint, params, 0, time.monotonic() + 2,
+                    300)
+        one = run_session(address, docs, info.tokenizer_fingerprint, params, 1,
+                          time.monotonic() + 120, args.steps)
+        lat_ms = [x * 1e3 for x in one["lat"]]
+        report["one_session"] = {
+            "steps": len(lat_ms), "median_ms": statistics.median(lat_ms),
+            "p90_ms": pct(lat_ms, 0.9), "p99_ms": pct(lat_ms, 0.99),
+            "mean_nodes": one["nodes"] / len(lat_ms), "hit_rate": one["hits"] / len(lat_ms),
+        }
+
+        # many sessions from several client processes; health probed meanwhile
+        rss_before = rss_mib(ps)
+        until = time.monotonic() + args.seconds
+        per = [list(range(100 + i, 100 + args.sessions, args.client_procs))
+               for i in range(args.client_procs)]
+        health_ms: list[float] = []
+        health_fail = 0
+        rss_samples: list[float] = []
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(args.client_procs) as pool:
+            job = pool.map_async(_client_proc, [
+                (address, docs, info.tokenizer_fingerprint, params, seeds, until) for seeds in per
+            ])
+            with grpc.insecure_channel(address) as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                while not job.ready():
+                    t0 = time.perf_counter()
+                    try:
+                        r = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                        health_fail += r.status != health_pb2.HealthCheckResponse.SERVING
+                    except grpc.RpcError:
+                        health_fail += 1
+                    health_ms.append((time.perf_counter() - t0) * 1e3)
+                    rss_samples.append(rss_mib(ps))
+                    time.sleep(0.2)
+            results = job.get()
+        lat_ms = [x * 1e3 for r in results for x in r["lat"]]
+        st = client.stats()
+        report["concurrent"] = {
+            "sessions": args.sessions, "seconds": args.seconds, "steps": len(lat_ms),
+            "steps_per_s": len(lat_ms) / args.seconds, "median_ms": statistics.median(lat_ms),
+            "p99_ms": pct(lat_ms, 0.99),
+            "health_checks": len(health_ms), "health_failures": health_fail,
+            "health_max_ms": max(health_ms) if health_ms else None,
+            "server_rss_mib_before": rss_before,
+            "server_rss_mib_max": max(rss_samples) if rss_samples else None,
+            "server_rss_mib_after": rss_mib(ps),
+            # RSS at each quarter of the run: flat once every session is open
+            "server_rss_mib_quarters": [rss_samples[min(len(rss_samples) - 1,
+                                                        q * len(rss_samples) // 4)]
+                                        for q in range(1, 5)] if rss_samples else [],
+        }
+        report["server_stats"] = {k: st[k] for k in ("requests", "hit_rate", "mean_nodes",
+                                                     "latency_p50_us", "latency_p99_us",
+                                                     "errors")}
+        client.close()
+    finally:
+        server.terminate()
+        code = server.wait(30)
+    report["server_exit_code"] = code
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        o, c = report["one_session"], report["concurrent"]
+        print(f"datastore {report['datastore_tokens']:,} tokens, server workers "
+              f"{args.workers}, budget {args.budget}, depth {args.depth}")
+        print(f"one session: {o['steps']} steps, median {o['median_ms']:.3f} ms, "
+              f"p90 {o['p90_ms']:.3f} ms, p99 {o['p99_ms']:.3f} ms, "
+              f"{o['mean_nodes']:.1f} nodes/tree, hit rate {o['hit_rate']:.2f}")
+        print(f"{c['sessions']} sessions: {c['steps_per_s']:.0f} steps/s, median "
+              f"{c['median_ms']:.2f} ms, p99 {c['p99_ms']:.2f} ms; health {c['health_checks']} "
+              f"checks, {c['health_failures']} failed, max {c['health_max_ms']:.1f} ms")
+        quarters = " / ".join(f"{x:.0f}" for x in c["server_rss_mib_quarters"])
+        print(f"server RSS {c['server_rss_mib_before']:.0f} MiB before, {quarters} MiB at each "
+              f"quarter of the run, {c['server_rss_mib_after']:.0f} MiB after")
+        print(f"server-side drafting: p50 {report['server_stats']['latency_p50_us']:.0f} us, "
+              f"p99 {report['server_stats']['latency_p99_us']:.0f} us; exit {code}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
