@@ -42,10 +42,11 @@ class _Shard:
     """Views of one shard's arrays and the search primitives over them."""
 
     __slots__ = ("id", "corpus", "first_doc", "n_docs", "length", "width", "tokens",
-                 "tok_bytes", "sa", "sa_mv", "docs", "bucket", "bucket_mv", "deleted")
+                 "tok_bytes", "src", "base", "sa", "sa_mv", "docs", "bucket", "bucket_mv",
+                 "deleted")
 
     def __init__(self, meta: dict, arrays: dict, dtype: np.dtype,
-                 deleted: np.ndarray | None) -> None:
+                 deleted: np.ndarray | None, mapped: tuple | None = None) -> None:
         self.id = meta["id"]
         self.corpus = meta["corpus"]
         self.first_doc = meta["first_doc"]
@@ -61,6 +62,25 @@ class _Shard:
         self.sa_mv = arrays["sa"].cast("I") if _LITTLE else self.sa.tolist()
         self.bucket_mv = arrays["bucket"].cast("I") if _LITTLE else self.bucket.tolist()
         self.deleted = deleted  # bool per local doc, None when nothing here is deleted
+        # Slicing an mmap yields bytes in one step (a memoryview needs a second, .tobytes()).
+        self.src, self.base = mapped if mapped is not None else (None, 0)
+
+    def _key(self, nb: int):
+        """p -> the nb bytes of the suffix at token position p (what bisect compares)."""
+        w, base = self.width, self.base
+        if self.src is not None:
+            src = self.src
+
+            def k(p: int) -> bytes:
+                s = base + p * w
+                return src[s:s + nb]
+        else:
+            tb = self.tok_bytes
+
+            def k(p: int) -> bytes:
+                s = p * w
+                return tb[s:s + nb].tobytes()
+        return k
 
     def lower(self, key: bytes, t0: int) -> tuple[int, int, bool]:
         """(first SA index >= key, end of key's first-token bucket, whether key occurs)."""
@@ -68,24 +88,13 @@ class _Shard:
         hi = self.bucket_mv[t0 + 1]
         if lo == hi:
             return lo, hi, False
-        tb, w, nb = self.tok_bytes, self.width, len(key)
-
-        def k(p: int) -> bytes:
-            s = p * w
-            return tb[s:s + nb].tobytes()
-
+        k = self._key(len(key))
         i = bisect_left(self.sa_mv, key, lo, hi, key=k)
         return i, hi, i < hi and k(self.sa_mv[i]) == key
 
     def upper(self, key: bytes, lo: int, hi: int) -> int:
         """First SA index in [lo, hi) whose suffix is past every suffix starting with key."""
-        tb, w, nb = self.tok_bytes, self.width, len(key)
-
-        def k(p: int) -> bytes:
-            s = p * w
-            return tb[s:s + nb].tobytes()
-
-        return bisect_right(self.sa_mv, key, lo, hi, key=k)
+        return bisect_right(self.sa_mv, key, lo, hi, key=self._key(len(key)))
 
     def allowed(self, positions: np.ndarray) -> np.ndarray:
         """Mask of positions that lie in documents not deleted."""
@@ -199,7 +208,9 @@ class Reader:
             if len(mine):
                 mask = np.zeros(sm["n_docs"], dtype=bool)
                 mask[mine - lo] = True
-            sh = _Shard(sm, arrays, dtype, mask)
+            off = (sm.get("offsets") or {}).get("tokens")
+            mapped = (self._mm, int(off)) if off is not None and self._mm is not None else None
+            sh = _Shard(sm, arrays, dtype, mask, mapped)
             self._shards.append(sh)
             self._by_corpus.setdefault(sh.corpus, []).append(sh)
 
