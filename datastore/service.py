@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redraft.datastore.draft import PLD, REST, Draft
 from redraft.datastore.errors import DatastoreError, RedraftError
-from redraft.datastore.merge import merge_drafts, select_top
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts, select_top
 from redraft.datastore.pld import PromptLookup
 from redraft.datastore.service_stats import ServiceStats
 from redraft.proto import draft_pb2, draft_pb2_grpc
@@ -57,6 +57,8 @@ class ServiceConfig:
     default_min_match: int = 2  # REST; PLD's own default is PromptLookup's
     default_max_match: int = 16
     grace_s: float = 5.0  # how long in-flight calls may finish after SIGTERM
+    # REST probabilities p become scale * p**power (merge.REST_CALIBRATION; (1, 1) = raw)
+    rest_calibration: tuple[float, float] = REST_CALIBRATION
     token: str | None = None  # shared secret expected as "authorization: Bearer <token>"
 
 
@@ -195,7 +197,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             except DatastoreError as exc:
                 raise _bad(str(exc)) from exc
             rest_match = rest.match_len
-            drafts.append(rest)
+            drafts.append(calibrate(rest, *self.config.rest_calibration))
         if pld is not None:
             d = pld.propose(budget=budget, max_depth=p.max_depth)
             pld_match = d.match_len

@@ -57,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"default tree budget (default {d.default_budget})")
     p.add_argument("--depth", type=int, default=d.default_depth,
                    help=f"default tree depth (default {d.default_depth})")
+    p.add_argument("--rest-calibration", default=",".join(f"{x:g}" for x in d.rest_calibration),
+                   metavar="SCALE,POWER",
+                   help="map retrieval probabilities p to SCALE*p**POWER so they compare "
+                   "with prompt lookup's (default %(default)s; 1,1 = raw)")
     p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
                    help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
     p.set_defaults(func=run)
@@ -83,7 +87,15 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     for path in (args.tls_cert, args.tls_key):
         if path and not os.path.isfile(path):
             raise RedraftError(f"TLS file not found: {path}")
+    try:
+        scale, power = (float(x) for x in args.rest_calibration.split(","))
+    except ValueError:
+        raise RedraftError(
+            f"--rest-calibration takes SCALE,POWER, got {args.rest_calibration!r}") from None
+    if not (0 < scale <= 1 and power > 0):
+        raise RedraftError("--rest-calibration needs 0 < SCALE <= 1 and POWER > 0")
     return ServiceConfig(
+        rest_calibration=(scale, power),
         max_context_len=args.max_context,
         max_budget=args.max_budget,
         max_depth=args.max_depth,

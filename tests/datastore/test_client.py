@@ -25,7 +25,7 @@ from redraft.datastore.client import (
     InvalidRequest,
     ServiceUnavailable,
 )
-from redraft.datastore.merge import merge_drafts
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
 from redraft.datastore.pld import prompt_lookup
 from redraft.datastore.service import ServerThread
 from redraft.decoder.cli import main as redraft_main
@@ -101,7 +101,8 @@ def test_session_reopens_after_a_server_restart(reader):
             d = s.step(DOCS[0][32:34])
             assert s.reconnects == 1
             ctx = prompt + more
-            want = merge_drafts([reader.propose(ctx, budget=16), prompt_lookup(ctx, 16)], 16)
+            rest = calibrate(reader.propose(ctx, budget=16), *REST_CALIBRATION)
+            want = merge_drafts([rest, prompt_lookup(ctx, 16)], 16)
             assert d.tokens == want.tokens and d.parents == want.parents
             assert s.context_len == len(ctx)
             assert len(s.step(DOCS[0][34:35])) > 0
@@ -266,6 +267,9 @@ def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
     assert redraft_main(["serve", "--datastore", store, "--max-budget", "0"]) == 2
     assert "--max-budget must be positive" in capsys.readouterr().err
     assert redraft_main(["serve", "--datastore", store, "--tls-cert", "x.pem"]) == 2
+    assert redraft_main(["serve", "--datastore", store, "--rest-calibration", "2,1"]) == 2
+    assert redraft_main(["serve", "--datastore", store, "--rest-calibration", "x"]) == 2
+    assert "SCALE,POWER" in capsys.readouterr().err
     assert redraft_main(["serve", "--datastore", store, "--workers", "2", "--port", "0"]) == 2
     empty = tmp_path / "token"
     empty.write_text("\n")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from redraft.datastore.draft import PLD, REST, Draft
-from redraft.datastore.merge import merge_drafts, select_top
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts, select_top
 
 
 def paths(draft):
@@ -51,3 +51,12 @@ def test_select_top_is_a_closed_tree_under_ties():
     d = Draft([1, 2, 3, 4], [-1, 0, 1, 2], [1.0, 1.0, 1.0, 1.0], [REST] * 4)
     s = select_top(d, 2)
     assert paths(s) == [(1,), (1, 2)]
+
+
+def test_calibration_maps_probs_and_keeps_the_tree():
+    d = calibrate(REST_D, 0.5, 2.0)
+    assert d.tokens == REST_D.tokens and d.parents == REST_D.parents
+    assert d.probs == [0.5 * p * p for p in REST_D.probs]
+    assert calibrate(REST_D, 1.0, 1.0) is REST_D
+    scale, power = REST_CALIBRATION
+    assert all(0 < scale * p**power <= p for p in (0.05, 0.5, 1.0))

@@ -23,7 +23,7 @@ from redraft.datastore.client import (
     InvalidRequest,
     LimitExceeded,
 )
-from redraft.datastore.merge import merge_drafts
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
 from redraft.datastore.pld import PromptLookup, prompt_lookup
 from redraft.datastore.service import ServerThread, ServiceConfig, TLSFiles
 from redraft.proto import draft_pb2, draft_pb2_grpc
@@ -85,13 +85,17 @@ def same_tree(got, want) -> None:
     assert got.match_len == want.match_len
 
 
+def rest_draft(reader, ctx, **kw):
+    """The Reader's tree with the service's default calibration of REST probabilities."""
+    return calibrate(reader.propose(ctx, **kw), *REST_CALIBRATION)
+
+
 def local_draft(reader, ctx, pl: PromptLookup | None, budget=64, depth=16, corpora=None,
                 sources=("rest", "pld")):
     """What the service should answer, computed in-process with the same components."""
     drafts = []
     if "rest" in sources:
-        drafts.append(reader.propose(ctx, budget=budget, max_depth=depth, max_match_len=16,
-                                     min_match_len=2, corpora=corpora))
+        drafts.append(rest_draft(reader, ctx, budget=budget, max_depth=depth, corpora=corpora))
     if "pld" in sources:
         drafts.append(pl.propose(budget, depth) if pl else prompt_lookup(ctx, budget, depth))
     return merge_drafts(drafts, budget)
@@ -112,12 +116,23 @@ def test_propose_equals_in_process_reader(client, reader):
     for doc in (DOCS_A[3], DOCS_B[5]):
         ctx = doc[:40]
         rest = client.propose(ctx, DraftParams(budget=32, sources=["rest"]))
-        same_tree(rest, reader.propose(ctx, budget=32, max_depth=16))
+        same_tree(rest, rest_draft(reader, ctx, budget=32, max_depth=16))
         assert len(rest) > 0 and set(rest.sources) == {"rest"}
         both = client.propose(ctx, DraftParams(budget=24, max_depth=8))
         same_tree(both, local_draft(reader, ctx, None, budget=24, depth=8))
         only_b = client.propose(ctx, DraftParams(budget=16, sources=["rest"], corpora=["b"]))
-        same_tree(only_b, reader.propose(ctx, budget=16, corpora=["b"]))
+        same_tree(only_b, rest_draft(reader, ctx, budget=16, corpora=["b"]))
+
+
+def test_uncalibrated_server_returns_the_readers_own_trees(reader):
+    config = ServiceConfig(rest_calibration=(1.0, 1.0))
+    with ServerThread(reader, config=config) as srv, DraftClient(srv.address) as c:
+        ctx = DOCS_A[9][:30]
+        same_tree(c.propose(ctx, DraftParams(budget=20, sources=["rest"])),
+                  reader.propose(ctx, budget=20))
+        with c.session(ctx, DraftParams(budget=20, max_depth=6, sources=["rest"]), FP) as s:
+            same_tree(s.step(DOCS_A[9][30:33]), reader.propose(DOCS_A[9][:33], budget=20,
+                                                                max_depth=6))
 
 
 def test_session_steps_equal_in_process_drafts(client, reader):
