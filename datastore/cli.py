@@ -163,8 +163,8 @@ def cmd_query(args: argparse.Namespace) -> int:
     depth: list[int] = []
     for i, (t, p, pr) in enumerate(zip(d.tokens, d.parents, d.probs)):
         depth.append(0 if p < 0 else depth[p] + 1)
-        label = repr(pieces[i]) if pieces is not None else ""
-        print(f"{i:4d} {'  ' * depth[i]}{t:>6} {label}  p={pr:.3f} parent={p}")
+        label = repr(pieces[i]) if pieces is not None else str(t)
+        print(f"{i:4d}  p={pr:.3f}  {'  ' * depth[i]}{label}  (id {t}, parent {p})")
     return 0
 
 
