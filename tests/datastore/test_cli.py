@@ -157,3 +157,23 @@ def test_real_process_prints_no_traceback(tmp_path):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [
         f"redraft query: error: {tmp_path / 'missing'}: no such datastore"]
+
+
+def test_wrong_magic_or_version_is_one_line(tmp_path, capsys):
+    import lmdb
+
+    for what in ("magic", "version"):
+        out = tmp_path / what
+        build_datastore(None, out, documents=[[1, 2, 3]], fingerprint="f", vocab_size=8)
+        env = lmdb.open(str(out / fmt.DATA_FILE), subdir=False, lock=False)
+        with env.begin(write=True) as txn:
+            if what == "magic":
+                txn.put(fmt.KEY_MAGIC, b"not-a-datastore")
+            else:
+                m = json.loads(bytes(txn.get(fmt.KEY_MANIFEST)))
+                m["version"] = 99
+                fmt.write_header(txn, m)
+        env.close()
+        match = "wrong magic" if what == "magic" else "format version 99"
+        fails(capsys, "stats", out, match=match)
+        fails(capsys, "query", "--datastore", out, "--tokens", "1", match=match)
