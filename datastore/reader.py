@@ -135,6 +135,9 @@ class Reader:
         except lmdb.Error as exc:
             self.close()
             raise DatastoreCorrupt(f"{self.file}: damaged index ({exc})") from exc
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            self.close()  # a manifest whose checksum holds but whose fields do not fit
+            raise DatastoreCorrupt(f"{self.file}: inconsistent manifest ({exc!r})") from exc
         except BaseException:
             self.close()
             raise

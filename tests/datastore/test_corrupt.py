@@ -110,3 +110,16 @@ def test_checksum_mismatch_in_a_bitmap(make_store):
     _rewrite(store, lambda txn: txn.put(fmt.corpus_key("a"), BitMap([0]).serialize()))
     with pytest.raises(DatastoreCorrupt, match="checksum mismatch in corpus/a"):
         Reader(store, verify=True)
+
+
+def test_manifest_with_inconsistent_fields(store):
+    import json
+
+    def damage(txn):
+        m = json.loads(bytes(txn.get(fmt.KEY_MANIFEST)))
+        m["shards"][0]["length"] = "many"
+        fmt.write_header(txn, m)
+
+    _rewrite(store, damage)
+    with pytest.raises(DatastoreCorrupt, match="inconsistent manifest"):
+        Reader(store)
