@@ -201,6 +201,8 @@ class Reader:
         self._shards: list[_Shard] = []
         self._by_corpus: dict[str, list[_Shard]] = {}
         for sm in shards:
+            for field in ("id", "length", "n_docs", "first_doc"):
+                sm[field] = int(sm[field])
             n = sm["length"]
             sizes = {"tokens": n * dtype.itemsize, "sa": n * 4, "docs": (sm["n_docs"] + 1) * 4,
                      "bucket": (self.vocab_size + 2) * 4}
