@@ -19,6 +19,15 @@ from redraft.datastore.draft import PLD, Draft
 from redraft.datastore.merge import take_top
 
 
+def _key(toks: list[int], end: int, n: int) -> int:
+    """An int key for the n-gram ending at `end` (a hash: a third of a tuple's memory).
+
+    A collision only proposes a candidate; its true match length is measured on the
+    tokens themselves, so a colliding n-gram can never be reported as a longer match.
+    """
+    return toks[end] if n == 1 else hash(tuple(toks[end + 1 - n : end + 1]))
+
+
 @dataclass(frozen=True)
 class _Occurrence:
     end: int  # index of the last token of the matched n-gram in the context
@@ -65,8 +74,8 @@ class PromptLookup:
         long_level = min(max_ngram, max(min_ngram, 4))
         self.levels: tuple[int, ...] = tuple(sorted({min_ngram, long_level}, reverse=True))
         self.tokens: list[int] = []
-        # level n -> n-gram -> end positions in increasing order
-        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.levels}
+        # level n -> key of an n-gram -> end positions in increasing order
+        self._index: dict[int, dict[int, list[int]]] = {n: {} for n in self.levels}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -80,7 +89,7 @@ class PromptLookup:
             end = len(toks) - 1
             for n in self.levels:
                 if end + 1 >= n:
-                    index[n].setdefault(tuple(toks[end + 1 - n :]), []).append(end)
+                    index[n].setdefault(_key(toks, end, n), []).append(end)
 
     def _match_len(self, end: int) -> int:
         """Length of the common suffix of context[:end+1] and the whole context (capped)."""
@@ -99,7 +108,7 @@ class PromptLookup:
         for n in self.levels:
             if last + 1 < n or len(found) >= self.max_occurrences:
                 continue
-            ends = self._index[n].get(tuple(toks[last + 1 - n :]))
+            ends = self._index[n].get(_key(toks, last, n))
             if not ends:
                 continue
             scanned = 0

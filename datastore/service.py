@@ -46,10 +46,12 @@ _SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD}
 class ServiceConfig:
     """Limits and defaults of one server. Every limit is enforced, never just advertised."""
 
-    max_context_len: int = 1 << 20  # tokens a session may hold
+    # A session costs ~300 bytes per context token (context + prompt-lookup index), so the
+    # worst case is about max_sessions * max_context_len * 300 B (64 * 128 Ki: ~2.5 GB).
+    max_context_len: int = 1 << 17  # tokens a session may hold
     max_budget: int = 1024  # nodes per tree a client may ask for
     max_depth: int = 128
-    max_sessions: int = 256
+    max_sessions: int = 64
     idle_timeout_s: float = 300.0
     max_message_bytes: int = 16 << 20
     default_budget: int = 64
