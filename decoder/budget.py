@@ -40,6 +40,12 @@ def cache_dir() -> Path:
     return Path(root) / "costs"
 
 
+def calibration_path(model_name: str, drafter_name: str) -> Path:
+    """Where the calibration of one drafter combination on one model is kept."""
+    key = hashlib.sha256(f"{model_name}|{drafter_name}".encode()).hexdigest()[:16]
+    return cache_dir().parent / "calibration" / f"{key}.json"
+
+
 @dataclass
 class CostModel:
     """Forward time as a function of the number of tokens fed (root + tree nodes)."""
@@ -227,6 +233,41 @@ class Calibrator:
             if i in accepted:
                 t.hits[b] += 1.0
                 t.observed_hits += 1
+
+    # -- persistence: a new process starts from what earlier runs learned ----------------
+
+    def to_json(self) -> dict:
+        return {src: {"hits": t.hits, "trials": t.trials} for src, t in self._table.items()}
+
+    def load(self, path: Path) -> bool:
+        """Merge in saved counts (a missing or damaged file is ignored)."""
+        try:
+            data = json.loads(Path(path).read_text())
+            for src, t in data.items():
+                if len(t["hits"]) == len(t["trials"]) == self.bins:
+                    self._table[str(src)] = _Bins([float(h) for h in t["hits"]],
+                                                  [float(n) for n in t["trials"]])
+            return True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+
+    def save(self, path: Path, max_trials: float = 500.0) -> None:
+        """Write the counts, scaled down per bin past `max_trials` so old runs fade out."""
+        data = {}
+        for src, t in self._table.items():
+            hits, trials = [], []
+            for h, n in zip(t.hits, t.trials):
+                f = min(1.0, max_trials / n) if n > 0 else 1.0
+                hits.append(h * f)
+                trials.append(n * f)
+            data[src] = {"hits": hits, "trials": trials}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)
+        except OSError:
+            pass
 
     def rate(self, source: str) -> float:
         """Observed acceptance rate of the source's verified nodes (0 before any)."""

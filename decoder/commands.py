@@ -137,7 +137,8 @@ def _generate_all(args, prompts: list[list[str]], drafter) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.model or "smollm2-135m"
-    gen = Generator(model, tokenizer, drafter, model_name=name, max_nodes=args.max_nodes)
+    gen = Generator(model, tokenizer, drafter, model_name=name, max_nodes=args.max_nodes,
+                    persist_calibration=True)
     plain = Generator(model, tokenizer, None, model_name=name) if args.baseline else None
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, typical=args.typical,

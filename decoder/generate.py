@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from redraft.datastore.errors import RedraftError
 from redraft.decoder.acceptance import Acceptance, SamplingParams, accept
-from redraft.decoder.budget import Calibrator, CostModel
+from redraft.decoder.budget import Calibrator, CostModel, calibration_path
 from redraft.decoder.drafters import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
@@ -147,6 +147,7 @@ class Generator:
         cost: CostModel | None = None,
         max_nodes: int | None = None,
         max_depth: int = DEFAULT_MAX_DEPTH,
+        persist_calibration: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -160,6 +161,12 @@ class Generator:
         self.max_nodes = max_nodes
         self.max_depth = max_depth
         self.calibrator = Calibrator()
+        # With persistence, a new process starts from what earlier runs learned about how
+        # often each drafter's guesses are accepted, instead of from a prior.
+        self._calibration_file = None
+        if persist_calibration and drafter is not None:
+            self._calibration_file = calibration_path(model_name, drafter.name)
+            self.calibrator.load(self._calibration_file)
         self.verifier = TreeVerifier(model)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -315,6 +322,8 @@ class Generator:
         _sync(self.verifier.device)
         stats.seconds = time.perf_counter() - t0
         stats.new_tokens = len(out)
+        if self._calibration_file is not None:
+            self.calibrator.save(self._calibration_file)
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         if finish == "stop":
             cut = min(text.find(s) for s in stop if s in text)

@@ -156,9 +156,10 @@ class Tree:
 def merge(trees: Sequence[Tree]) -> Tree:
     """Union of several trees as one trie: identical paths are shared, not duplicated.
 
-    A node drafted by several sources keeps the highest conditional probability (two
-    independent sources agreeing is at least as good a bet as either) and the source of
-    the tree listed first, so acceptance is credited to the preferred drafter.
+    A node drafted by several sources keeps the highest conditional probability and is
+    labelled with all of them (e.g. "pld+rest"): two independent sources agreeing is a
+    different, usually much better, bet than either alone, and the decoder calibrates each
+    label separately from what the target accepts.
     """
     out = Tree()
     index: dict[tuple[int, int], int] = {}  # (parent in out, token) -> node in out
@@ -175,8 +176,9 @@ def merge(trees: Sequence[Tree]) -> Tree:
                 out.parents.append(new_parent)
                 out.probs.append(p)
                 out.sources.append(src)
-            elif p > out.probs[node]:
-                out.probs[node] = p
+            else:
+                out.probs[node] = max(out.probs[node], p)
+                labels = set(out.sources[node].split("+")) | set(src.split("+"))
+                out.sources[node] = "+".join(sorted(labels))
             mapping.append(node)
     return out
-

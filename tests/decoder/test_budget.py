@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from redraft.decoder.acceptance import Acceptance
 from redraft.decoder.budget import Calibrator, CostModel
 from redraft.decoder.tree import Tree
@@ -82,3 +83,17 @@ def test_cost_curve_is_measured_once_and_cached(tmp_path):
     files[0].write_text(json.dumps(data))
     again = CostModel.for_model(model, "tiny", directory=tmp_path)
     assert again.seconds == [7.0] * len(curve.sizes)  # read from the cache, not re-measured
+
+
+def test_calibration_persists_and_old_counts_fade(tmp_path):
+    cal = Calibrator()
+    raw = chain([0.95] * 4, source="rest")
+    for _ in range(1000):
+        cal.observe(raw, cal.apply(raw), Acceptance(nodes=[], tokens=[1]))
+    path = tmp_path / "cal.json"
+    cal.save(path, max_trials=100)
+    again = Calibrator()
+    assert again.load(path)
+    assert again.apply(raw).probs[0] == pytest.approx(cal.apply(raw).probs[0], rel=1e-6)
+    assert sum(again._get("rest").trials) < 200  # scaled down: new evidence still counts
+    assert not Calibrator().load(tmp_path / "missing.json")

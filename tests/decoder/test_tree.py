@@ -63,7 +63,8 @@ def test_merge_shares_prefixes_and_keeps_the_higher_prob():
     m = merge([a, b])
     m.validate()
     assert sorted(map(tuple, paths(m))) == [(1,), (1, 2), (1, 2, 3), (1, 2, 4)]
-    assert m.probs[:2] == [0.9, 0.5] and m.sources == ["pld", "pld", "pld", "rest"]
+    assert m.probs[:2] == [0.9, 0.5]
+    assert m.sources == ["pld+rest", "pld+rest", "pld", "rest"]
 
 
 def test_validate_rejects_bad_trees():
