@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint proto demo bench-datastore stdlib-datastore clean
+.PHONY: install test lint proto demo bench bench-datastore stdlib-datastore default-datastore clean
 
 install: $(STAMP)
 
@@ -40,7 +40,7 @@ proto: install
 STDLIB_DS := data/stdlib
 stdlib-datastore: $(STDLIB_DS)/datastore.lmdb
 
-$(STDLIB_DS)/datastore.lmdb: $(STAMP)
+$(STDLIB_DS)/datastore.lmdb: | $(STAMP)
 	STDLIB="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" && \
 	$(VENV)/bin/redraft index --tokenizer smollm2-135m --out $(STDLIB_DS) --corpus stdlib \
 		--exclude '*/site-packages/*' --exclude '*/dist-packages/*' --skip-bad \
@@ -62,6 +62,26 @@ demo: install $(STDLIB_DS)/datastore.lmdb
 	$(VENV)/bin/redraft generate --prompts tools/demo_prompts.jsonl \
 		--draft-service 127.0.0.1:$(DEMO_PORT) --drafters pld,rest \
 		--max-new-tokens 128 --threads 1 --baseline
+
+# The default datastore: two named corpora in one store, `code` (the standard library, as
+# above) and `chat` (the default model's own answers to GSM8K-train, code-writing and general
+# prompts: tools/corpora/, made by tools/make_selfdistill_corpus.py).
+DEFAULT_DS := data/default
+CHAT_CORPORA := $(wildcard tools/corpora/*.jsonl)
+default-datastore: $(DEFAULT_DS)/datastore.lmdb
+
+$(DEFAULT_DS)/datastore.lmdb: $(CHAT_CORPORA) | $(STAMP)
+	STDLIB="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" && \
+	$(VENV)/bin/redraft index --tokenizer smollm2-135m --out $(DEFAULT_DS) --corpus code \
+		--exclude '*/site-packages/*' --exclude '*/dist-packages/*' --skip-bad --quiet \
+		"$$STDLIB/**/*.py"
+	$(VENV)/bin/redraft index --append --out $(DEFAULT_DS) --corpus chat --quiet $(CHAT_CORPORA)
+
+# Spec-Bench side by side with Hugging Face (about an hour on 2 CPU cores).
+SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl
+bench: install $(DEFAULT_DS)/datastore.lmdb
+	$(VENV)/bin/redraft bench --questions $(SPEC_BENCH) --datastore $(DEFAULT_DS) \
+		--per-category 10 --max-new-tokens 128 --threads 1 --out bench-out/spec_bench
 
 # The datastore benchmark (builds its own held-out datastores under bench-out/).
 bench-datastore: install
