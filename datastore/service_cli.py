@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"default tree budget (default {d.default_budget})")
     p.add_argument("--depth", type=int, default=d.default_depth,
                    help=f"default tree depth (default {d.default_depth})")
+    p.add_argument("--rest-occurrences", type=int, default=d.rest_max_occurrences, metavar="N",
+                   help="occurrences of the longest match sampled per retrieval "
+                   f"(default {d.rest_max_occurrences})")
     p.add_argument("--rest-calibration", default=",".join(f"{x:g}" for x in d.rest_calibration),
                    metavar="SCALE,POWER",
                    help="map retrieval probabilities p to SCALE*p**POWER so they compare "
@@ -72,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         "--max-depth": args.max_depth, "--max-sessions": args.max_sessions,
         "--idle-timeout": args.idle_timeout, "--max-message-bytes": args.max_message_bytes,
         "--budget": args.budget, "--depth": args.depth, "--workers": args.workers,
+        "--rest-occurrences": args.rest_occurrences,
     }
     for flag, value in positive.items():
         if value <= 0:
@@ -96,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         raise RedraftError("--rest-calibration needs 0 < SCALE <= 1 and POWER > 0")
     return ServiceConfig(
         rest_calibration=(scale, power),
+        rest_max_occurrences=args.rest_occurrences,
         max_context_len=args.max_context,
         max_budget=args.max_budget,
         max_depth=args.max_depth,

@@ -101,7 +101,7 @@ def test_session_reopens_after_a_server_restart(reader):
             d = s.step(DOCS[0][32:34])
             assert s.reconnects == 1
             ctx = prompt + more
-            rest = calibrate(reader.propose(ctx, budget=16), *REST_CALIBRATION)
+            rest = calibrate(reader.propose(ctx, budget=16, max_occurrences=64), *REST_CALIBRATION)
             want = merge_drafts([rest, prompt_lookup(ctx, 16)], 16)
             assert d.tokens == want.tokens and d.parents == want.parents
             assert s.context_len == len(ctx)

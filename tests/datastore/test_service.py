@@ -87,6 +87,7 @@ def same_tree(got, want) -> None:
 
 def rest_draft(reader, ctx, **kw):
     """The Reader's tree with the service's default calibration of REST probabilities."""
+    kw.setdefault("max_occurrences", ServiceConfig().rest_max_occurrences)
     return calibrate(reader.propose(ctx, **kw), *REST_CALIBRATION)
 
 
@@ -125,14 +126,15 @@ def test_propose_equals_in_process_reader(client, reader):
 
 
 def test_uncalibrated_server_returns_the_readers_own_trees(reader):
-    config = ServiceConfig(rest_calibration=(1.0, 1.0))
+    config = ServiceConfig(rest_calibration=(1.0, 1.0), rest_max_occurrences=2)
     with ServerThread(reader, config=config) as srv, DraftClient(srv.address) as c:
         ctx = DOCS_A[9][:30]
-        same_tree(c.propose(ctx, DraftParams(budget=20, sources=["rest"])),
-                  reader.propose(ctx, budget=20))
+        want = reader.propose(ctx, budget=20, max_occurrences=2)
+        assert want != reader.propose(ctx, budget=20)  # the setting matters for this context
+        same_tree(c.propose(ctx, DraftParams(budget=20, sources=["rest"])), want)
         with c.session(ctx, DraftParams(budget=20, max_depth=6, sources=["rest"]), FP) as s:
             same_tree(s.step(DOCS_A[9][30:33]), reader.propose(DOCS_A[9][:33], budget=20,
-                                                                max_depth=6))
+                                                                max_depth=6, max_occurrences=2))
 
 
 def test_session_steps_equal_in_process_drafts(client, reader):
