@@ -61,9 +61,14 @@ def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
     Where two drafts propose the same token after the same path, the node takes the higher
     of their probabilities (and that draft's source): the estimates are of one event, and
     taking the larger one keeps each source's calibration instead of inventing a combined one.
-    `match_len` of the result is the longest of the inputs'.
+    `match_len` of the result is the longest of the inputs'. A single non-empty input within
+    the budget comes back as it is: drafters (Reader, PLD) already order nodes best first.
     """
     match_len = max((d.match_len for d in drafts), default=0)
+    full = [d for d in drafts if len(d)]
+    if len(full) == 1 and len(full[0]) <= budget:
+        d = full[0]
+        return Draft(d.tokens, d.parents, d.probs, d.sources, match_len=match_len)
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redraft.datastore.draft import PLD, REST, Draft
 from redraft.datastore.errors import DatastoreError, RedraftError
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts, select_top
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
 from redraft.datastore.pld import PromptLookup
 from redraft.datastore.service_stats import ServiceStats
 from redraft.proto import draft_pb2, draft_pb2_grpc
@@ -208,10 +208,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             d = pld.propose(budget=budget, max_depth=p.max_depth)
             pld_match = d.match_len
             drafts.append(d)
-        if len(drafts) == 1:  # already best-first and within the budget
-            tree = drafts[0] if len(drafts[0]) <= budget else select_top(drafts[0], budget)
-        else:
-            tree = merge_drafts(drafts, budget)
+        tree = merge_drafts(drafts, budget)
         expected = tree.expected_accepted
         reply = draft_pb2.DraftReply(
             tree=draft_pb2.Tree(
