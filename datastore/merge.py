@@ -69,16 +69,20 @@ def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
     if len(full) == 1 and len(full[0]) <= budget:
         d = full[0]
         return Draft(d.tokens, d.parents, d.probs, d.sources, match_len=match_len)
-    tokens: list[int] = []
-    parents: list[int] = []
-    probs: list[float] = []
-    sources: list[str] = []
-    index: dict[int, int] = {}
-    for d in drafts:
+    if not full:
+        return Draft(match_len=match_len)
+    first = full[0]
+    tokens = list(first.tokens)
+    parents = list(first.parents)
+    probs = list(first.probs)
+    sources = list(first.sources)
+    # (merged parent, token) as one int: cheap to hash
+    index = {((p + 1) << 32) | t: i for i, (p, t) in enumerate(zip(parents, tokens))}
+    for d in full[1:]:
         remap: list[int] = []
         for tok, par, prob, src in zip(d.tokens, d.parents, d.probs, d.sources):
             mp = -1 if par < 0 else remap[par]
-            key = ((mp + 1) << 32) | tok  # (merged parent, token) as one int: cheap to hash
+            key = ((mp + 1) << 32) | tok
             node = index.get(key)
             if node is None:
                 node = len(tokens)
