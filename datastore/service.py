@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import os
 import signal
 import threading
@@ -34,8 +33,6 @@ from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
 from redraft.datastore.pld import PromptLookup
 from redraft.datastore.service_stats import ServiceStats
 from redraft.proto import draft_pb2, draft_pb2_grpc
-
-log = logging.getLogger("redraft.service")
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 _SOURCE_NAMES = {draft_pb2.SOURCE_REST: REST, draft_pb2.SOURCE_PLD: PLD}
@@ -164,8 +161,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             raise _bad(f"unknown corpora {unknown} (this datastore has: {known})")
         if p.max_match_len and p.min_match_len > p.max_match_len:
             raise _bad(f"min_match_len {p.min_match_len} > max_match_len {p.max_match_len}")
-        if p.min_match_len > c.max_depth or p.max_match_len > 1024:
-            raise _bad("match lengths must be at most 1024 (min_match_len at most max_depth)")
+        if max(p.min_match_len, p.max_match_len) > 1024:
+            raise _bad("min_match_len and max_match_len must be at most 1024")
         return _Params(
             budget=p.budget or c.default_budget,
             max_depth=p.max_depth or c.default_depth,
