@@ -206,6 +206,8 @@ BAD_SESSIONS = {
                        "unknown source 7"),
     "min over max match": ([opening(min_match_len=9, max_match_len=3)],
                            grpc.StatusCode.INVALID_ARGUMENT, "min_match_len 9 > max_match_len 3"),
+    "huge match length": ([opening(max_match_len=5000)], grpc.StatusCode.INVALID_ARGUMENT,
+                          "at most 1024"),
     "wrong tokenizer": ([opening(fp="sha256:other")], grpc.StatusCode.FAILED_PRECONDITION,
                         "does not match the datastore's"),
     "no tokenizer": ([opening(fp="")], grpc.StatusCode.FAILED_PRECONDITION, "is required"),
