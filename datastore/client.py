@@ -269,10 +269,13 @@ class DraftClient:
 
     def _watch_loop(self) -> None:
         """Cancel session steps that overran their deadline (streams have no per-message one)."""
-        while not self._closed.wait(0.02):
+        tick = 0.1
+        while not self._closed.wait(tick):
             now = time.monotonic()
+            busy = False
             for s in list(self._sessions):
-                s._check_deadline(now)
+                busy = s._check_deadline(now) or busy
+            tick = 0.02 if busy else 0.1  # a step's deadline is checked at least every 0.1 s
 
 
 _END = object()
@@ -410,8 +413,12 @@ class DraftSession:
         self.draft = draft_from_proto(reply.draft)
         return self.draft
 
-    def _check_deadline(self, now: float) -> None:
+    def _check_deadline(self, now: float) -> bool:
+        """Cancel an overrunning step; True while a step is in flight."""
         deadline, call = self._deadline, self._call
-        if deadline is not None and call is not None and now > deadline:
+        if deadline is None or call is None:
+            return False
+        if now > deadline:
             self._timed_out = True
             call.cancel()
+        return True
