@@ -179,8 +179,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
 
     # ---- drafting ----------------------------------------------------------------------
     def _draft(self, context: Sequence[int], pld: PromptLookup | None, p: _Params,
-               budget: int) -> draft_pb2.DraftReply:
-        """Draft from the requested sources, merge under the budget, count, convert."""
+               budget: int, out: draft_pb2.DraftReply, kind: str | None) -> None:
+        """Draft from the requested sources, merge under the budget, count, fill `out`."""
         t0 = time.perf_counter()
         drafts: list[Draft] = []
         rest_match = pld_match = 0
@@ -207,19 +207,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             drafts.append(d)
         tree = merge_drafts(drafts, budget)
         expected = tree.expected_accepted
-        reply = draft_pb2.DraftReply(
-            tree=draft_pb2.Tree(
-                tokens=tree.tokens,
-                parents=tree.parents,
-                probs=tree.probs,
-                sources=[_SOURCE_ENUM[s] for s in tree.sources],
-            ),
-            match_len=rest_match,
-            expected_accepted=expected,
-            pld_match_len=pld_match,
-        )
-        self.stats.record(time.perf_counter() - t0, len(tree), expected, set(tree.sources))
-        return reply
+        t = out.tree
+        t.tokens.extend(tree.tokens)
+        t.parents.extend(tree.parents)
+        t.probs.extend(tree.probs)
+        t.sources.extend([_SOURCE_ENUM[s] for s in tree.sources])
+        out.match_len = rest_match
+        out.expected_accepted = expected
+        out.pld_match_len = pld_match
+        self.stats.record(time.perf_counter() - t0, len(tree), expected, set(tree.sources), kind)
 
     # ---- RPCs --------------------------------------------------------------------------
     async def _fail(self, context: grpc.aio.ServicerContext, exc: _Abort) -> None:
@@ -244,8 +240,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             if PLD in p.sources:
                 pld = self._new_pld(p)
                 pld.extend(request.context)
-            self.stats.add(propose_calls=1)
-            return self._draft(request.context, pld, p, p.budget)
+            reply = draft_pb2.DraftReply()
+            self._draft(request.context, pld, p, p.budget, reply, "propose_calls")
+            return reply
         except _Abort as exc:
             await self._fail(context, exc)
 
@@ -313,10 +310,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             if PLD in p.sources:
                 pld = self._new_pld(p)
                 pld.extend(ctx)
-            reply = self._draft(ctx, pld, p, p.budget)
-            await context.write(
-                draft_pb2.SessionReply(draft=reply, session_id=session_id, context_len=len(ctx))
-            )
+            msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
+            self._draft(ctx, pld, p, p.budget, msg.draft, None)
+            await context.write(msg)
             while not self.stopping:
                 req = await self._read(context)
                 if req is None:
@@ -335,12 +331,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 ctx.extend(step.accepted)
                 if pld is not None:
                     pld.extend(step.accepted)
-                self.stats.add(session_steps=1)
-                reply = self._draft(ctx, pld, p, step.budget or p.budget)
-                await context.write(
-                    draft_pb2.SessionReply(draft=reply, session_id=session_id,
-                                           context_len=len(ctx))
-                )
+                msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
+                self._draft(ctx, pld, p, step.budget or p.budget, msg.draft, "session_steps")
+                await context.write(msg)
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
             self.stats.close_session()

@@ -72,13 +72,16 @@ class ServiceStats:
         with self._lock:
             self._arr[_SLOT["sessions_active"]] -= 1
 
-    def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str]) -> None:
-        """Count one answered request: its drafting latency and what the tree held."""
+    def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str],
+               kind: str | None = None) -> None:
+        """Count one answered request (and its `kind` counter): latency and tree contents."""
         us = max(latency_s * 1e6, 1.0)
         b = min(_N_BUCKETS - 1, int(math.log2(us) * _BUCKETS_PER_OCTAVE))
         with self._lock:
             a = self._arr
             a[_SLOT["requests"]] += 1
+            if kind is not None:
+                a[_SLOT[kind]] += 1
             a[_SLOT["nodes"]] += n_nodes
             a[_SLOT["expected_accepted_x1000"]] += expected * 1000.0
             if n_nodes:
