@@ -214,6 +214,12 @@ class Generator:
 
     # -- decoding ----------------------------------------------------------------------
 
+    def iter_steps(self, prompt, max_new_tokens: int = 128, **kwargs):
+        """A Python generator yielding each step's new tokens; its return value (the
+        StopIteration's `value`) is the GenerationResult. For custom loops, and for running
+        several configurations in lock-step so machine noise hits them alike."""
+        return self._run(prompt, max_new_tokens, **kwargs)
+
     def generate(self, prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
         """Decode until max_new_tokens, EOS or a stop string; returns tokens, text and stats."""
         steps = self._run(prompt, max_new_tokens, **kwargs)

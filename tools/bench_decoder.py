@@ -1,10 +1,13 @@
 """Decoder benchmark: plain vs PLD vs retrieval vs PLD+retrieval, and Hugging Face's own
 greedy and prompt-lookup generate, on code-writing prompts with the default model.
 
-Every method runs on every prompt in one process, interleaved per prompt (the order rotates)
-so machine noise hits all methods alike. Reports mean tokens per target forward, the median
-per-prompt wall-clock speed-up over plain decoding, and whether the tokens are identical to
-plain greedy decoding. An empty-datastore run measures the overhead when drafts never hit.
+Every method runs on every prompt in one process. redraft's methods run in lock-step: one
+decoding step of each in turn (rotating order), each timed on its own, so a burst of load
+from other jobs on a shared machine hits all of them alike; Hugging Face's methods cannot be
+stepped from outside and are interleaved per prompt instead (noisier). Reports mean tokens
+per target forward, the median per-prompt wall-clock speed-up over plain decoding, and
+whether the tokens are identical to plain greedy decoding. An empty-datastore run measures
+the overhead when drafts never hit.
 
     python tools/bench_decoder.py --max-new-tokens 128 --out bench-out/decoder
 """
@@ -38,6 +41,32 @@ class CountForwards:
 
     def _hook(self, *_args) -> None:
         self.calls += 1
+
+
+def lockstep(gens: dict, prompt: str, max_new_tokens: int) -> dict[str, dict]:
+    """Run several Generators on one prompt one step each in turn; time each step alone."""
+    runs = {n: g.iter_steps(prompt, max_new_tokens=max_new_tokens) for n, g in gens.items()}
+    seconds = dict.fromkeys(runs, 0.0)
+    results = {}
+    active = list(runs)
+    turn = 0
+    while active:
+        k = turn % len(active)
+        for name in active[k:] + active[:k]:
+            t0 = time.perf_counter()
+            try:
+                next(runs[name])
+            except StopIteration as done:
+                results[name] = done.value
+            seconds[name] += time.perf_counter() - t0
+        active = [n for n in active if n not in results]
+        turn += 1
+    out = {}
+    for name, r in results.items():
+        # the first step's timing included prefill, which is the same work for every method
+        out[name] = {"tokens": r.tokens, "steps": r.stats.steps, "accepted": r.stats.accepted,
+                     "seconds": seconds[name] - r.stats.prefill_seconds}
+    return out
 
 
 def empty_datastore(tokenizer_name: str, directory: str) -> str:
@@ -100,30 +129,28 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(Path(args.prompts), args.limit)
     names = list(methods)
     records = []
+    ours = {n: m for n, m in methods.items() if isinstance(m, Generator)}
+    units = ["redraft"] + [n for n in names if n not in ours]  # rotated per prompt
     for i, prompt in enumerate(prompts):
-        order = names[i % len(names):] + names[: i % len(names)]
         per: dict[str, dict] = {}
-        for mname in order:
-            m = methods[mname]
-            if isinstance(m, Generator):
-                r = m.generate(prompt, max_new_tokens=args.max_new_tokens)
-                per[mname] = {"tokens": r.tokens, "steps": r.stats.steps,
-                              "seconds": r.stats.seconds, "accepted": r.stats.accepted}
-            else:
-                ids = Generator(model, tok).encode(prompt)
-                kw = {"prompt_lookup_num_tokens": 10} if m == "hf-pld" else {}
-                x = torch.tensor([ids])
-                counter.calls = 0
-                with torch.inference_mode():
-                    t0 = time.perf_counter()
-                    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                         max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                                         pad_token_id=eos[0], **kw)
-                    seconds = time.perf_counter() - t0
-                # prefill is one of the forwards; redraft's `steps` exclude it (seconds include
-                # it here, a small bias against HF of about one forward)
-                per[mname] = {"tokens": out[0, len(ids):].tolist(), "steps": counter.calls - 1,
-                              "seconds": seconds, "accepted": {}}
+        for unit in units[i % len(units):] + units[: i % len(units)]:
+            if unit == "redraft":  # all of redraft's methods at once, in lock-step
+                per.update(lockstep(ours, prompt, args.max_new_tokens))
+                continue
+            ids = Generator(model, tok).encode(prompt)
+            kw = {"prompt_lookup_num_tokens": 10} if methods[unit] == "hf-pld" else {}
+            x = torch.tensor([ids])
+            counter.calls = 0
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                     max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                                     pad_token_id=eos[0], **kw)
+                seconds = time.perf_counter() - t0
+            # prefill is one of the forwards; redraft's `steps` exclude it (HF's seconds
+            # include it: a bias against HF of about one forward per prompt)
+            per[unit] = {"tokens": out[0, len(ids):].tolist(), "steps": counter.calls - 1,
+                         "seconds": seconds, "accepted": {}}
         base = per["plain"]
         for mname in names:
             rec = per[mname]
