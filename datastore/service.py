@@ -87,6 +87,23 @@ def _bad(message: str) -> _Abort:
     return _Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+class _Waiter:
+    """A session as the idle sweeper and shutdown see it: its task and when it last spoke."""
+
+    __slots__ = ("task", "since", "reason")
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.since = time.monotonic()
+        self.reason: tuple[grpc.StatusCode, str] | None = None
+
+    def end(self, code: grpc.StatusCode, message: str) -> None:
+        """Interrupt the session's wait for a request; it then ends with this status."""
+        if self.reason is None and self.task is not None:
+            self.reason = (code, message)
+            self.task.cancel()
+
+
 class DrafterService(draft_pb2_grpc.DrafterServicer):
     """Implements redraft.v1.Drafter over one open datastore Reader."""
 
@@ -98,7 +115,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.fingerprint = str(reader.tokenizer_fingerprint)
         self.corpora = set(getattr(reader, "corpora", {}) or {})
         self.stopping = False
-        self._stop_future: asyncio.Future | None = None
+        self._waiting: dict[int, _Waiter] = {}  # sessions now waiting for a request
+        self._sweeper: asyncio.Future | None = None
         self._next_id = 0
 
     # ---- validation -------------------------------------------------------------------
@@ -253,35 +271,44 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         except _Abort as exc:
             await self._fail(context, exc)
 
-    async def _read(self, context):
+    async def _read(self, context, waiter: _Waiter):
         """Next request, or None at the client's end of stream.
 
-        Waits for the request, the idle timeout or server shutdown, whichever comes first;
-        an idle or shut-down session ends with a status instead of holding a slot.
+        While it waits, the session is visible to the idle sweeper and to shutdown, which
+        end it with a status (RESOURCE_EXHAUSTED / UNAVAILABLE) by cancelling the wait;
+        a plain await keeps the per-step cost of the hot path at one read.
         """
-        if self._stop_future is None:
-            self._stop_future = asyncio.get_running_loop().create_future()
-        read = asyncio.ensure_future(context.read())
-        done, _ = await asyncio.wait(
-            (read, self._stop_future), timeout=self.config.idle_timeout_s,
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        if read in done:
-            req = read.result()
-            return None if req is grpc.aio.EOF else req
-        read.add_done_callback(_discard)  # the call ends below; its read ends with it
-        if self.stopping:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        self.stats.add(sessions_idle_closed=1)
-        raise _Abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"session idle for more than {self.config.idle_timeout_s:g} s; closed",
-        )
+        waiter.since = time.monotonic()
+        self._waiting[id(waiter)] = waiter
+        try:
+            req = await context.read()
+        except asyncio.CancelledError:
+            if waiter.reason is None:
+                raise  # the call itself was cancelled (client gone)
+            raise _Abort(*waiter.reason) from None
+        finally:
+            self._waiting.pop(id(waiter), None)
+        return None if req is grpc.aio.EOF else req
+
+    async def _sweep(self) -> None:
+        """End sessions that wait longer than the idle timeout."""
+        idle = self.config.idle_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, idle / 4))
+            now = time.monotonic()
+            for w in list(self._waiting.values()):
+                if now - w.since > idle and w.reason is None:
+                    self.stats.add(sessions_idle_closed=1)
+                    w.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"session idle for more than {idle:g} s; closed")
 
     async def _session(self, context) -> None:
         if self.stopping:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        first = await self._read(context)
+        if self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep())
+        waiter = _Waiter(asyncio.current_task())
+        first = await self._read(context, waiter)
         if first is None:
             return
         if first.WhichOneof("kind") != "open":
@@ -314,7 +341,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             self._draft(ctx, pld, p, p.budget, msg.draft, None)
             await context.write(msg)
             while not self.stopping:
-                req = await self._read(context)
+                req = await self._read(context, waiter)
                 if req is None:
                     return
                 if req.WhichOneof("kind") != "step":
@@ -395,8 +422,10 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def shutdown(self) -> None:
         """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE."""
         self.stopping = True
-        if self._stop_future is not None and not self._stop_future.done():
-            self._stop_future.set_result(None)
+        for w in list(self._waiting.values()):
+            w.end(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if self._sweeper is not None:
+            self._sweeper.cancel()
 
 
 # ---- server assembly --------------------------------------------------------------------
@@ -573,10 +602,4 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop(grace=0.5)
-
-
-def _discard(fut: asyncio.Future) -> None:
-    """Retrieve an abandoned read's outcome so asyncio does not log it as never retrieved."""
-    if not fut.cancelled():
-        fut.exception()
 
