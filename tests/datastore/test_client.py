@@ -166,8 +166,8 @@ def rest_of_stdout(proc: subprocess.Popen) -> str:
 def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, capsys):
     proc, (address,) = start_serve(store, "--port", "0", "--grace", "3")
     try:
-        with DraftClient(address, timeout=0.5) as c:
-            s = c.session(DOCS[2][:20], DraftParams(budget=8), FP).__enter__()
+        with DraftClient(address, timeout=10) as c:
+            s = c.session(DOCS[2][:20], DraftParams(budget=8), FP, timeout=0.5).__enter__()
             s.step(DOCS[2][20:22])
             # a frozen server: the step's deadline fires, no hang
             os.kill(proc.pid, signal.SIGSTOP)

@@ -310,8 +310,7 @@ def test_tls(reader, tmp_path):
 
 
 def test_limits(reader):
-    config = ServiceConfig(max_sessions=2, max_context_len=50, idle_timeout_s=0.4,
-                           max_message_bytes=4096)
+    config = ServiceConfig(max_sessions=2, max_context_len=50, max_message_bytes=4096)
     with ServerThread(reader, config=config) as srv, DraftClient(srv.address) as c:
         a = c.session([1, 2, 3], None, FP).__enter__()
         b = c.session([1, 2, 3], None, FP).__enter__()
@@ -321,6 +320,7 @@ def test_limits(reader):
         deadline = time.monotonic() + 5
         while c.stats()["sessions_active"] > 1 and time.monotonic() < deadline:
             time.sleep(0.02)
+        c.session([1], None, FP).__enter__().close()  # the freed slot is usable again
         with pytest.raises(LimitExceeded, match="would reach 53 tokens"):
             a.step([5] * 50)
         with pytest.raises(LimitExceeded, match="prompt of 51 tokens"):
@@ -329,14 +329,19 @@ def test_limits(reader):
             c.propose([1] * 60)
         with pytest.raises(LimitExceeded):  # 2,000 ids > 4 KiB message
             c.propose(list(range(2000)))
+        assert c.stats()["refused_sessions"] == 1
+
+
+def test_idle_sessions_are_closed(reader):
+    with ServerThread(reader, config=ServiceConfig(idle_timeout_s=0.4)) as srv, \
+            DraftClient(srv.address, reconnect=False) as c:
         idle = c.session([1, 2], None, FP).__enter__()
         idle.step([3])
-        time.sleep(0.7)
+        time.sleep(0.9)
         with pytest.raises(LimitExceeded, match="idle"):
             idle.step([4])
         st = c.stats()
         assert st["sessions_active"] == 0 and st["sessions_idle_closed"] == 1
-        assert st["refused_sessions"] == 1
 
 
 KILLED_CLIENT = """
