@@ -61,7 +61,7 @@ class PromptLookup:
         max_ngram: int = 8,
         min_ngram: int = 1,
         max_occurrences: int = 8,
-        scan_limit: int = 64,
+        scan_limit: int = 16,
     ) -> None:
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -127,6 +127,7 @@ class PromptLookup:
         """A tree of at most `budget` nodes, each at most `max_depth` deep, best paths first."""
         if budget <= 0 or max_depth <= 0 or not self.tokens:
             return Draft()
+        max_depth = min(max_depth, budget)  # a deeper node could not fit with its ancestors
         occ = self.occurrences()
         if not occ:
             return Draft()
