@@ -79,19 +79,38 @@ class PLDDrafter(Drafter):
 
 
 class MergedDrafter(Drafter):
-    """One tree from several drafters: shared prefixes merged, best path probabilities kept."""
+    """One tree from several drafters: shared prefixes merged, best path probabilities kept.
+
+    A member that raises is dropped for the rest of the generation (and counted in
+    `failures`); the others keep drafting.
+    """
 
     def __init__(self, drafters: Sequence[Drafter]) -> None:
         self.drafters = list(drafters)
         self.name = ",".join(d.name for d in self.drafters)
+        self._live = list(self.drafters)
+        self._own_failures = 0
+
+    def _call(self, d: Drafter, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # drafts are optional: lose one source, not the others
+            self._own_failures += 1
+            self._live = [x for x in self._live if x is not d]
+            log.warning("drafter %s failed (%s); continuing without it", d.name, exc)
+            return None
 
     def begin(self, prompt: Sequence[int]) -> None:
-        for d in self.drafters:
-            d.begin(prompt)
+        self._live = list(self.drafters)
+        for d in list(self._live):
+            self._call(d, d.begin, prompt)
 
     def propose(self, context: Sequence[int], budget: int) -> Tree:
-        trees = [d.propose(context, budget) for d in self.drafters]
-        trees = [t for t in trees if len(t)]
+        trees = []
+        for d in list(self._live):
+            tree = self._call(d, d.propose, context, budget)
+            if tree is not None and len(tree):
+                trees.append(tree)
         if not trees:
             return Tree()
         if len(trees) == 1:
@@ -99,12 +118,15 @@ class MergedDrafter(Drafter):
         return merge(trees).prune(budget)
 
     def update(self, accepted: Sequence[int]) -> None:
-        for d in self.drafters:
-            d.update(accepted)
+        for d in list(self._live):
+            self._call(d, d.update, accepted)
 
     def end(self) -> None:
         for d in self.drafters:
-            d.end()
+            try:
+                d.end()
+            except Exception as exc:  # ending must not fail a finished generation
+                log.warning("drafter %s failed to end (%s)", d.name, exc)
 
     def close(self) -> None:
         for d in self.drafters:
@@ -112,7 +134,7 @@ class MergedDrafter(Drafter):
 
     @property
     def failures(self) -> int:  # type: ignore[override]
-        return sum(d.failures for d in self.drafters)
+        return self._own_failures + sum(d.failures for d in self.drafters)
 
 
 class DatastoreDrafter(Drafter):

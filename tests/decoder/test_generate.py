@@ -159,3 +159,18 @@ def test_incompatible_datastore_is_refused(tmp_path, default_model):
                     vocab_size=100)
     with pytest.raises(TokenizerMismatch, match="fingerprint"):
         DatastoreDrafter(path, tok)
+
+
+def test_a_failing_member_of_a_combination_drops_out_alone(default_model, plain, code_datastore):
+    model, tok = default_model
+    rest = DatastoreDrafter(code_datastore, tok)
+    gen = Generator(model, tok, MergedDrafter([PLDDrafter(), rest]), cost=CostModel(*CPU_COST))
+    prompt = CODE_PROMPTS[1]
+    stream = gen.stream(prompt, max_new_tokens=NEW)
+    for n, _ in enumerate(stream):
+        if n == 2:
+            rest.close()  # the datastore goes away mid-generation: lookups now raise
+    r = stream.result
+    assert_same_or_near_tie(model, r, plain[prompt])
+    assert r.stats.drafter_errors == 1
+    assert r.stats.tokens_per_step > 1.1  # PLD kept drafting
