@@ -282,8 +282,12 @@ class Generator:
             while len(out) < max_new:
                 remaining = max_new - len(out)
                 raw = Tree()
+                budget = 0
                 if drafter_ok and remaining > 1:
-                    budget = min(self.max_nodes or cost.max_nodes, cost.max_nodes)
+                    budget = cost.max_nodes
+                    if self.max_nodes is not None:
+                        budget = min(budget, self.max_nodes)
+                if budget > 0:
                     try:
                         raw = drafter.propose(context, budget)
                         raw.validate(int(self.model.config.vocab_size))
@@ -298,17 +302,17 @@ class Generator:
                     raw, tree = raw.subset(keep), calibrated.subset(keep)
                 acc = speculative_decode(self.verifier, root, tree, params, generator)
                 stats.steps += 1
-                if len(tree):
-                    stats.drafted += len(tree)
-                    self.calibrator.observe(raw, tree, acc)
-                    for node in acc.nodes:
-                        src = tree.sources[node]
-                        stats.accepted[src] = stats.accepted.get(src, 0) + 1
                 new = acc.tokens[:remaining]
                 for i, t in enumerate(new):
                     if t in eos_ids:
                         new, finish = new[: i + 1], "eos"
                         break
+                if len(tree):
+                    stats.drafted += len(tree)
+                    self.calibrator.observe(raw, tree, acc)
+                    for node in acc.nodes[: len(new)]:  # drafts past an EOS are not output
+                        src = tree.sources[node]
+                        stats.accepted[src] = stats.accepted.get(src, 0) + 1
                 out.extend(new)
                 context.extend(new)
                 root = new[-1]

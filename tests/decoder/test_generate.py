@@ -174,3 +174,11 @@ def test_a_failing_member_of_a_combination_drops_out_alone(default_model, plain,
     assert_same_or_near_tie(model, r, plain[prompt])
     assert r.stats.drafter_errors == 1
     assert r.stats.tokens_per_step > 1.1  # PLD kept drafting
+
+
+def test_max_nodes_zero_drafts_nothing(default_model, plain):
+    model, tok = default_model
+    gen = Generator(model, tok, PLDDrafter(), cost=CostModel(*CPU_COST), max_nodes=0)
+    r = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW)
+    assert r.tokens == plain[CODE_PROMPTS[0]].tokens
+    assert r.stats.drafted == 0 and r.stats.steps == NEW and not r.stats.accepted
