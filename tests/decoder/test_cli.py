@@ -91,3 +91,19 @@ def test_prompts_file_with_turns_streams_text(capsys, default_model, tmp_path):
     assert len(recs) == 2 and len(recs[1]["turns"]) == 2
     assert recs[1]["stats"]["new_tokens"] == sum(t["stats"]["new_tokens"] for t in recs[1]["turns"])
     assert recs[0]["stats"]["tokens_per_step"] == 1.0
+
+
+def test_draft_service_with_another_tokenizer_is_refused(capsys, tmp_path):
+    from redraft.datastore import Reader, build_datastore
+    from redraft.datastore.service import ServerThread
+
+    path = str(tmp_path / "other")
+    build_datastore(None, path, documents=[[1, 2, 3]], fingerprint="sha256:other", vocab_size=9)
+    with Reader(path) as reader:
+        server = ServerThread(reader).start()
+        try:
+            rc, _, err = run(capsys, "--prompt", "hi", "--draft-service", server.address)
+        finally:
+            server.stop(grace=0)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"draft service {server.address} serves a datastore built with" in err
