@@ -300,7 +300,11 @@ class Generator:
                     calibrated = self.calibrator.apply(raw)
                     keep = cost.select(calibrated, self.max_nodes)
                     raw, tree = raw.subset(keep), calibrated.subset(keep)
-                acc = speculative_decode(self.verifier, root, tree, params, generator)
+                if len(tree):
+                    acc = speculative_decode(self.verifier, root, tree, params, generator)
+                else:
+                    token = decode_one_token(self.verifier, root, params, generator)
+                    acc = Acceptance(tokens=[token])
                 stats.steps += 1
                 new = acc.tokens[:remaining]
                 for i, t in enumerate(new):
