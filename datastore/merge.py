@@ -22,37 +22,55 @@ def select_top(draft: Draft, budget: int) -> Draft:
     """
     if budget <= 0 or not draft.tokens:
         return Draft(match_len=draft.match_len)
-    path: list[float] = []
-    depth: list[int] = []
-    for prob, parent in zip(draft.probs, draft.parents):
-        if parent < 0:
-            path.append(prob)
-            depth.append(0)
-        else:
-            path.append(path[parent] * prob)
-            depth.append(depth[parent] + 1)
+    path, depth = path_and_depth(draft.probs, draft.parents)
     return take_top(draft.tokens, draft.parents, draft.probs, draft.sources, path, depth, budget,
-                 draft.match_len)
+                    draft.match_len)
+
+
+def path_and_depth(probs: Sequence[float], parents: Sequence[int]
+                   ) -> tuple[list[float], list[int]]:
+    """Path probability and depth of each node, each list with one extra last entry.
+
+    The extra entries (path 1.0, depth -1) stand for the roots' parent, so that index -1 needs
+    no branch in this per-node loop: 1.0 * p == p exactly, -1 + 1 == 0.
+    """
+    n = len(parents)
+    path = [1.0] * (n + 1)
+    depth = [-1] * (n + 1)
+    for i, (prob, parent) in enumerate(zip(probs, parents)):
+        path[i] = path[parent] * prob
+        depth[i] = depth[parent] + 1
+    return path, depth
 
 
 def take_top(tokens: list[int], parents: list[int], probs: list[float], sources: list[str],
              path: list[float], depth: list[int], budget: int, match_len: int) -> Draft:
-    """The `budget` best nodes of a tree given as arrays with path probs and depths."""
-    keys = sorted(zip([-p for p in path], depth, range(len(tokens))))[:budget]
-    new_id: dict[int, int] = {}
-    out = Draft(match_len=match_len)
-    for _, _, i in keys:
-        parent = parents[i]
-        if parent >= 0:
-            parent = new_id.get(parent, -2)
-            if parent == -2:  # a prob > 1 put a child before its parent: drop the orphan
-                continue
-        new_id[i] = len(out.tokens)
-        out.tokens.append(tokens[i])
-        out.parents.append(parent)
-        out.probs.append(float(probs[i]))
-        out.sources.append(sources[i])
-    return out
+    """The `budget` best nodes of a tree given as arrays with path probs and depths.
+
+    Order: path probability descending, then depth, then index. Two sorts of plain indices
+    by one key each (the second stable, `reverse` keeps ties in order) give that order
+    without building a tuple per node. `path` and `depth` may have extra trailing entries.
+    """
+    n = len(tokens)
+    order = sorted(range(n), key=depth.__getitem__)
+    order.sort(key=path.__getitem__, reverse=True)
+    new_id = [-2] * n + [-1]  # new_id[-1] == -1: a root's parent stays -1
+    kept: list[int] = []
+    kept_parents: list[int] = []
+    for i in order[:budget]:
+        parent = new_id[parents[i]]
+        if parent == -2:  # a prob > 1 put a child before its parent: drop the orphan
+            continue
+        new_id[i] = len(kept)
+        kept.append(i)
+        kept_parents.append(parent)
+    return Draft(
+        tokens=[tokens[i] for i in kept],
+        parents=kept_parents,
+        probs=[float(probs[i]) for i in kept],
+        sources=[sources[i] for i in kept],
+        match_len=match_len,
+    )
 
 
 def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
@@ -79,9 +97,9 @@ def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
     # (merged parent, token) as one int: cheap to hash
     index = {((p + 1) << 32) | t: i for i, (p, t) in enumerate(zip(parents, tokens))}
     for d in full[1:]:
-        remap: list[int] = []
-        for tok, par, prob, src in zip(d.tokens, d.parents, d.probs, d.sources):
-            mp = -1 if par < 0 else remap[par]
+        remap = [-1] * (len(d) + 1)  # remap[-1] == -1: a root stays a root
+        for j, (tok, par, prob, src) in enumerate(zip(d.tokens, d.parents, d.probs, d.sources)):
+            mp = remap[par]
             key = ((mp + 1) << 32) | tok
             node = index.get(key)
             if node is None:
@@ -94,18 +112,10 @@ def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
             elif prob > probs[node]:
                 probs[node] = prob
                 sources[node] = src
-            remap.append(node)
+            remap[j] = node
     if budget <= 0 or not tokens:
         return Draft(match_len=match_len)
-    path: list[float] = []
-    depth: list[int] = []
-    for prob, parent in zip(probs, parents):
-        if parent < 0:
-            path.append(prob)
-            depth.append(0)
-        else:
-            path.append(path[parent] * prob)
-            depth.append(depth[parent] + 1)
+    path, depth = path_and_depth(probs, parents)
     return take_top(tokens, parents, probs, sources, path, depth, budget, match_len)
 
 

@@ -13,7 +13,7 @@ The index is incremental: a decoding session appends a few accepted tokens per s
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from redraft.datastore.draft import PLD, Draft
 from redraft.datastore.merge import take_top
@@ -28,8 +28,10 @@ def _key(toks: list[int], end: int, n: int) -> int:
     return toks[end] if n == 1 else hash(tuple(toks[end + 1 - n : end + 1]))
 
 
-@dataclass(frozen=True)
-class _Occurrence:
+class _Occurrence(NamedTuple):
+    """An earlier occurrence of the context's suffix (a NamedTuple: several are made per
+    step, and a frozen dataclass is slower to build)."""
+
     end: int  # index of the last token of the matched n-gram in the context
     match_len: int
 
@@ -41,6 +43,10 @@ def match_confidence(match_len: int) -> float:
     prior (1 token: 0.4, 2: 0.57, 4: 0.73, 8: 0.84), capped below 1 so no draft is "certain".
     """
     return min(0.95, match_len / (match_len + 1.5))
+
+
+# match_confidence of short matches, looked up once per node instead of called
+_CONFIDENCE = tuple(match_confidence(m) for m in range(64))
 
 
 def depth_for_match(match_len: int, max_depth: int) -> int:
@@ -168,17 +174,22 @@ class PromptLookup:
                 d += 1
         # probs[i] = confidence of the supporting match (which grows with depth: after d
         # accepted tokens the match is d longer) x the node's share of its siblings' weight.
-        sibling_total: dict[int, float] = {}
+        # Lists with one extra last entry for the roots' parent (-1): no branch per node.
+        n_nodes = len(tokens)
+        sibling_total = [0.0] * (n_nodes + 1)
         for p, w in zip(parents, weight):
-            sibling_total[p] = sibling_total.get(p, 0.0) + w
-        probs: list[float] = []
-        path: list[float] = []
+            sibling_total[p] += w
+        probs = [0.0] * n_nodes
+        path = [1.0] * (n_nodes + 1)  # 1.0 * prob == prob for a root
+        n_conf = len(_CONFIDENCE)
         for i, p in enumerate(parents):
-            prob = match_confidence(best[i] + depth[i]) * weight[i] / sibling_total[p]
-            probs.append(prob)
-            path.append(prob if p < 0 else path[p] * prob)
-        return take_top(tokens, parents, probs, [PLD] * len(tokens), path, depth, budget,
-                     occ[0].match_len)
+            m = best[i] + depth[i]
+            conf = _CONFIDENCE[m] if m < n_conf else match_confidence(m)
+            prob = conf * weight[i] / sibling_total[p]
+            probs[i] = prob
+            path[i] = path[p] * prob
+        return take_top(tokens, parents, probs, [PLD] * n_nodes, path, depth, budget,
+                        occ[0].match_len)
 
 
 def prompt_lookup(

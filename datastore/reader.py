@@ -7,8 +7,9 @@ on size). After opening no call mutates shared state, so one Reader serves many 
 Lookups binary-search the suffix array with `bisect` over the raw big-endian token bytes:
 each comparison is one memcmp of a slice of the map, and a per-shard table of first-token
 buckets narrows the search before it starts. The longest matching suffix of a context is
-found by a binary search over the suffix length (if a suffix occurs, every shorter one
-does), so a 16-token context costs about 4 probes instead of 15.
+found by an exponential then binary search over the suffix length (if a suffix occurs,
+every shorter one does): a 16-token context costs at most 7 probes instead of 15, and about 3
+when matches are short (2-4 tokens, the common case on code).
 """
 
 from __future__ import annotations
@@ -397,8 +398,9 @@ class Reader:
         n, w = len(arr), self._dtype.itemsize
         lo, hi = min_len - 1, n
         best: list = []
+        step = 1  # probe lo+1, lo+2, lo+4, ... while found, then bisect what is left
         while lo < hi:
-            mid = (lo + hi + 1) // 2
+            mid = min(lo + step, hi) if step else (lo + hi + 1) // 2
             k = key[(n - mid) * w:]
             t0 = int(arr[n - mid])
             hits = []
@@ -414,8 +416,10 @@ class Reader:
                         hits.append((sh, i, bhi, j))
             if hits:
                 lo, best = mid, hits
+                step *= 2
             else:
                 hi = mid - 1
+                step = 0
         if lo < max(min_len, 1):
             return 0, []
         k = key[(n - lo) * w:]
@@ -515,31 +519,31 @@ class Reader:
                 off += cnt
                 if not len(local):
                     continue
-            p = sh.sa[start + local].astype(np.int64) if pos is None else pos[local]
-            idx = offs + p
+            p = sh.sa[start + local] if pos is None else pos[local]
+            idx = offs + p  # int64 (uint32 positions widen here)
             np.minimum(idx, sh.length - 1, out=idx)
             cols.append(sh.tokens[idx])
         return (cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)).astype(np.int64)
 
     def _tree(self, levels, support: int, budget: int, depth: int, k_max: int) -> Draft:
         """Continuation samples of each level (one column per occurrence) -> trie -> Draft."""
-        parts, weights = [], []
+        parts, shares = [], []
         lam = support / (support + 1.0) if len(levels) > 1 else 1.0
         for n, (L, ranges) in enumerate(levels):
             W = self._sample(L, ranges, k_max, depth)
             if W is None:
                 continue
-            share = lam if n == 0 else 1.0 - lam
             parts.append(W)
-            weights.append(np.full(W.shape[1], max(1, int(_MASS * share) // W.shape[1]),
-                                   np.int64))
+            shares.append(lam if n == 0 else 1.0 - lam)
         if not parts:
             return Draft()
         L = levels[0][0]
         if len(parts) == 1 and len(levels[0][1]) == 1:
             # One SA range sampled in order: columns are already lexicographically sorted.
             return _trie_draft(parts[0], None, self.separator, budget, L)
-        W, wt = np.concatenate(parts, axis=1), np.concatenate(weights)
+        W = np.concatenate(parts, axis=1)
+        wt = np.concatenate([np.full(P.shape[1], max(1, int(_MASS * share) // P.shape[1]),
+                                     np.int64) for P, share in zip(parts, shares)])
         order = np.lexsort(W[::-1])
         return _trie_draft(W[:, order], wt[order], self.separator, budget, L)
 
@@ -558,29 +562,34 @@ def _trie_draft(W: np.ndarray, wt: np.ndarray | None, sep: int, budget: int,
     if k > 1:
         new[:, 1:] &= np.logical_or.accumulate(W[:, 1:] != W[:, :-1], axis=0)
     flat = new.ravel()  # depth-major: every parent precedes its children
-    starts = np.flatnonzero(flat)
+    starts = flat.nonzero()[0]
     if not len(starts):
         return Draft(match_len=match_len)
-    cells = valid.ravel().astype(np.int64) if wt is None else (valid * wt).ravel()
     # Cells between two starts belong to the first (cells no node spans are empty).
-    mass = np.add.reduceat(cells, starts)
-    root = k if wt is None else int(wt.sum())
+    if wt is None:
+        mass = np.add.reduceat(valid.ravel(), starts, dtype=np.int64)
+        root = k
+    else:
+        mass = np.add.reduceat((valid * wt).ravel(), starts)
+        root = int(wt.sum())
     dep = starts // k
     nid = np.cumsum(flat) - 1
     parent = nid[starts - k]
     parent[dep == 0] = -1
-    score = mass * (D + 1) + (D - dep)  # by mass, then shallower first: parents precede
+    # Ranked by mass, then shallower first (parents precede): ascending order of
+    # dep - mass * (D + 1), i.e. of -(mass * (D + 1) + D - dep) shifted by D.
+    neg = dep - mass * (D + 1)
     nn = len(starts)
     if nn > budget:
-        sel = np.argpartition(-score, budget - 1)[:budget]
-        sel = sel[np.argsort(-score[sel], kind="stable")]
+        sel = np.argpartition(neg, budget - 1)[:budget]
+        sel = sel[np.argsort(neg[sel], kind="stable")]
     else:
-        sel = np.argsort(-score, kind="stable")
+        sel = np.argsort(neg, kind="stable")
     remap = np.empty(nn + 1, dtype=np.int64)
     remap[sel] = np.arange(len(sel))
     remap[-1] = -1  # parent -1 maps to -1
     par = parent[sel]
-    pmass = np.append(mass, root)[par]
+    pmass = np.concatenate((mass, (root,)))[par]
     return Draft(
         tokens=W.ravel()[starts[sel]].tolist(),
         parents=remap[par].tolist(),
