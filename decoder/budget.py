@@ -118,7 +118,8 @@ class CostModel:
 
     @classmethod
     def measure(
-        cls, model, sizes: Sequence[int] = DEFAULT_SIZES, prefix: int = 128, rounds: int = 5
+        cls, model, sizes: Sequence[int] = DEFAULT_SIZES, prefix: int = 128, rounds: int = 5,
+        packed_kernels: bool = True,
     ) -> CostModel:
         """Time one forward of n tokens over a cached prefix, for each n.
 
@@ -128,7 +129,7 @@ class CostModel:
         """
         from redraft.decoder.verify import TreeVerifier
 
-        verifier = TreeVerifier(model)
+        verifier = TreeVerifier(model, packed_kernels=packed_kernels)
         vocab = int(model.config.vocab_size)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).tolist()
@@ -149,15 +150,20 @@ class CostModel:
         return cls(list(sizes), [best[n] for n in sizes], verifier.device.type)
 
     @classmethod
-    def for_model(cls, model, name: str, directory: Path | None = None) -> CostModel:
-        """The cached curve for this model on this device, measured on first use."""
+    def for_model(
+        cls, model, name: str, directory: Path | None = None, packed_kernels: bool = True
+    ) -> CostModel:
+        """The cached curve for this model on this device and kernels, measured on first use."""
+        from redraft.decoder.kernels import packed_linears
+
+        kernels = "packed" if packed_kernels and packed_linears(model) is not None else "stock"
         p = next(model.parameters())
         cfg = model.config
         key_src = json.dumps(
             [name, type(model).__name__, getattr(cfg, "num_hidden_layers", None),
              getattr(cfg, "hidden_size", None), getattr(cfg, "vocab_size", None),
              str(p.device.type), str(p.dtype), torch.get_num_threads(),
-             torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else ""]
+             torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "", kernels]
         )
         key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
         path = (directory or cache_dir()) / f"{key}.json"
@@ -165,7 +171,7 @@ class CostModel:
             return cls.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError):
             pass
-        curve = cls.measure(model)
+        curve = cls.measure(model, packed_kernels=packed_kernels)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

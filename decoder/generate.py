@@ -148,6 +148,7 @@ class Generator:
         max_nodes: int | None = None,
         max_depth: int = DEFAULT_MAX_DEPTH,
         persist_calibration: bool = False,
+        packed_kernels: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -167,14 +168,17 @@ class Generator:
         if persist_calibration and drafter is not None:
             self._calibration_file = calibration_path(model_name, drafter.name)
             self.calibrator.load(self._calibration_file)
-        self.verifier = TreeVerifier(model)
+        self.packed_kernels = packed_kernels
+        self.verifier = TreeVerifier(model, packed_kernels=packed_kernels)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
 
     @property
     def cost(self) -> CostModel:
         if self._cost is None:
-            self._cost = CostModel.for_model(self.model, self.model_name)
+            self._cost = CostModel.for_model(
+                self.model, self.model_name, packed_kernels=self.packed_kernels
+            )
         return self._cost
 
     # -- input -------------------------------------------------------------------------

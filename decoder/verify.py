@@ -18,6 +18,7 @@ import inspect
 
 import torch
 from redraft.datastore.errors import RedraftError
+from redraft.decoder.kernels import packed_linears
 from redraft.decoder.tree import Tree
 
 
@@ -49,10 +50,15 @@ def tree_mask_rows(tree: Tree) -> list[list[int]]:
 
 
 class TreeVerifier:
-    """Owns the KV cache of one generation and runs tree forwards over it."""
+    """Owns the KV cache of one generation and runs tree forwards over it.
 
-    def __init__(self, model) -> None:
+    `packed_kernels` runs the model's linear layers on pre-packed oneDNN weights where that
+    applies (float32 on a CPU, see `kernels`); elsewhere it changes nothing.
+    """
+
+    def __init__(self, model, packed_kernels: bool = True) -> None:
         self.model = model
+        self.kernels = packed_linears(model) if packed_kernels else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._cache_kw = _cache_kwarg(model)
@@ -81,7 +87,7 @@ class TreeVerifier:
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
         if self._keep_kw:
             kwargs["logits_to_keep"] = 1  # the vocabulary projection of a long prompt is waste
-        self.model(input_ids=x, **kwargs)
+        self._forward(x, kwargs)
 
     @torch.inference_mode()
     def tree_forward(self, root: int, tree: Tree) -> torch.Tensor:
@@ -105,9 +111,15 @@ class TreeVerifier:
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
             kwargs["attention_mask"] = mask
         # A single token needs no mask: it may see everything, as in plain decoding.
-        out = self.model(input_ids=ids, **kwargs)
+        out = self._forward(ids, kwargs)
         self._pending = n
         return out.logits[0].float()
+
+    def _forward(self, ids: torch.Tensor, kwargs: dict):
+        if self.kernels is None:
+            return self.model(input_ids=ids, **kwargs)
+        with self.kernels.active():
+            return self.model(input_ids=ids, **kwargs)
 
     def commit(self, accepted: list[int]) -> None:
         """Keep the root and the accepted nodes (tree indices along one path), drop the rest."""
