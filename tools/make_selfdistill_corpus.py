@@ -118,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args(argv)
 
+    import contextlib
+
     import torch
     from redraft.datastore.tokenizer import load_tokenizer, resolve_model
+    from redraft.decoder.kernels import packed_linears
     from transformers import AutoModelForCausalLM
 
     torch.set_grad_enabled(False)
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     src = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(src.path, **src.kwargs()).eval()
     tok.padding_side = "left"
+    packed = packed_linears(model)  # batched CPU generation is ~2x faster on packed weights
 
     done: set[str] = set()
     if os.path.exists(args.out):
@@ -149,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             for _, p in batch
         ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(
-            **enc, max_new_tokens=args.max_new_tokens, do_sample=False,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        )
+        with packed.active() if packed is not None else contextlib.nullcontext():
+            out = model.generate(
+                **enc, max_new_tokens=args.max_new_tokens, do_sample=False,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            )
         new = out[:, enc["input_ids"].shape[1] :]
         with open(args.out, "a", encoding="utf-8") as f:
             for (pid, prompt), ids in zip(batch, new):
