@@ -7,10 +7,22 @@ accepted given that its parent was. The service converts it 1:1 to the proto `Tr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 REST = "rest"
 PLD = "pld"
+
+
+def path_probs(probs: Sequence[float], parents: Sequence[int]) -> list[float]:
+    """Probability that each node is accepted: the product of probs along its path.
+
+    Shared by the datastore's `Draft` and the decoder's `Tree`, which keep the same arrays.
+    """
+    out: list[float] = []
+    for p, parent in zip(probs, parents):
+        out.append(p if parent < 0 else out[parent] * p)
+    return out
 
 
 @dataclass
@@ -26,10 +38,7 @@ class Draft:
 
     def path_probs(self) -> list[float]:
         """Probability that each node is accepted: the product of probs along its path."""
-        out: list[float] = []
-        for p, parent in zip(self.probs, self.parents):
-            out.append(p if parent < 0 else out[parent] * p)
-        return out
+        return path_probs(self.probs, self.parents)
 
     @property
     def expected_accepted(self) -> float:

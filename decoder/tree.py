@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from redraft.datastore.draft import path_probs
+
 # Proto enum values of redraft.v1.Source, kept here so the decoder need not import the stubs
 # just to name a source.
 _PROTO_SOURCE_NAMES = {0: "unknown", 1: "rest", 2: "pld"}
@@ -87,10 +89,7 @@ class Tree:
 
     def path_probs(self) -> list[float]:
         """P(node accepted): the product of the conditional probs along its path."""
-        out: list[float] = []
-        for p, parent in zip(self.probs, self.parents):
-            out.append(p if parent < 0 else out[parent] * p)
-        return out
+        return path_probs(self.probs, self.parents)
 
     @property
     def expected_accepted(self) -> float:
