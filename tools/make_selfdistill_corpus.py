@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=1000, help="total prompts to answer")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--sources", default="gsm8k,code,instruct",
+                    help="comma-separated prompt kinds to answer (gsm8k needs --gsm8k)")
     args = ap.parse_args(argv)
 
     import contextlib
@@ -136,9 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as f:
             done = {json.loads(line)["id"] for line in f if line.strip()}
-    sources = [code_prompts(), instruct_prompts()]
-    if args.gsm8k:
-        sources.insert(0, gsm8k_prompts(args.gsm8k))
+    kinds = {k.strip() for k in args.sources.split(",") if k.strip()}
+    unknown = kinds - {"gsm8k", "code", "instruct"}
+    if unknown:
+        ap.error(f"unknown prompt kind(s): {', '.join(sorted(unknown))}")
+    sources = []
+    if "gsm8k" in kinds and args.gsm8k:
+        sources.append(gsm8k_prompts(args.gsm8k))
+    if "code" in kinds:
+        sources.append(code_prompts())
+    if "instruct" in kinds:
+        sources.append(instruct_prompts())
     todo = [(i, p) for i, p in interleave(*sources) if i not in done]
     todo = todo[: max(0, args.limit - len(done))]
     print(f"{len(done)} already done, {len(todo)} to generate", file=sys.stderr)
