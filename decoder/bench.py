@@ -394,6 +394,8 @@ def run_command(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions, args.per_category or None)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from redraft.decoder.kernels import packed_linears
+
     model, tokenizer = load_model(args.model)
     methods: list[Method] = []
     drafters = []
@@ -421,7 +423,9 @@ def run_command(args: argparse.Namespace) -> int:
     meta = {"model": args.model or "smollm2-135m", "questions": len(questions),
             "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
             "methods": names, "datastore": args.datastore, "draft_service": args.draft_service,
-            "torch_threads": torch.get_num_threads(), "device": str(model.device)}
+            "torch_threads": torch.get_num_threads(), "device": str(model.device),
+            # redraft's forwards run on packed oneDNN weights on a CPU; HF's on stock kernels
+            "redraft_kernels": "packed" if packed_linears(model) is not None else "stock"}
     out = Path(args.out)
     write_outputs(out, records, summary, names, meta)
     print(markdown_table(summary, names))
