@@ -41,6 +41,18 @@ TOPICS = [
     "coral reefs", "the Industrial Revolution", "gardening", "democracy", "antibiotics",
     "the solar system", "cooking pasta", "job interviews", "the Great Wall of China",
     "artificial intelligence ethics", "earthquakes", "the Olympic Games", "rainforests",
+    # Appended later: ids index these lists, so new entries go at the end.
+    "the Amazon River", "Shakespeare", "the Cold War", "the periodic table", "jazz music",
+    "the Eiffel Tower", "the human heart", "chess", "the Mongol Empire", "penicillin",
+    "the Great Depression", "hurricanes", "the Beatles", "Mount Everest", "the Silk Road",
+    "nuclear power", "the American Civil War", "the Nile", "football (soccer)", "opera",
+    "the Sahara Desert", "the Titanic", "Albert Einstein", "the Internet of Things",
+    "the Pacific Ocean", "the Byzantine Empire", "baking bread", "the electoral college",
+    "glaciers", "the Mona Lisa", "tea", "the Berlin Wall", "Antarctica", "the printing of money",
+    "the Declaration of Independence", "the Hubble Space Telescope", "the Aztecs",
+    "basketball", "the Statue of Liberty", "coffee", "the Milky Way", "Mozart",
+    "the United Nations", "tsunamis", "the Wright brothers", "the human brain", "bitcoin",
+    "the Ottoman Empire", "photosynthesis in algae", "the Panama Canal",
 ]
 TEMPLATES = [
     "Explain {t} in simple terms.",
@@ -53,6 +65,17 @@ TEMPLATES = [
     "Write an email to a friend recommending they learn about {t}.",
     "What are common misconceptions about {t}?",
     "Compare {t} with something from everyday life to explain it.",
+    # Appended later, as above; short factual questions like a search engine gets.
+    "What is {t}?",
+    "How does {t} work?",
+    "Why is {t} important?",
+    "What is the history of {t}?",
+    "Who are the most important people associated with {t}?",
+    "When did {t} first become well known?",
+    "Where can I learn more about {t}?",
+    "Answer in one sentence: what is the most surprising fact about {t}?",
+    "Write a haiku about {t}.",
+    "Write a dialogue between two friends discussing {t}.",
 ]
 
 
@@ -63,31 +86,51 @@ def gsm8k_prompts(path: str) -> Iterator[tuple[str, str]]:
 
 
 def code_prompts(seed: int = 0) -> Iterator[tuple[str, str]]:
-    """One request per public, documented stdlib function, in a fixed shuffled order."""
+    """One request per public, documented stdlib function or method, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     found: list[tuple[str, str]] = []
+    methods: list[tuple[str, str]] = []
+    seen: set[str] = set()
     for path in sorted(root.glob("*.py")):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc:
-                continue
-            summary = doc.strip().splitlines()[0].strip().rstrip(".")
-            if len(summary) < 15:
-                continue
-            args = ", ".join(a.arg for a in node.args.args)
-            request = (
-                f"Write a Python function `{node.name}({args})` that does the following: "
-                f"{summary}. Include a docstring and a short example."
-            )
-            found.append((f"code-{path.stem}.{node.name}", request))
+            if isinstance(node, ast.FunctionDef):
+                request = _code_request(node)
+                if request:
+                    found.append((f"code-{path.stem}.{node.name}", request))
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                for item in node.body:  # methods come after all functions (see below)
+                    request = _code_request(item, owner=node.name)
+                    pid = f"code-{path.stem}.{node.name}.{getattr(item, 'name', '')}"
+                    if request and pid not in seen:  # a property's getter and setter share it
+                        seen.add(pid)
+                        methods.append((pid, request))
     random.Random(seed).shuffle(found)
+    random.Random(seed).shuffle(methods)
+    # Functions first, then methods: ids done by an earlier run stay a prefix of the order.
     yield from found
+    yield from methods
+
+
+def _code_request(node, owner: str | None = None) -> str | None:
+    """A code-writing request from a public, documented function's signature and summary."""
+    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        return None
+    doc = ast.get_docstring(node)
+    if not doc:
+        return None
+    summary = doc.strip().splitlines()[0].strip().rstrip(".")
+    if len(summary) < 15:
+        return None
+    args = ", ".join(a.arg for a in node.args.args)
+    what = f"function `{node.name}" if owner is None else f"method `{owner}.{node.name}"
+    return (
+        f"Write a Python {what}({args})` that does the following: "
+        f"{summary}. Include a docstring and a short example."
+    )
 
 
 def instruct_prompts(seed: int = 0) -> Iterator[tuple[str, str]]:
