@@ -363,6 +363,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
     p.add_argument("--out", default="bench-out/spec_bench", help="output directory")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--stock-kernels", action="store_true",
+                   help="redraft's methods on PyTorch's stock CPU kernels, like Hugging Face's")
     p.set_defaults(func=run_command)
 
 
@@ -407,8 +409,9 @@ def run_command(args: argparse.Namespace) -> int:
         drafter = build_drafter(REDRAFT_METHODS[name], tokenizer=tokenizer,
                                 datastore=args.datastore, draft_service=args.draft_service)
         drafters.append(drafter)
-        methods.append(RedraftMethod(name, Generator(model, tokenizer, drafter,
-                                                     model_name=args.model or "smollm2-135m")))
+        methods.append(RedraftMethod(name, Generator(
+            model, tokenizer, drafter, model_name=args.model or "smollm2-135m",
+            packed_kernels=not args.stock_kernels)))
     warm_up(methods)
     total = len(questions) * len(methods)
     try:
@@ -425,7 +428,8 @@ def run_command(args: argparse.Namespace) -> int:
             "methods": names, "datastore": args.datastore, "draft_service": args.draft_service,
             "torch_threads": torch.get_num_threads(), "device": str(model.device),
             # redraft's forwards run on packed oneDNN weights on a CPU; HF's on stock kernels
-            "redraft_kernels": "packed" if packed_linears(model) is not None else "stock"}
+            "redraft_kernels": "packed" if not args.stock_kernels
+            and packed_linears(model) is not None else "stock"}
     out = Path(args.out)
     write_outputs(out, records, summary, names, meta)
     print(markdown_table(summary, names))

@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", action="store_true",
                    help="also decode each prompt plainly and report the speed-up and whether "
                    "the tokens are identical")
+    p.add_argument("--stock-kernels", action="store_true",
+                   help="run the target on PyTorch's stock CPU kernels instead of packed oneDNN "
+                        "weights (to isolate what drafting alone gains)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=run_generate)
 
@@ -137,9 +140,11 @@ def _generate_all(args, prompts: list[list[str]], drafter) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.model or "smollm2-135m"
+    packed = not args.stock_kernels
     gen = Generator(model, tokenizer, drafter, model_name=name, max_nodes=args.max_nodes,
-                    persist_calibration=True)
-    plain = Generator(model, tokenizer, None, model_name=name) if args.baseline else None
+                    persist_calibration=True, packed_kernels=packed)
+    plain = (Generator(model, tokenizer, None, model_name=name, packed_kernels=packed)
+             if args.baseline else None)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, typical=args.typical,
                   chat=not args.raw)

@@ -78,6 +78,16 @@ def test_json_records_with_baseline(capsys, default_model, code_datastore):
     assert rec["baseline"]["identical"] is True
 
 
+def test_stock_kernels_give_the_same_tokens(capsys, default_model):
+    outs = []
+    for extra in ([], ["--stock-kernels"]):
+        rc, out, err = run(capsys, "--prompt", CODE_PROMPTS[1], "--max-new-tokens", "16",
+                           "--json", "--threads", "1", *extra)
+        assert rc == 0, err
+        outs.append(json.loads(out)["tokens"])
+    assert len(outs[0]) == 16 and outs[0] == outs[1]
+
+
 def test_prompts_file_with_turns_streams_text(capsys, default_model, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "Say hi."}) + "\n"
