@@ -31,6 +31,19 @@ def _packed_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _pack(module: torch.nn.Linear) -> functools.partial:
+    with torch.inference_mode():
+        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _PACK_ROWS)
+    bias = None if module.bias is None else module.bias.detach()
+    return functools.partial(_packed_forward, weight=packed, bias=bias)
+
+
+def _stamp(module: torch.nn.Linear) -> tuple:
+    """Identity and in-place version of a layer's parameters."""
+    w, b = module.weight, module.bias
+    return (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+
+
 def _available(model) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
@@ -43,15 +56,24 @@ class PackedLinears:
 
     def __init__(self, model) -> None:
         self.forwards: list[tuple[torch.nn.Linear, functools.partial]] = []
-        with torch.inference_mode():
-            for module in model.modules():
-                if type(module) is not torch.nn.Linear:
-                    continue
-                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _PACK_ROWS)
-                bias = None if module.bias is None else module.bias.detach()
-                self.forwards.append(
-                    (module, functools.partial(_packed_forward, weight=packed, bias=bias))
-                )
+        self._stamps: list[tuple] = []  # what each packed copy was made from
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                self.forwards.append((module, _pack(module)))
+                self._stamps.append(_stamp(module))
+
+    def refresh(self) -> None:
+        """Re-pack any layer whose weights were replaced or changed in place since packing.
+
+        A stale packed copy would silently compute with old weights (e.g. after loading an
+        adapter). The verifier calls this once per generation, at prefill: checking every
+        layer costs ~1 ms, too much for every forward.
+        """
+        for i, (module, _) in enumerate(self.forwards):
+            stamp = _stamp(module)
+            if stamp != self._stamps[i]:
+                self.forwards[i] = (module, _pack(module))
+                self._stamps[i] = stamp
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -81,6 +81,8 @@ class TreeVerifier:
     def prefill(self, ids: list[int]) -> None:
         """Start a generation: put `ids` (the context minus its last token) into a fresh cache."""
         self.reset()
+        if self.kernels is not None:
+            self.kernels.refresh()  # weights may have changed since the last generation
         if not ids:
             return
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
