@@ -3,8 +3,9 @@
 Why not Hugging Face's version: it copies one fixed-length continuation after the left-most
 match. Here the context's own n-gram index finds the *longest* recent match, several earlier
 occurrences are merged into a tree (so two plausible continuations can both be verified),
-depth grows with the match length, and each node carries an estimated acceptance probability
-so the decoder can size its tree to the hardware.
+and each node carries an estimated acceptance probability (higher after a longer match) so
+the decoder can size its tree to the hardware. Drafts are not cut to a fixed length by the
+match length: how deep to verify is the budget's call, from those probabilities.
 
 The index is incremental: a decoding session appends a few accepted tokens per step, and
 `extend` costs O(len(levels)) dict appends per token, never a rescan of the context.
@@ -47,11 +48,6 @@ def match_confidence(match_len: int) -> float:
 
 # match_confidence of short matches, looked up once per node instead of called
 _CONFIDENCE = tuple(match_confidence(m) for m in range(64))
-
-
-def depth_for_match(match_len: int, max_depth: int) -> int:
-    """Draft length grows with the match: a 1-token match earns 4 tokens, 8 tokens earn 18."""
-    return max(1, min(max_depth, 2 * match_len + 2))
 
 
 class PromptLookup:
@@ -155,7 +151,7 @@ class PromptLookup:
             w = float(m * m)  # longer matches dominate the vote
             parent = -1
             d = 0
-            for tok in toks[o.end + 1 : min(n, o.end + 1 + depth_for_match(m, max_depth))]:
+            for tok in toks[o.end + 1 : min(n, o.end + 1 + max_depth)]:
                 key = ((parent + 1) << 32) | tok
                 node = children.get(key)
                 if node is None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from redraft.datastore.draft import PLD
-from redraft.datastore.pld import PromptLookup, depth_for_match, match_confidence, prompt_lookup
+from redraft.datastore.pld import PromptLookup, match_confidence, prompt_lookup
 
 
 def paths(draft):
@@ -68,14 +68,13 @@ def test_budget_keeps_best_nodes_and_tree_is_valid():
         assert all(p <= worst_kept + 1e-12 for p in dropped)
 
 
-def test_depth_grows_with_match_length():
-    assert depth_for_match(1, 64) < depth_for_match(3, 64) < depth_for_match(8, 64)
-    assert depth_for_match(8, 5) == 5
+def test_longer_matches_give_more_confident_drafts():
     assert match_confidence(1) < match_confidence(2) < match_confidence(8) < 1
-    short = prompt_lookup([7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 7], max_depth=64)
-    long_ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3]
-    long = prompt_lookup(long_ctx, max_depth=64)
-    assert max(len(p) for p in paths(short)) < max(len(p) for p in paths(long))
+    follow = [1, 2, 3, 4, 5, 6, 7, 8]
+    short = prompt_lookup([52, *follow, 0, 52], max_depth=8)  # a 1-token match
+    long = prompt_lookup([50, 51, 52, *follow, 0, 50, 51, 52], max_depth=8)  # 3 tokens
+    assert short.tokens == long.tokens == follow  # both draft all that followed
+    assert all(s < x for s, x in zip(short.path_probs(), long.path_probs()))
 
 
 def test_incremental_extend_equals_one_shot():
