@@ -14,15 +14,28 @@ REST = "rest"
 PLD = "pld"
 
 
+def path_and_depth(probs: Sequence[float], parents: Sequence[int]
+                   ) -> tuple[list[float], list[int]]:
+    """Path probability and depth of each node, each list with one extra last entry.
+
+    The extra entries (path 1.0, depth -1) stand for the roots' parent, so that index -1 needs
+    no branch in this per-node loop: 1.0 * p == p exactly, -1 + 1 == 0.
+    """
+    n = len(parents)
+    path = [1.0] * (n + 1)
+    depth = [-1] * (n + 1)
+    for i, (prob, parent) in enumerate(zip(probs, parents)):
+        path[i] = path[parent] * prob
+        depth[i] = depth[parent] + 1
+    return path, depth
+
+
 def path_probs(probs: Sequence[float], parents: Sequence[int]) -> list[float]:
     """Probability that each node is accepted: the product of probs along its path.
 
     Shared by the datastore's `Draft` and the decoder's `Tree`, which keep the same arrays.
     """
-    out: list[float] = []
-    for p, parent in zip(probs, parents):
-        out.append(p if parent < 0 else out[parent] * p)
-    return out
+    return path_and_depth(probs, parents)[0][:-1]
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from redraft.datastore.draft import Draft
+from redraft.datastore.draft import Draft, path_and_depth
 
 
 def select_top(draft: Draft, budget: int) -> Draft:
@@ -25,22 +25,6 @@ def select_top(draft: Draft, budget: int) -> Draft:
     path, depth = path_and_depth(draft.probs, draft.parents)
     return take_top(draft.tokens, draft.parents, draft.probs, draft.sources, path, depth, budget,
                     draft.match_len)
-
-
-def path_and_depth(probs: Sequence[float], parents: Sequence[int]
-                   ) -> tuple[list[float], list[int]]:
-    """Path probability and depth of each node, each list with one extra last entry.
-
-    The extra entries (path 1.0, depth -1) stand for the roots' parent, so that index -1 needs
-    no branch in this per-node loop: 1.0 * p == p exactly, -1 + 1 == 0.
-    """
-    n = len(parents)
-    path = [1.0] * (n + 1)
-    depth = [-1] * (n + 1)
-    for i, (prob, parent) in enumerate(zip(probs, parents)):
-        path[i] = path[parent] * prob
-        depth[i] = depth[parent] + 1
-    return path, depth
 
 
 def take_top(tokens: list[int], parents: list[int], probs: list[float], sources: list[str],

@@ -168,7 +168,6 @@ class Generator:
         if persist_calibration and drafter is not None:
             self._calibration_file = calibration_path(model_name, drafter.name)
             self.calibrator.load(self._calibration_file)
-        self.packed_kernels = packed_kernels
         self.verifier = TreeVerifier(model, packed_kernels=packed_kernels)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -177,7 +176,7 @@ class Generator:
     def cost(self) -> CostModel:
         if self._cost is None:
             self._cost = CostModel.for_model(
-                self.model, self.model_name, packed_kernels=self.packed_kernels
+                self.model, self.model_name, packed_kernels=self.verifier.kernels is not None
             )
         return self._cost
 
