@@ -50,6 +50,8 @@ class Acceptance:
 
     nodes: list[int] = field(default_factory=list)  # accepted tree indices, root to leaf
     tokens: list[int] = field(default_factory=list)  # accepted draft tokens + the bonus token
+    # the target's top-k (ids, probs) after root and each node, when the loop asked for them
+    candidates: tuple | None = None
 
     @property
     def bonus(self) -> int:

@@ -8,6 +8,8 @@ budget) -> Tree` plus optional per-generation hooks. Each source is one class:
 - `ServiceDrafter`: retrieval from the gRPC draft service, one session per generation; if
   the service cannot be reached or fails mid-generation, it switches to local drafting for
   the rest of that generation. Output never changes: drafts only affect speed.
+- `RecycleDrafter`: token recycling, the target's own earlier top-k predictions per token
+  (`decoder/recycle.py`); the one drafter that reads the verifier's logits (`observe`).
 - `MergedDrafter`: several drafters' trees merged into one trie under the budget.
 """
 
@@ -33,6 +35,7 @@ class Drafter:
 
     name = "drafter"
     failures = 0  # times this drafter gave up on its source (e.g. a dead draft service)
+    candidates_wanted = 0  # > 0: the loop calls `observe` with the target's top-k per node
 
     def begin(self, prompt: Sequence[int]) -> None:
         """A generation starts with this context (prompt tokens)."""
@@ -43,6 +46,11 @@ class Drafter:
 
     def update(self, accepted: Sequence[int]) -> None:
         """Tokens appended to the context by the last step (accepted drafts + bonus)."""
+
+    def observe(self, context: Sequence[int], tree: Tree, ids, probs) -> None:
+        """The target's top-k next tokens (ids, probs: arrays [len(tree) + 1, k]) after the
+        context (row 0; its last token was the root) and after each node of the tree just
+        verified (row i + 1). Only called when `candidates_wanted` > 0."""
 
     def end(self) -> None:
         """The generation is over (release sessions)."""
@@ -76,6 +84,29 @@ class PLDDrafter(Drafter):
         if len(lookup) < len(context):
             lookup.extend(context[len(lookup) :])
         return Tree.from_draft(lookup.propose(budget=budget, max_depth=self.max_depth))
+
+
+class RecycleDrafter(Drafter):
+    """Token recycling: drafts from the target's own top-k predictions seen after each token.
+
+    The table is kept across generations (it is what this model says, not what a prompt
+    says), so one drafter should serve one model.
+    """
+
+    name = "recycle"
+
+    def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, k: int = 8) -> None:
+        from redraft.decoder.recycle import CandidateTable
+
+        self.max_depth = max_depth
+        self.candidates_wanted = k
+        self.table = CandidateTable(k)
+
+    def propose(self, context: Sequence[int], budget: int) -> Tree:
+        return self.table.draft(int(context[-1]), budget, self.max_depth)
+
+    def observe(self, context: Sequence[int], tree: Tree, ids, probs) -> None:
+        self.table.record([int(context[-1]), *tree.tokens], ids, probs)
 
 
 class MergedDrafter(Drafter):
@@ -120,6 +151,15 @@ class MergedDrafter(Drafter):
     def update(self, accepted: Sequence[int]) -> None:
         for d in list(self._live):
             self._call(d, d.update, accepted)
+
+    @property
+    def candidates_wanted(self) -> int:  # type: ignore[override]
+        return max((d.candidates_wanted for d in self._live), default=0)
+
+    def observe(self, context: Sequence[int], tree: Tree, ids, probs) -> None:
+        for d in list(self._live):
+            if d.candidates_wanted:
+                self._call(d, d.observe, context, tree, ids, probs)
 
     def end(self) -> None:
         for d in self.drafters:
@@ -279,7 +319,7 @@ class ServiceDrafter(Drafter):
                 pass
 
 
-KNOWN_DRAFTERS = ("none", "pld", "rest")
+KNOWN_DRAFTERS = ("none", "pld", "rest", "recycle")
 
 
 def parse_names(names: str | Sequence[str] | None) -> list[str]:
@@ -290,13 +330,13 @@ def parse_names(names: str | Sequence[str] | None) -> list[str]:
         names = [n.strip() for n in names.split(",") if n.strip()]
     names = list(dict.fromkeys(n.lower() for n in names))
     if not names:
-        raise UnknownDrafter("no drafter named (use none, pld, rest or a combination)")
+        raise UnknownDrafter("no drafter named (use none, pld, rest, recycle or a combination)")
     for n in names:
         if n == "medusa":
             raise UnknownDrafter("drafter 'medusa' is not available yet (no trained heads)")
         if n not in KNOWN_DRAFTERS:
-            raise UnknownDrafter(f"unknown drafter {n!r} (known: none, pld, rest; combine "
-                                 "with commas, e.g. pld,rest)")
+            raise UnknownDrafter(f"unknown drafter {n!r} (known: none, pld, rest, recycle; "
+                                 "combine with commas, e.g. pld,rest)")
     if "none" in names and len(names) > 1:
         raise UnknownDrafter("'none' cannot be combined with other drafters")
     return names
@@ -311,7 +351,7 @@ def build_drafter(
     token: str | None = None,
     max_depth: int = DEFAULT_MAX_DEPTH,
 ) -> Drafter | None:
-    """A drafter from a name or a comma-separated combination (none, pld, rest).
+    """A drafter from a name or a comma-separated combination (none, pld, rest, recycle).
 
     `rest` reads `datastore` in process, or asks `draft_service` (PLD always runs locally:
     it needs no corpus and a network round trip would cost more than the lookup).
@@ -338,4 +378,6 @@ def build_drafter(
         else:
             raise UnknownDrafter("drafter 'rest' needs a datastore (--datastore DIR) or a "
                                  "draft service (--draft-service ADDR)")
+    if "recycle" in names:
+        drafters.append(RecycleDrafter(max_depth=max_depth))
     return drafters[0] if len(drafters) == 1 else MergedDrafter(drafters)

@@ -18,6 +18,7 @@ from redraft.datastore.errors import RedraftError
 from redraft.decoder.acceptance import Acceptance, SamplingParams, accept
 from redraft.decoder.budget import Calibrator, CostModel, calibration_path
 from redraft.decoder.drafters import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
+from redraft.decoder.recycle import top_candidates
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
 
@@ -84,11 +85,18 @@ def speculative_decode(
     tree: Tree,
     params: SamplingParams,
     generator: torch.Generator,
+    candidates: int = 0,
 ) -> Acceptance:
-    """One target forward over root + tree, acceptance, and cache compaction."""
+    """One target forward over root + tree, acceptance, and cache compaction.
+
+    `candidates` > 0 also returns the target's top-k next tokens after root and every node
+    (what token recycling keeps of the forward instead of throwing it away).
+    """
     logits = verifier.tree_forward(root, tree)
     acc = accept(logits, tree, params, generator)
     verifier.commit(acc.nodes)
+    if candidates:
+        acc.candidates = top_candidates(logits, candidates)
     return acc
 
 
@@ -162,6 +170,9 @@ class Generator:
         self.max_nodes = max_nodes
         self.max_depth = max_depth
         self.calibrator = Calibrator()
+        # Seconds each step spends outside the target's forward (drafting, acceptance, cache
+        # compaction), learned online: the budget adds it to the cost curve's forward times.
+        self.step_overhead = 0.0
         # With persistence, a new process starts from what earlier runs learned about how
         # often each drafter's guesses are accepted, instead of from a prior.
         self._calibration_file = None
@@ -283,6 +294,7 @@ class Generator:
             drafter_ok = self._safe(stats, drafter.begin, context)
         try:
             while len(out) < max_new:
+                step_start = time.perf_counter()
                 remaining = max_new - len(out)
                 raw = Tree()
                 budget = 0
@@ -301,13 +313,17 @@ class Generator:
                 tree = raw
                 if len(raw):
                     calibrated = self.calibrator.apply(raw)
-                    keep = cost.select(calibrated, self.max_nodes)
+                    keep = cost.select(calibrated, self.max_nodes, self.step_overhead)
                     raw, tree = raw.subset(keep), calibrated.subset(keep)
-                if len(tree):
-                    acc = speculative_decode(self.verifier, root, tree, params, generator)
+                want = drafter.candidates_wanted if drafter_ok else 0
+                if len(tree) or want:
+                    acc = speculative_decode(self.verifier, root, tree, params, generator, want)
                 else:
                     token = decode_one_token(self.verifier, root, params, generator)
                     acc = Acceptance(tokens=[token])
+                if acc.candidates is not None:
+                    drafter_ok = self._safe(stats, drafter.observe, context, tree,
+                                            *acc.candidates)
                 stats.steps += 1
                 new = acc.tokens[:remaining]
                 for i, t in enumerate(new):
@@ -329,6 +345,8 @@ class Generator:
                         finish = "stop"
                 if drafter_ok and finish == "length" and len(out) < max_new:
                     drafter_ok = self._safe(stats, drafter.update, new)
+                if cost is not None:
+                    self._learn_overhead(cost, len(tree), time.perf_counter() - step_start)
                 yield new
                 if finish != "length":
                     break
@@ -346,6 +364,15 @@ class Generator:
             cut = min(text.find(s) for s in stop if s in text)
             text = text[:cut]
         return GenerationResult(out, text, stats, finish, ids)
+
+    def _learn_overhead(self, cost: CostModel, nodes: int, seconds: float) -> None:
+        """Move the overhead estimate toward this step's time beyond its predicted forward.
+
+        Clipped to one plain forward so that a burst of load on a shared machine cannot
+        inflate it much; the running average forgets within a few dozen steps.
+        """
+        sample = min(max(seconds - cost.cost(nodes + 1), 0.0), cost.cost(1))
+        self.step_overhead += 0.05 * (sample - self.step_overhead)
 
     def _safe(self, stats: GenerationStats, fn, *args) -> bool:
         try:
