@@ -60,7 +60,7 @@ demo: install $(STDLIB_DS)/datastore.lmdb
 		sleep 0.5; \
 	done; \
 	$(VENV)/bin/redraft generate --prompts tools/demo_prompts.jsonl \
-		--draft-service 127.0.0.1:$(DEMO_PORT) --drafters pld,rest \
+		--draft-service 127.0.0.1:$(DEMO_PORT) \
 		--max-new-tokens 128 --threads 1 --baseline
 
 # The default datastore: two named corpora in one store, `code` (the standard library, as

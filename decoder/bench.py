@@ -337,7 +337,9 @@ REDRAFT_METHODS = {  # method name -> drafter names for build_drafter
     "redraft-none": "none",
     "redraft-pld": "pld",
     "redraft-rest": "rest",
-    "redraft-default": "pld,rest",
+    "redraft-recycle": "recycle",
+    "redraft-pld-rest": "pld,rest",
+    "redraft-default": "pld,rest,recycle",
 }
 DEFAULT_METHODS = "hf-greedy,hf-pld,redraft-pld,redraft-rest,redraft-default"
 

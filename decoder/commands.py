@@ -36,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=None,
-                   help="none, pld, rest, or a comma-separated combination such as pld,rest "
-                   "(default: pld,rest with a datastore or draft service, else pld)")
+                   help="none, pld, rest, recycle, or a comma-separated combination such as "
+                   "pld,rest (default: pld,rest,recycle with a datastore or draft service, "
+                   "else pld,recycle)")
     ds = p.add_mutually_exclusive_group()
     ds.add_argument("--draft-service", metavar="ADDR", help="draft service address (host:port)")
     ds.add_argument("--datastore", metavar="DIR", help="datastore opened in this process")
@@ -112,12 +113,12 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
 
 def run_generate(args: argparse.Namespace) -> int:
     from redraft.datastore.tokenizer import load_tokenizer, resolve_model
-    from redraft.decoder.drafters import build_drafter, parse_names
+    from redraft.decoder.drafters import build_drafter, default_drafters, parse_names
 
     logging.basicConfig(level=logging.WARNING, format="redraft: %(message)s")
     prompts = check_args(args)
     if args.drafters is None:
-        args.drafters = "pld,rest" if (args.datastore or args.draft_service) else "pld"
+        args.drafters = default_drafters(bool(args.datastore or args.draft_service))
     parse_names(args.drafters)  # unknown names fail before anything is loaded
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)

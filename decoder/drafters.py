@@ -322,10 +322,17 @@ class ServiceDrafter(Drafter):
 KNOWN_DRAFTERS = ("none", "pld", "rest", "recycle")
 
 
+def default_drafters(retrieval: bool) -> str:
+    """What runs when no drafter is named: every drafter that needs nothing more than what
+    was given (recycling and prompt lookup need no corpus; rest needs a datastore or service).
+    """
+    return "pld,rest,recycle" if retrieval else "pld,recycle"
+
+
 def parse_names(names: str | Sequence[str] | None) -> list[str]:
-    """Validate a drafter name or comma-separated combination; default `pld`."""
+    """Validate a drafter name or comma-separated combination; default `pld,recycle`."""
     if names is None:
-        names = "pld"
+        names = default_drafters(False)
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     names = list(dict.fromkeys(n.lower() for n in names))

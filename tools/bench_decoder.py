@@ -1,5 +1,6 @@
-"""Decoder benchmark: plain vs PLD vs retrieval vs PLD+retrieval, and Hugging Face's own
-greedy and prompt-lookup generate, on code-writing prompts with the default model.
+"""Decoder benchmark: plain vs PLD vs retrieval vs token recycling and their combinations,
+and Hugging Face's own greedy and prompt-lookup generate, on code-writing prompts with the
+default model.
 
 Every method runs on every prompt in one process. redraft's methods run in lock-step: one
 decoding step of each in turn (rotating order), each timed on its own, so a burst of load
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "pld": gen("pld"),
         "rest": gen("rest", args.datastore),
         "pld+rest": gen("pld,rest", args.datastore),
+        "recycle": gen("recycle"),
+        "pld+rest+recycle": gen("pld,rest,recycle", args.datastore),
         "rest (empty datastore)": gen("rest", empty),
     }
     if not args.no_hf:

@@ -17,7 +17,7 @@ from redraft.decoder.acceptance import (
     target_probs,
 )
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafters import Drafter
+from redraft.decoder.drafters import Drafter, RecycleDrafter
 from redraft.decoder.generate import Generator
 from redraft.decoder.tree import Tree
 
@@ -110,10 +110,11 @@ def chi_square(counts: Counter, exact: dict, n: int) -> tuple[float, int]:
     return stat, df
 
 
-def sample_sequences(params: SamplingParams, n: int) -> tuple[Counter, dict, float]:
+def sample_sequences(params: SamplingParams, n: int, drafter: Drafter | None = None
+                     ) -> tuple[Counter, dict, float]:
     model = tiny_model("llama", vocab=VOCAB, init=0.3)
     flat = CostModel([1, 64], [1.0, 1.0])  # a flat cost curve: the whole tree is verified
-    gen = Generator(model, load_tokenizer(None), FixedTreeDrafter(), cost=flat)
+    gen = Generator(model, load_tokenizer(None), drafter or FixedTreeDrafter(), cost=flat)
     counts: Counter = Counter()
     per_step = 0.0
     for seed in range(n):
@@ -138,6 +139,17 @@ def test_speculative_sampling_is_lossless(params):
     tv = 0.5 * sum(abs(counts.get(s, 0) / n - p) for s, p in exact.items())
     assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df} tv={tv:.3f}"
     assert tv < 0.08  # sampling noise alone gives ~0.05 with 125 cells and n = 4000
+
+
+def test_sampling_with_drafts_learned_from_earlier_samples_is_lossless():
+    """Token recycling drafts from what the target predicted in earlier (random) generations:
+    drafts that depend on past randomness must still leave the distribution unchanged."""
+    n = 4000
+    params = SamplingParams(temperature=1.0)
+    counts, exact, per_step = sample_sequences(params, n, RecycleDrafter())
+    assert per_step > 1.3, "recycled drafts must actually be accepted for this to mean anything"
+    stat, df = chi_square(counts, exact, n)
+    assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df}"
 
 
 def test_typical_acceptance_is_detectably_lossy():

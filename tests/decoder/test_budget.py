@@ -97,3 +97,25 @@ def test_calibration_persists_and_old_counts_fade(tmp_path):
     assert again.apply(raw).probs[0] == pytest.approx(cal.apply(raw).probs[0], rel=1e-6)
     assert sum(again._get("rest").trials) < 200  # scaled down: new evidence still counts
     assert not Calibrator().load(tmp_path / "missing.json")
+
+
+def test_a_per_step_overhead_makes_bigger_trees_worth_it():
+    cpu = CostModel(*CPU_COST)
+    tree = chain([0.7] * 20)
+    pp = tree.path_probs()
+    overhead = 0.03
+    best = max(range(len(tree) + 1),
+               key=lambda k: (1 + sum(pp[:k])) / (cpu.cost(k + 1) + overhead))
+    assert len(cpu.choose(tree, overhead=overhead)) == best > len(cpu.choose(tree))
+
+
+def test_generator_learns_the_loops_overhead_per_step():
+    from redraft.datastore.tokenizer import load_tokenizer
+    from redraft.decoder.drafters import PLDDrafter
+    from redraft.decoder.generate import Generator
+
+    # a curve claiming forwards take a microsecond: every step's real time is overhead
+    fast = CostModel([1, 64], [1e-6, 2e-6])
+    gen = Generator(tiny_model(), load_tokenizer(None), PLDDrafter(), cost=fast)
+    gen.generate([5, 9, 14, 3], max_new_tokens=10, eos=False)
+    assert 0.0 < gen.step_overhead <= fast.cost(1)  # clipped to one plain forward

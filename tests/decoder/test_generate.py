@@ -60,7 +60,7 @@ def test_plain_decoding_matches_hf_generate(default_model, plain, prompt):
     assert_same_or_near_tie(model, ours, hf)
 
 
-@pytest.mark.parametrize("which", ["pld", "rest", "pld,rest"])
+@pytest.mark.parametrize("which", ["pld", "rest", "pld,rest", "recycle", "pld,rest,recycle"])
 def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_datastore, which):
     model, tok = default_model
     drafter = build_drafter(which, tokenizer=tok, datastore=code_datastore)
