@@ -341,7 +341,8 @@ REDRAFT_METHODS = {  # method name -> drafter names for build_drafter
     "redraft-pld-rest": "pld,rest",
     "redraft-default": "pld,rest,recycle",
 }
-DEFAULT_METHODS = "hf-greedy,hf-pld,redraft-pld,redraft-rest,redraft-default"
+DEFAULT_METHODS = ("hf-greedy,hf-pld,redraft-pld,redraft-rest,redraft-recycle,redraft-pld-rest,"
+                   "redraft-default")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

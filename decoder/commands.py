@@ -134,6 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate_all(args, prompts: list[list[str]], drafter) -> int:
     from redraft.decoder.generate import Generator
     from redraft.decoder.models import load_model
+    from redraft.decoder.recycle import table_path
 
     if args.threads:
         import torch
@@ -150,6 +151,28 @@ def _generate_all(args, prompts: list[list[str]], drafter) -> int:
                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, typical=args.typical,
                   chat=not args.raw)
     totals = {"spec": 0.0, "plain": 0.0}
+    recycler = _recycler(drafter)
+    if recycler is not None:  # start from what earlier runs' forwards predicted
+        recycler.table.load(table_path(name), int(model.config.vocab_size))
+    try:
+        _answer_all(args, prompts, gen, plain, kwargs, totals)
+    finally:
+        if recycler is not None:
+            recycler.table.save(table_path(name))
+    if plain is not None and not args.json and len(prompts) > 1:
+        print(f"[overall speed-up over plain decoding: "
+              f"{totals['plain'] / max(totals['spec'], 1e-9):.2f}x]", file=sys.stderr)
+    return 0
+
+
+def _recycler(drafter):
+    from redraft.decoder.drafters import RecycleDrafter
+
+    members = getattr(drafter, "drafters", [drafter])
+    return next((d for d in members if isinstance(d, RecycleDrafter)), None)
+
+
+def _answer_all(args, prompts: list[list[str]], gen, plain, kwargs: dict, totals: dict) -> None:
     for turns in prompts:
         record = _run_turns(gen, turns, kwargs, stream=not args.json)
         if plain is not None:
@@ -167,10 +190,6 @@ def _generate_all(args, prompts: list[list[str]], drafter) -> int:
         else:
             print(file=sys.stdout, flush=True)
             _report(record)
-    if plain is not None and not args.json and len(prompts) > 1:
-        print(f"[overall speed-up over plain decoding: "
-              f"{totals['plain'] / max(totals['spec'], 1e-9):.2f}x]", file=sys.stderr)
-    return 0
 
 
 def _run_turns(gen, turns: list[str], kwargs: dict, stream: bool) -> dict:

@@ -15,9 +15,12 @@ model's own phrasing and the code it writes from scratch.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,6 +61,32 @@ class CandidateTable:
         self.ids[toks, :k] = ids[:, :k]
         self.probs[toks, :k] = probs[:, :k]
 
+    # -- persistence: a new process starts from what earlier runs saw --------------------
+
+    def save(self, path: Path) -> None:
+        """Write the table (atomically); failures only cost the next process its head start."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
+            np.savez(tmp, ids=self.ids, probs=self.probs)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def load(self, path: Path, vocab_size: int) -> bool:
+        """Read a saved table; a missing, damaged or mismatched file is ignored."""
+        try:
+            with np.load(path) as data:
+                ids, probs = data["ids"], data["probs"]
+        except (OSError, ValueError, KeyError, EOFError):
+            return False
+        ok = (ids.shape == probs.shape and ids.ndim == 2 and ids.shape[1] == self.k
+              and ids.shape[0] <= vocab_size and ids.dtype == np.int32
+              and probs.dtype == np.float32 and bool(((ids >= 0) & (ids < vocab_size)).all()))
+        if ok:
+            self.ids, self.probs = ids.copy(), probs.copy()
+        return ok
+
     def draft(self, root: int, budget: int, max_depth: int, min_prob: float = 0.02) -> Tree:
         """The `budget` most probable paths from `root`, taking each step as independent.
 
@@ -92,3 +121,11 @@ class CandidateTable:
             depth.append(d)
             push_children(node, tok, -neg_path, d)
         return tree
+
+
+def table_path(model_name: str) -> Path:
+    """Where the recycling table of one model is kept between processes."""
+    from redraft.decoder.budget import cache_dir
+
+    key = hashlib.sha256(model_name.encode()).hexdigest()[:16]
+    return cache_dir().parent / "recycle" / f"{key}.npz"

@@ -119,3 +119,4 @@ def test_generator_learns_the_loops_overhead_per_step():
     gen = Generator(tiny_model(), load_tokenizer(None), PLDDrafter(), cost=fast)
     gen.generate([5, 9, 14, 3], max_new_tokens=10, eos=False)
     assert 0.0 < gen.step_overhead <= fast.cost(1)  # clipped to one plain forward
+

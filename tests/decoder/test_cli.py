@@ -119,3 +119,14 @@ def test_draft_service_with_another_tokenizer_is_refused(capsys, tmp_path):
             server.stop(grace=0)
     assert rc == 2 and err.count("\n") == 1
     assert f"draft service {server.address} serves a datastore built with" in err
+
+
+def test_the_recycling_table_carries_over_to_the_next_run(capsys, default_model):
+    steps = []
+    for _ in range(2):
+        rc, out, err = run(capsys, "--prompt", CODE_PROMPTS[2], "--max-new-tokens", "24",
+                           "--drafters", "recycle", "--json", "--threads", "1")
+        assert rc == 0, err
+        steps.append(json.loads(out)["stats"]["steps"])
+    # the second process starts from the table the first one saved
+    assert steps[1] < steps[0]

@@ -84,3 +84,17 @@ def test_a_failing_recycler_drops_out_and_the_others_keep_drafting():
     for drafter, errors in ((Broken(), 1), (MergedDrafter([PLDDrafter(), Broken()]), 1)):
         r = Generator(model, tok, drafter, cost=flat).generate(prompt, max_new_tokens=20)
         assert r.tokens == want and r.stats.drafter_errors == errors
+
+
+def test_table_survives_a_round_trip_and_bad_files_are_ignored(tmp_path):
+    table = table_with({3: [(4, 0.7), (5, 0.2), (6, 0.1)]})
+    path = tmp_path / "t.npz"
+    table.save(path)
+    back = CandidateTable(3)
+    assert back.load(path, vocab_size=64)
+    assert back.draft(3, budget=8, max_depth=1).tokens == [4, 5, 6]
+    assert not CandidateTable(3).load(path, vocab_size=5)  # ids beyond this vocabulary
+    assert not CandidateTable(8).load(path, vocab_size=64)  # another k
+    assert not CandidateTable(3).load(tmp_path / "missing.npz", vocab_size=64)
+    (tmp_path / "bad.npz").write_bytes(b"not a table")
+    assert not CandidateTable(3).load(tmp_path / "bad.npz", vocab_size=64)
