@@ -121,7 +121,9 @@ def test_draft_service_with_another_tokenizer_is_refused(capsys, tmp_path):
     assert f"draft service {server.address} serves a datastore built with" in err
 
 
-def test_the_recycling_table_carries_over_to_the_next_run(capsys, default_model):
+def test_the_recycling_table_carries_over_to_the_next_run(capsys, default_model, tmp_path,
+                                                           monkeypatch):
+    monkeypatch.setenv("REDRAFT_CACHE", str(tmp_path))  # no table from earlier tests
     steps = []
     for _ in range(2):
         rc, out, err = run(capsys, "--prompt", CODE_PROMPTS[2], "--max-new-tokens", "24",
