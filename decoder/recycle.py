@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from redraft.decoder.budget import cache_dir
 from redraft.decoder.tree import Tree
 
 SOURCE = "recycle"
@@ -125,7 +126,5 @@ class CandidateTable:
 
 def table_path(model_name: str) -> Path:
     """Where the recycling table of one model is kept between processes."""
-    from redraft.decoder.budget import cache_dir
-
     key = hashlib.sha256(model_name.encode()).hexdigest()[:16]
     return cache_dir().parent / "recycle" / f"{key}.npz"
