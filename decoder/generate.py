@@ -2,8 +2,8 @@
 
 Stages, named as in gpt-fast: `prefill` puts the prompt into the KV cache; every later step
 is `speculative_decode` (draft a tree, verify it in one forward, accept a path + a bonus
-token). `decode_one_token` is the same step with an empty tree, so plain decoding — the
-baseline — runs through exactly the same code.
+token). Plain decoding is the same step with an empty tree, so the baseline runs through
+exactly the same code.
 """
 
 from __future__ import annotations
@@ -98,13 +98,6 @@ def speculative_decode(
     if candidates:
         acc.candidates = top_candidates(logits, candidates)
     return acc
-
-
-def decode_one_token(
-    verifier: TreeVerifier, root: int, params: SamplingParams, generator: torch.Generator
-) -> int:
-    """Plain autoregressive decoding: a speculative step with nothing drafted."""
-    return speculative_decode(verifier, root, Tree(), params, generator).bonus
 
 
 # -- the generator ---------------------------------------------------------------------------
@@ -316,11 +309,7 @@ class Generator:
                     keep = cost.select(calibrated, self.max_nodes, self.step_overhead)
                     raw, tree = raw.subset(keep), calibrated.subset(keep)
                 want = drafter.candidates_wanted if drafter_ok else 0
-                if len(tree) or want:
-                    acc = speculative_decode(self.verifier, root, tree, params, generator, want)
-                else:
-                    token = decode_one_token(self.verifier, root, params, generator)
-                    acc = Acceptance(tokens=[token])
+                acc = speculative_decode(self.verifier, root, tree, params, generator, want)
                 if acc.candidates is not None:
                     drafter_ok = self._safe(stats, drafter.observe, context, tree,
                                             *acc.candidates)

@@ -32,8 +32,9 @@ SOURCE = "recycle"
 
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k most likely next tokens after each row of `logits`, with their probabilities."""
-    values, ids = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
-    probs = torch.exp(values - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+    logits = logits.float()
+    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+    probs = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True))
     return ids.cpu().numpy().astype(np.int32), probs.cpu().numpy().astype(np.float32)
 
 
