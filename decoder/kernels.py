@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -26,9 +27,19 @@ import torch
 # The row count oneDNN tunes the packed layout for; measured flat from 2 to 64 here.
 _PACK_ROWS = 8
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Layer calls that really ran on packed weights, process-wide: the verifier and the benchmark
+# read it to report which kernels a forward used, rather than which ones were asked for.
+_packed_calls = 0
+
+
+def packed_calls() -> int:
+    """Linear-layer calls run on packed weights so far in this process."""
+    return _packed_calls
 
 
 def _packed_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    global _packed_calls
+    _packed_calls += 1
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -56,12 +67,15 @@ class PackedLinears:
     """The model's `nn.Linear` layers with their weights packed for oneDNN."""
 
     def __init__(self, model) -> None:
+        start = time.perf_counter()
         self.forwards: list[tuple[torch.nn.Linear, functools.partial]] = []
         self._stamps: list[tuple] = []  # what each packed copy was made from
         for module in model.modules():
             if type(module) is torch.nn.Linear:
                 self.forwards.append((module, _pack(module)))
                 self._stamps.append(_stamp(module))
+        self.pack_seconds = time.perf_counter() - start  # packing, re-packing included
+        self.repacked = 0  # layers packed again after their weights changed
 
     def refresh(self) -> None:
         """Re-pack any layer whose weights were replaced or changed in place since packing.
@@ -73,8 +87,11 @@ class PackedLinears:
         for i, (module, _) in enumerate(self.forwards):
             stamp = _stamp(module)
             if stamp != self._stamps[i]:
+                start = time.perf_counter()
                 self.forwards[i] = (module, _pack(module))
                 self._stamps[i] = stamp
+                self.pack_seconds += time.perf_counter() - start
+                self.repacked += 1
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from dataclasses import dataclass
 
 import torch
 from redraft.datastore.errors import RedraftError
-from redraft.decoder.kernels import packed_linears
+from redraft.decoder.kernels import packed_calls, packed_linears
 from redraft.decoder.tree import Tree
 
 
@@ -83,7 +84,9 @@ class TreeVerifier:
     """Owns the KV cache of one generation and runs tree forwards over it.
 
     `packed_kernels` runs the model's linear layers on pre-packed oneDNN weights where that
-    applies (float32 on a CPU, see `kernels`); elsewhere it changes nothing.
+    applies (float32 on a CPU, see `kernels`); elsewhere it changes nothing. It counts the
+    forwards that really ran on packed weights, and times each tree forward (the decoding
+    loop learns its own overhead and corrects the cost curve from those times).
     """
 
     def __init__(self, model, packed_kernels: bool = True) -> None:
@@ -96,6 +99,9 @@ class TreeVerifier:
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache = None
         self._pending = 0  # tree rows in the cache that `commit` has not resolved yet
+        self.forwards = 0  # target forwards run, prefills included
+        self.packed_forwards = 0  # of those, the ones whose linear layers ran packed
+        self.last_forward_seconds = 0.0  # wall clock of the last tree forward
 
     @property
     def cached_len(self) -> int:
@@ -120,8 +126,7 @@ class TreeVerifier:
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
         # The vocabulary projection of a long prompt is waste: only the cache is wanted.
         if self._split is not None:
-            with self._kernels():
-                self._split[0](input_ids=x, **kwargs)
+            self._counted(lambda: self._split[0](input_ids=x, **kwargs))
             return
         if self._keep_kw:
             kwargs["logits_to_keep"] = 1
@@ -149,20 +154,35 @@ class TreeVerifier:
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
             kwargs["attention_mask"] = mask
         # A single token needs no mask: it may see everything, as in plain decoding.
+        start = time.perf_counter()
         out = self._forward(ids, kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_seconds = time.perf_counter() - start
         self._pending = n
         return out
 
     def _forward(self, ids: torch.Tensor, kwargs: dict) -> ForwardOutput:
-        with self._kernels():
-            if self._split is None:
-                return ForwardOutput(self.model(input_ids=ids, **kwargs).logits[0].float(), None)
+        if self._split is None:
+            return self._counted(lambda: ForwardOutput(
+                self.model(input_ids=ids, **kwargs).logits[0].float(), None))
+
+        def run() -> ForwardOutput:
             body, head = self._split
             hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
             return ForwardOutput(head(hidden).float(), hidden)
 
-    def _kernels(self):
-        return self.kernels.active() if self.kernels is not None else contextlib.nullcontext()
+        return self._counted(run)
+
+    def _counted(self, forward):
+        """Run one target forward under this verifier's kernels, counting what it really used."""
+        before = packed_calls()
+        with self.kernels.active() if self.kernels is not None else contextlib.nullcontext():
+            out = forward()
+        self.forwards += 1
+        if packed_calls() > before:
+            self.packed_forwards += 1
+        return out
 
     def commit(self, accepted: list[int]) -> None:
         """Keep the root and the accepted nodes (tree indices along one path), drop the rest."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from redraft.decoder.kernels import packed_linears
+from redraft.decoder.kernels import packed_calls, packed_linears
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
 
@@ -54,6 +54,23 @@ def test_verifier_tree_logits_match_with_and_without_packing():
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
 
 
+def test_verifier_counts_the_forwards_that_really_ran_packed():
+    model = tiny_model("llama", layers=2)
+    packed, stock = TreeVerifier(model), TreeVerifier(model, packed_kernels=False)
+    for v in (packed, stock):
+        before = packed_calls()
+        v.prefill([3, 4, 9])
+        v.tree_forward(10, Tree([5, 6], [-1, 0], [0.5, 0.5]))
+        v.commit([0])
+        assert v.forwards == 2 and v.last_forward_seconds > 0
+        ran = packed_calls() - before
+        if v is packed:  # every linear layer of both forwards ran packed (prefill: no LM head)
+            assert v.packed_forwards == 2 and ran == 2 * len(v.kernels.forwards) - 1
+        else:
+            assert v.packed_forwards == 0 and ran == 0
+    assert packed.kernels.pack_seconds > 0 and packed.kernels.repacked == 0
+
+
 def test_weights_changed_after_packing_are_repacked_at_the_next_generation():
     model = tiny_model("llama", layers=1)
     verifier = TreeVerifier(model)
@@ -63,6 +80,7 @@ def test_weights_changed_after_packing_are_repacked_at_the_next_generation():
         model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
             torch.randn_like(model.model.layers[0].mlp.down_proj.weight))  # replaced
     verifier.prefill([3, 4, 5])
+    assert verifier.kernels.repacked == 2
     fast = verifier.tree_forward(6, Tree()).logits
     with torch.inference_mode():
         stock = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits[0, -1:]
