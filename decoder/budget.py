@@ -197,17 +197,22 @@ class CostModel:
     @classmethod
     def measure(
         cls, model, sizes: Sequence[int] = DEFAULT_SIZES, prefix: int = 128, rounds: int = 5,
-        packed_kernels: bool = True,
+        packed_kernels: bool = True, choose_kernels: bool = True,
     ) -> CostModel:
         """Time one forward of n tokens over a cached prefix, for each n.
 
         Sizes are interleaved round by round and the minimum is kept: on a shared machine
         noise only ever adds time, so the fastest of a few runs is the best estimate of the
-        intrinsic cost, and interleaving keeps a busy spell from skewing one size.
+        intrinsic cost, and interleaving keeps a busy spell from skewing one size. With
+        `choose_kernels` the verifier picks packed or stock kernels per size as decoding
+        does (its first rounds try both), so each size gets the faster kind's time;
+        without it, packed kernels run every forward where they apply.
         """
         from redraft.decoder.verify import TreeVerifier
 
         verifier = TreeVerifier(model, packed_kernels=packed_kernels)
+        if not choose_kernels:
+            verifier.choice = None
         vocab = int(model.config.vocab_size)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).tolist()

@@ -8,6 +8,12 @@ each weight once for any small row count: on the default model a one-token forwa
 about 1.5x faster and a 16-token one about 2x faster than with `F.linear`, which is what
 makes trees pay on a CPU.
 
+That gain depends on the machine's state, not only on the code. While other processes stream
+memory through the shared caches (another model's inference or training), the packed kernels
+lose it at one or two rows (measured here: a one-token forward 10-20% *slower* than
+`F.linear`) and keep it from about four rows up. `KernelChoice` therefore picks, per forward
+size, whichever kind ran faster recently, from the forwards' own CPU times.
+
 The packed kernels are switched on only inside `PackedLinears.active()`, per module, so the
 same model object still runs stock kernels elsewhere (e.g. Hugging Face's own `generate`
 in the benchmark). Results differ from `F.linear` only in the last bits, like any change of
@@ -76,6 +82,7 @@ class PackedLinears:
                 self._stamps.append(_stamp(module))
         self.pack_seconds = time.perf_counter() - start  # packing, re-packing included
         self.repacked = 0  # layers packed again after their weights changed
+        self.choice = KernelChoice()  # shared by every verifier of this model
 
     def refresh(self) -> None:
         """Re-pack any layer whose weights were replaced or changed in place since packing.
@@ -108,6 +115,52 @@ class PackedLinears:
         finally:
             for module, _ in self.forwards:
                 module.__dict__.pop("forward", None)
+
+
+class KernelChoice:
+    """Per forward size, the kind of kernels (packed or stock) that ran faster lately.
+
+    Forwards are timed in thread CPU time, so time spent descheduled by other processes does
+    not count but memory stalls do. Each size class keeps the last `keep` times of each kind;
+    the faster kind runs, and every `explore`-th forward of a class tries the other kind, so
+    the choice follows the machine when its load changes. Sizes up to 4 are classes of their
+    own (where the two kinds are closest), larger ones share a class per power of two.
+    """
+
+    def __init__(self, explore: int = 32, keep: int = 4) -> None:
+        self.explore = explore
+        self.keep = keep
+        self._times: dict[tuple[int, bool], list[float]] = {}
+        self._runs: dict[int, int] = {}
+
+    @staticmethod
+    def size_class(n: int) -> int:
+        return n if n <= 4 else n.bit_length() + 2
+
+    def packed(self, n: int) -> bool:
+        """Whether the next forward of n rows should run on the packed kernels."""
+        c = self.size_class(n)
+        packed, stock = self._times.get((c, True), []), self._times.get((c, False), [])
+        if len(packed) < 2 or len(stock) < 2:  # measure both kinds first, packed first
+            return len(packed) < 2
+        runs = self._runs[c] = self._runs.get(c, 0) + 1
+        faster = min(packed) <= min(stock)
+        return faster != (runs % self.explore == 0)
+
+    def record(self, n: int, packed: bool, seconds: float) -> None:
+        times = self._times.setdefault((self.size_class(n), packed), [])
+        times.append(seconds)
+        del times[: -self.keep]
+
+    def summary(self) -> dict[str, str]:
+        """Forward sizes ("1", "5-7", ...) -> the kind they currently prefer (for reports)."""
+        out = {}
+        for c in sorted({c for c, _ in self._times}):
+            packed, stock = self._times.get((c, True)), self._times.get((c, False))
+            if packed and stock:
+                sizes = str(c) if c <= 4 else f"{max(5, 1 << (c - 3))}-{(1 << (c - 2)) - 1}"
+                out[sizes] = "packed" if min(packed) <= min(stock) else "stock"
+        return out
 
 
 def packed_linears(model) -> PackedLinears | None:

@@ -83,15 +83,18 @@ def tree_mask_rows(tree: Tree) -> list[list[int]]:
 class TreeVerifier:
     """Owns the KV cache of one generation and runs tree forwards over it.
 
-    `packed_kernels` runs the model's linear layers on pre-packed oneDNN weights where that
-    applies (float32 on a CPU, see `kernels`); elsewhere it changes nothing. It counts the
-    forwards that really ran on packed weights, and times each tree forward (the decoding
-    loop learns its own overhead and corrects the cost curve from those times).
+    `packed_kernels` lets the model's linear layers run on pre-packed oneDNN weights where
+    that applies (float32 on a CPU, see `kernels`), for the forward sizes where they are the
+    faster kind on this machine now (`choice`; None = packed for every forward); elsewhere it
+    changes nothing. It counts the forwards that really ran on packed weights, and times
+    each tree forward (the decoding loop learns its own overhead and corrects the cost curve
+    from those times).
     """
 
     def __init__(self, model, packed_kernels: bool = True) -> None:
         self.model = model
         self.kernels = packed_linears(model) if packed_kernels else None
+        self.choice = self.kernels.choice if self.kernels is not None else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._split = _split_model(model)
@@ -126,7 +129,7 @@ class TreeVerifier:
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
         # The vocabulary projection of a long prompt is waste: only the cache is wanted.
         if self._split is not None:
-            self._counted(lambda: self._split[0](input_ids=x, **kwargs))
+            self._counted(len(ids), lambda: self._split[0](input_ids=x, **kwargs))
             return
         if self._keep_kw:
             kwargs["logits_to_keep"] = 1
@@ -163,8 +166,9 @@ class TreeVerifier:
         return out
 
     def _forward(self, ids: torch.Tensor, kwargs: dict) -> ForwardOutput:
+        rows = ids.shape[1]
         if self._split is None:
-            return self._counted(lambda: ForwardOutput(
+            return self._counted(rows, lambda: ForwardOutput(
                 self.model(input_ids=ids, **kwargs).logits[0].float(), None))
 
         def run() -> ForwardOutput:
@@ -172,13 +176,17 @@ class TreeVerifier:
             hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
             return ForwardOutput(head(hidden).float(), hidden)
 
-        return self._counted(run)
+        return self._counted(rows, run)
 
-    def _counted(self, forward):
-        """Run one target forward under this verifier's kernels, counting what it really used."""
-        before = packed_calls()
-        with self.kernels.active() if self.kernels is not None else contextlib.nullcontext():
+    def _counted(self, rows: int, forward):
+        """Run one target forward of `rows` tokens on the kernels chosen for that size;
+        count the kernels it really used and feed its CPU time back to the choice."""
+        packed = self.kernels is not None and (self.choice is None or self.choice.packed(rows))
+        before, start = packed_calls(), time.thread_time()
+        with self.kernels.active() if packed else contextlib.nullcontext():
             out = forward()
+        if self.choice is not None:
+            self.choice.record(rows, packed, time.thread_time() - start)
         self.forwards += 1
         if packed_calls() > before:
             self.packed_forwards += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from redraft.decoder.kernels import packed_calls, packed_linears
+from redraft.decoder.kernels import KernelChoice, packed_calls, packed_linears
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
 
@@ -49,6 +49,7 @@ def test_verifier_tree_logits_match_with_and_without_packing():
     for packed in (True, False):
         v = TreeVerifier(model, packed_kernels=packed)
         assert (v.kernels is not None) == packed
+        v.choice = None  # packed for every forward
         v.prefill([3, 4, 9, 10])
         logits.append(v.tree_forward(11, tree).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
@@ -57,6 +58,7 @@ def test_verifier_tree_logits_match_with_and_without_packing():
 def test_verifier_counts_the_forwards_that_really_ran_packed():
     model = tiny_model("llama", layers=2)
     packed, stock = TreeVerifier(model), TreeVerifier(model, packed_kernels=False)
+    packed.choice = None
     for v in (packed, stock):
         before = packed_calls()
         v.prefill([3, 4, 9])
@@ -85,3 +87,38 @@ def test_weights_changed_after_packing_are_repacked_at_the_next_generation():
     with torch.inference_mode():
         stock = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits[0, -1:]
     torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_choice_follows_the_faster_kind_per_size_and_keeps_checking():
+    choice = KernelChoice(explore=8)
+    cost = {(1, True): 1.2, (1, False): 1.0, (8, True): 1.5, (8, False): 2.5}  # a loaded CPU
+
+    def run(n: int) -> bool:
+        packed = choice.packed(n)
+        choice.record(n, packed, cost[(n, packed)])
+        return packed
+
+    first = [run(1) for _ in range(4)]
+    assert first == [True, True, False, False]  # both kinds measured, packed first
+    ones, eights = [run(1) for _ in range(40)], [run(8) for _ in range(44)][4:]
+    assert ones.count(True) == 5 and eights.count(False) == 5  # one in 8 tries the other
+    assert choice.summary() == {"1": "stock", "8-15": "packed"}
+    cost[(1, True)] = 0.8  # the other jobs stopped: packed is faster again at one token
+    assert [run(1) for _ in range(40)][-8:].count(True) >= 7
+
+
+def test_verifier_runs_each_forward_on_the_chosen_kernels():
+    model = tiny_model("llama", layers=2)
+    v = TreeVerifier(model)
+    for _ in range(2):  # one-token forwards measured faster on stock, tree forwards on packed
+        for n, packed, seconds in ((1, True, 2.0), (1, False, 1.0), (3, True, 1.0),
+                                   (3, False, 2.0)):
+            v.choice.record(n, packed, seconds)
+    v.prefill([3, 4, 9])
+    before = v.packed_forwards
+    v.tree_forward(10, Tree())
+    v.commit([])
+    assert v.packed_forwards == before  # stock
+    v.tree_forward(10, Tree([5, 6], [-1, 0], [0.5, 0.5]))
+    v.commit([0])
+    assert v.packed_forwards == before + 1  # packed
