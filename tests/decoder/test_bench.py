@@ -83,7 +83,7 @@ def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
     assert rows[("redraft-pld", "qa")]["identical"] == "0/1"
     assert rows[("redraft-pld", "qa")]["max_gap_at_diff"] == 2e-5
     table = markdown_table(summarize(recs), ["hf-greedy", "redraft-pld"])
-    assert "| translation | redraft-pld | 2.50 | 20.0 | 2.00× | 1/1 |" in table
+    assert "| translation | redraft-pld | 2.50 | 20.0 | 2.00× | – | 1/1 |" in table
     write_outputs(tmp_path / "out", recs, summarize(recs), ["hf-greedy", "redraft-pld"], {})
     for name in ("records.jsonl", "summary.json", "summary.md", "speedup.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
@@ -92,9 +92,11 @@ def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
 def test_repeats_give_each_speedup_a_median_and_range(tmp_path):
     recs = []
     for rep, (hf_s, pld_s) in enumerate([(10.0, 5.0), (10.0, 4.0), (12.0, 8.0)]):
-        recs += [Record(1, "qa", "hf-greedy", 0, 100, 100, hf_s, repeat=rep, forwards=100),
+        # CPU time: what the process itself spent; the wall clock adds other jobs' turns
+        recs += [Record(1, "qa", "hf-greedy", 0, 100, 100, hf_s, repeat=rep, forwards=100,
+                        cpu_seconds=8.0),
                  Record(1, "qa", "redraft-pld", 0, 100, 50, pld_s, identical=True, repeat=rep,
-                        forwards=51, packed_forwards=51)]
+                        forwards=51, packed_forwards=51, cpu_seconds=4.0)]
     summary = summarize(recs)
     assert summary["repeats"] == 3
     row = {(r["method"], r["category"]): r for r in summary["rows"]}[("redraft-pld", "qa")]
@@ -102,9 +104,10 @@ def test_repeats_give_each_speedup_a_median_and_range(tmp_path):
     assert (row["speedup_median"], row["speedup_min"], row["speedup_max"]) == (2.0, 1.5, 2.5)
     assert row["speedup"] == pytest.approx(32 / 17, abs=1e-3)  # pooled over all runs
     assert row["forwards"] == row["packed_forwards"] == 153
+    assert row["cpu_speedup"] == 2.0 and row["cpu_speedup_runs"] == [2.0, 2.0, 2.0]
     table = markdown_table(summary, ["hf-greedy", "redraft-pld"])
     assert "median (min–max) of 3 runs" in table
-    assert "| qa | redraft-pld | 2.00 | 17.6 | 1.88× | 2.00× (1.50–2.50) | 3/3 |" in table
+    assert "| qa | redraft-pld | 2.00 | 17.6 | 1.88× | 2.00× (1.50–2.50) | 2.00× | 3/3 |" in table
     meta = {"machine_start": machine_state(), "machine_end": machine_state(),
             "kernels": kernel_report(recs, None),
             "cost_curve": {"source": "measured", "measure_seconds": 7.5, "corrections": 2}}
