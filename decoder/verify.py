@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,8 @@ class TreeVerifier:
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
         # The vocabulary projection of a long prompt is waste: only the cache is wanted.
         if self._split is not None:
-            self._counted(len(ids), lambda: self._split[0](input_ids=x, **kwargs))
+            with self._kernels(len(ids)):
+                self._split[0](input_ids=x, **kwargs)
             return
         if self._keep_kw:
             kwargs["logits_to_keep"] = 1
@@ -166,31 +168,25 @@ class TreeVerifier:
         return out
 
     def _forward(self, ids: torch.Tensor, kwargs: dict) -> ForwardOutput:
-        rows = ids.shape[1]
-        if self._split is None:
-            return self._counted(rows, lambda: ForwardOutput(
-                self.model(input_ids=ids, **kwargs).logits[0].float(), None))
-
-        def run() -> ForwardOutput:
+        with self._kernels(ids.shape[1]):
+            if self._split is None:
+                return ForwardOutput(self.model(input_ids=ids, **kwargs).logits[0].float(), None)
             body, head = self._split
             hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
             return ForwardOutput(head(hidden).float(), hidden)
 
-        return self._counted(rows, run)
-
-    def _counted(self, rows: int, forward):
-        """Run one target forward of `rows` tokens on the kernels chosen for that size;
-        count the kernels it really used and feed its CPU time back to the choice."""
+    @contextlib.contextmanager
+    def _kernels(self, rows: int) -> Iterator[None]:
+        """One target forward of `rows` tokens, on the kernels chosen for that size; counts
+        the kernels it really ran on and feeds its CPU time back to the choice."""
         packed = self.kernels is not None and (self.choice is None or self.choice.packed(rows))
         before, start = packed_calls(), time.thread_time()
         with self.kernels.active() if packed else contextlib.nullcontext():
-            out = forward()
+            yield
         if self.choice is not None:
             self.choice.record(rows, packed, time.thread_time() - start)
         self.forwards += 1
-        if packed_calls() > before:
-            self.packed_forwards += 1
-        return out
+        self.packed_forwards += packed_calls() > before
 
     def commit(self, accepted: list[int]) -> None:
         """Keep the root and the accepted nodes (tree indices along one path), drop the rest."""
