@@ -199,7 +199,8 @@ class CostModel:
         cls, model, sizes: Sequence[int] = DEFAULT_SIZES, prefix: int = 128, rounds: int = 5,
         packed_kernels: bool = True, choose_kernels: bool = True,
     ) -> CostModel:
-        """Time one forward of n tokens over a cached prefix, for each n.
+        """Time one forward of n tokens over a cached prefix, for each n (on the verifier's
+        `cost_clock`, as decoding's own forwards are timed).
 
         Sizes are interleaved round by round and the minimum is kept: on a shared machine
         noise only ever adds time, so the fastest of a few runs is the best estimate of the
@@ -217,19 +218,13 @@ class CostModel:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).tolist()
         verifier.prefill(ids[:prefix])
-        sync = torch.cuda.synchronize if verifier.device.type == "cuda" else (lambda: None)
         best = {n: float("inf") for n in sizes}
         for rnd in range(rounds + 1):
             for n in sizes:
-                tree = Tree.chain(ids[prefix + 1 : prefix + n])
-                sync()
-                t0 = time.perf_counter()
-                verifier.tree_forward(ids[prefix], tree)
-                sync()
-                elapsed = time.perf_counter() - t0
+                verifier.tree_forward(ids[prefix], Tree.chain(ids[prefix + 1 : prefix + n]))
                 verifier.commit([])
                 if rnd:  # round 0 warms up allocations and kernels
-                    best[n] = min(best[n], elapsed)
+                    best[n] = min(best[n], verifier.last_forward_cost)
         return cls(list(sizes), [best[n] for n in sizes], verifier.device.type)
 
     @classmethod

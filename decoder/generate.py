@@ -357,7 +357,7 @@ class Generator:
                         drafter_ok = self._safe(stats, drafter.observe_hidden, context,
                                                 acc.hidden)
                 if cost is not None:
-                    cost.observe(len(tree) + 1, forward_seconds)
+                    cost.observe(len(tree) + 1, self.verifier.last_forward_cost)
                     self._learn_overhead(cost, time.perf_counter() - step_start, forward_seconds)
                 yield new, shown[-1]
                 if finish != "length":

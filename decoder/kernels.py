@@ -120,8 +120,9 @@ class PackedLinears:
 class KernelChoice:
     """Per forward size, the kind of kernels (packed or stock) that ran faster lately.
 
-    Forwards are timed in thread CPU time, so time spent descheduled by other processes does
-    not count but memory stalls do. Each size class keeps the last `keep` times of each kind;
+    Forwards are timed by the verifier (`TreeVerifier.cost_clock`: CPU time with one torch
+    thread, so time spent descheduled by other processes does not count but memory stalls
+    do). Each size class keeps the last `keep` times of each kind;
     the faster kind runs, and every `explore`-th forward of a class tries the other kind, so
     the choice follows the machine when its load changes. Sizes up to 4 are classes of their
     own (where the two kinds are closest), larger ones share a class per power of two.

@@ -88,8 +88,8 @@ class TreeVerifier:
     that applies (float32 on a CPU, see `kernels`), for the forward sizes where they are the
     faster kind on this machine now (`choice`; None = packed for every forward); elsewhere it
     changes nothing. It counts the forwards that really ran on packed weights, and times
-    each tree forward (the decoding loop learns its own overhead and corrects the cost curve
-    from those times).
+    each tree forward, on the wall clock (the decoding loop learns its own overhead from it)
+    and on `cost_clock` (what corrects the cost curve).
     """
 
     def __init__(self, model, packed_kernels: bool = True) -> None:
@@ -106,6 +106,7 @@ class TreeVerifier:
         self.forwards = 0  # target forwards run, prefills included
         self.packed_forwards = 0  # of those, the ones whose linear layers ran packed
         self.last_forward_seconds = 0.0  # wall clock of the last tree forward
+        self.last_forward_cost = 0.0  # the same forward on `cost_clock`
 
     @property
     def cached_len(self) -> int:
@@ -159,11 +160,12 @@ class TreeVerifier:
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
             kwargs["attention_mask"] = mask
         # A single token needs no mask: it may see everything, as in plain decoding.
-        start = time.perf_counter()
+        start, cost_start = time.perf_counter(), self.cost_clock()
         out = self._forward(ids, kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_seconds = time.perf_counter() - start
+        self.last_forward_cost = self.cost_clock() - cost_start
         self._pending = n
         return out
 
@@ -175,16 +177,25 @@ class TreeVerifier:
             hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
             return ForwardOutput(head(hidden).float(), hidden)
 
+    def cost_clock(self) -> float:
+        """The clock a forward's cost is read on: this thread's CPU time on a CPU with one
+        torch thread (time other processes held the core is not the forward's cost, and on a
+        shared machine it is most of the wall clock's noise; memory stalls still count), the
+        wall clock elsewhere."""
+        if self.device.type == "cpu" and torch.get_num_threads() == 1:
+            return time.thread_time()
+        return time.perf_counter()
+
     @contextlib.contextmanager
     def _kernels(self, rows: int) -> Iterator[None]:
         """One target forward of `rows` tokens, on the kernels chosen for that size; counts
-        the kernels it really ran on and feeds its CPU time back to the choice."""
+        the kernels it really ran on and feeds its cost back to the choice."""
         packed = self.kernels is not None and (self.choice is None or self.choice.packed(rows))
-        before, start = packed_calls(), time.thread_time()
+        before, start = packed_calls(), self.cost_clock()
         with self.kernels.active() if packed else contextlib.nullcontext():
             yield
         if self.choice is not None:
-            self.choice.record(rows, packed, time.thread_time() - start)
+            self.choice.record(rows, packed, self.cost_clock() - start)
         self.forwards += 1
         self.packed_forwards += packed_calls() > before
 

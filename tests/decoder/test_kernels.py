@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from redraft.decoder.kernels import KernelChoice, packed_calls, packed_linears
@@ -71,6 +73,14 @@ def test_verifier_counts_the_forwards_that_really_ran_packed():
         else:
             assert v.packed_forwards == 0 and ran == 0
     assert packed.kernels.pack_seconds > 0 and packed.kernels.repacked == 0
+
+
+def test_forward_costs_leave_out_time_the_process_was_not_running():
+    v = TreeVerifier(tiny_model("llama"))
+    assert torch.get_num_threads() == 1  # conftest: one thread, so CPU time is the clock
+    start = v.cost_clock()
+    time.sleep(0.2)  # as if another process held the core
+    assert v.cost_clock() - start < 0.05
 
 
 def test_weights_changed_after_packing_are_repacked_at_the_next_generation():
