@@ -232,8 +232,8 @@ def machine_state() -> dict:
 
 
 def warm_up(methods: Sequence[Method]) -> None:
-    """One short answer per method before timing: first-call costs (allocations, the cost
-    curve a Generator measures once per device) must not land on the first question."""
+    """One short answer per method before timing: first-call costs (allocations, oneDNN
+    primitives, the kernel choice trying both kinds) must not land on the first question."""
     for method in methods:
         method.run([{"role": "user", "content": "Write a Python function that adds two numbers."}],
                    max_new_tokens=8)
