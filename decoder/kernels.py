@@ -122,10 +122,11 @@ class KernelChoice:
 
     Forwards are timed by the verifier (`TreeVerifier.cost_clock`: CPU time with one torch
     thread, so time spent descheduled by other processes does not count but memory stalls
-    do). Each size class keeps the last `keep` times of each kind;
-    the faster kind runs, and every `explore`-th forward of a class tries the other kind, so
-    the choice follows the machine when its load changes. Sizes up to 4 are classes of their
-    own (where the two kinds are closest), larger ones share a class per power of two.
+    do). Each size class keeps the last `keep` times of each kind; the faster kind runs, and
+    every `explore`-th forward of a class tries the other kind (every 4 × `explore`-th when it
+    was more than 25% slower), so the choice follows the machine when its load changes. Sizes
+    up to 4 are classes of their own (where the two kinds are closest), larger ones share a
+    class per power of two.
     """
 
     def __init__(self, explore: int = 32, keep: int = 4) -> None:
@@ -145,8 +146,10 @@ class KernelChoice:
         if len(packed) < 2 or len(stock) < 2:  # measure both kinds first, packed first
             return len(packed) < 2
         runs = self._runs[c] = self._runs.get(c, 0) + 1
-        faster = min(packed) <= min(stock)
-        return faster != (runs % self.explore == 0)
+        best_packed, best_stock = min(packed), min(stock)
+        # a clear loser (25% slower) is retried 4x less often: trying it costs its difference
+        clear = max(best_packed, best_stock) > 1.25 * min(best_packed, best_stock)
+        return (best_packed <= best_stock) != (runs % (self.explore * (4 if clear else 1)) == 0)
 
     def record(self, n: int, packed: bool, seconds: float) -> None:
         times = self._times.setdefault((self.size_class(n), packed), [])
