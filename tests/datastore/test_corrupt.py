@@ -77,7 +77,7 @@ def test_other_format_version(store):
         fmt.write_header(txn, m)
 
     _rewrite(store, bump)
-    with pytest.raises(DatastoreCorrupt, match="format version 2, this redraft reads 1"):
+    with pytest.raises(DatastoreCorrupt, match="format version 3, this redraft reads 1 and 2"):
         Reader(store)
 
 
