@@ -80,23 +80,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from redraft.datastore.build import (
-        DEFAULT_SHARD_TOKENS,
-        append_corpus,
-        build_datastore,
-        delete_documents,
-    )
+    from redraft.datastore.build import DEFAULT_SHARD_TOKENS, append_corpus, build_datastore
 
     progress = not args.quiet
     t0 = time.perf_counter()
     if args.delete is not None:
         if args.inputs or args.append:
             raise InvalidQuery("--delete takes no inputs and no --append")
-        ids = _int_list(args.delete, "--delete")
-        m = delete_documents(args.out, ids)
-        print(f"deleted {len(ids)} document(s) from {args.out}: {m['n_docs']:,} documents, "
-              f"{m['n_tokens']:,} tokens live")
-        return 0
+        return _delete(args.out, set(_int_list(args.delete, "--delete")))
     common = dict(tokenizer=args.tokenizer, corpus=args.corpus, field=args.field,
                   exclude=args.exclude, skip_bad=args.skip_bad, progress=progress)
     if args.append:
@@ -107,9 +98,27 @@ def cmd_index(args: argparse.Namespace) -> int:
                             shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, **common)
         verb = "built"
     last = m["build"]["history"][-1]
+    skipped = last.get("skipped", 0)
     print(f"{verb} {args.out}: +{last['n_docs']:,} documents, +{last['n_tokens']:,} tokens "
           f"(corpus {args.corpus}); total {m['n_docs']:,} documents, {m['n_tokens']:,} tokens "
-          f"in {m['n_shards']} shard(s), {time.perf_counter() - t0:.1f} s")
+          f"in {m['n_shards']} shard(s), {time.perf_counter() - t0:.1f} s"
+          + (f"; skipped {skipped:,} bad file(s) or record(s)" if skipped else ""))
+    return 0
+
+
+def _delete(out: str, ids: set[int]) -> int:
+    from redraft.datastore.build import delete_documents
+    from redraft.datastore.reader import Reader
+
+    if not ids:
+        raise InvalidQuery("--delete: no document ids given")
+    with Reader(out) as r:
+        before = len(r.deleted)
+    m = delete_documents(out, ids)
+    new = m["n_deleted"] - before
+    already = f" ({len(ids) - new} already deleted)" if len(ids) > new else ""
+    print(f"deleted {new} document(s){already} from {out}: {m['n_docs']:,} documents, "
+          f"{m['n_tokens']:,} tokens live")
     return 0
 
 
@@ -137,13 +146,19 @@ def _tokenizer_for(reader, name: str | None, required: bool):
 def cmd_query(args: argparse.Namespace) -> int:
     from redraft.datastore.reader import Reader
 
+    if args.text is not None:
+        what, context, empty = "--text", None, not args.text
+    else:
+        context = _int_list(args.tokens, "--tokens")
+        what, empty = "--tokens", not context
+    if empty:
+        raise InvalidQuery(f"{what}: empty context")
     with Reader(args.datastore, verify=True) as r:
-        if args.text is not None:
+        tok = None
+        if context is None:
             tok = _tokenizer_for(r, args.tokenizer, required=True)
             context = tok(args.text, add_special_tokens=False)["input_ids"]
-        else:
-            context = _int_list(args.tokens, "--tokens")
-            tok = None
+        r.check_ids(context, what)  # every id, not only the tail a lookup reads
         d = r.propose(context, budget=args.budget, max_depth=args.max_depth,
                       max_match_len=args.max_match_len, min_match_len=args.min_match_len,
                       max_occurrences=args.max_occurrences, corpora=args.corpus)

@@ -83,6 +83,23 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_saved(directory: Path):
+    """A tokenizer saved in our cache. When it is the plain fast tokenizer class (as for
+    every GGUF vocabulary), load it through that class: `AutoTokenizer` imports torch via
+    transformers' model-configuration code, and the datastore side never needs torch."""
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") in _PLAIN_CLASSES:
+        from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(name: str | None = None):
     """Load the fast tokenizer of a model name.
@@ -90,8 +107,6 @@ def load_tokenizer(name: str | None = None):
     Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached on
     disk (keyed by the GGUF file's size and mtime) and later loads take milliseconds.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
-
     source = resolve_model(name)
     cache = None
     if source.gguf_file:
@@ -102,9 +117,11 @@ def load_tokenizer(name: str | None = None):
         cache = _cache_dir() / "tokenizers" / key
         if (cache / "tokenizer.json").is_file():
             try:
-                return AutoTokenizer.from_pretrained(str(cache))
+                return _load_saved(cache)
             except Exception:  # a damaged cache is rebuilt below
                 pass
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(source.path, **source.kwargs())
     except Exception as exc:  # transformers raises many types; report one line

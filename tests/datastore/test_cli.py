@@ -112,7 +112,7 @@ def test_bad_inputs_are_one_line_errors(store, capsys, tmp_path, corpus):
           match="no such datastore")
     fails(capsys, "stats", tmp_path, match="missing datastore.lmdb")
     fails(capsys, "query", "--datastore", store, "--tokens", "1,49152",
-          match="token id 49152 is outside the vocabulary")
+          match="token id 49152 is out of range")
     fails(capsys, "query", "--datastore", store, "--tokens", "1,a",
           match="comma-separated integers")
 
