@@ -293,7 +293,13 @@ def _write_shards(writer: _StoreWriter, docs: Iterable[tuple[str, np.ndarray]], 
 # ---- atomic publication ---------------------------------------------------------------
 def _write_error(out: Path, exc: BaseException) -> DatastoreError:
     """One line for a failure of the file system while writing (full, read-only, ...)."""
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        reason = exc.strerror
+    else:  # LMDB reports a short write on a full disk as an I/O error: say how full it is
+        reason = str(exc)
+        with contextlib.suppress(OSError):
+            st = os.statvfs(out)
+            reason += f"; {st.f_bavail * st.f_frsize:,} bytes free on its file system"
     return DatastoreError(f"{out}: cannot write the datastore ({reason}); "
                           f"nothing was changed")
 
@@ -359,12 +365,13 @@ def _run_writer(out: Path, manifest: dict, fill: Callable[[_StoreWriter], None],
         _publish(tmp, str(out / fmt.DATA_FILE))
         return result
     except BaseException as exc:
+        failed = _write_error(out, exc) if isinstance(exc, (OSError, lmdb.Error)) else None
         if writer is not None:
             writer.abort()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(exc, (OSError, lmdb.Error)):
-            raise _write_error(out, exc) from exc
+        if failed is not None:
+            raise failed from exc
         raise
 
 
