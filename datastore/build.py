@@ -182,7 +182,8 @@ class _StoreWriter:
         checks = dict(shard["crc32"])
         for what in fmt.SHARD_KEYS:
             buf = reader.shard_raw(shard["id"], what)
-            checks.setdefault(what, fmt.crc32(buf))  # version 1 kept no crc of names
+            if what not in checks:  # version 1 kept no crc of names
+                checks[what] = fmt.crc32(buf)
             self._put(fmt.shard_key(len(self.manifest["shards"]), what), buf)
         entry = {k: v for k, v in shard.items() if k not in ("offsets", "id", "first_doc")}
         self._add_entry({**entry, "crc32": checks})
@@ -190,11 +191,9 @@ class _StoreWriter:
     def rewrite_shard(self, reader, shard: dict, gone: Iterable[int]) -> None:
         """Rewrite a shard with the tokens of documents `gone` (global ids) removed; their
         ids stay, as empty documents, so that no other id changes."""
-        sh = reader._shards[shard["id"]]
-        starts = sh.docs.astype(np.int64)
-        drop = {int(g) - sh.first_doc for g in gone}
-        docs = [sh.tokens[:0] if i in drop else sh.tokens[starts[i]:starts[i + 1] - 1]
-                for i in range(sh.n_docs)]
+        docs = reader.shard_documents(shard["id"])
+        for g in gone:
+            docs[g - shard["first_doc"]] = docs[g - shard["first_doc"]][:0]
         self.add_shard(docs, reader.shard_names(shard["id"]), shard["corpus"])
 
     def finish(self) -> dict:
@@ -513,8 +512,8 @@ def _carry_all(w: _StoreWriter, r, deleted: BitMap, gone: BitMap | None = None) 
     without their tokens."""
     w.deleted = BitMap(deleted)
     for sm in r.manifest["shards"]:
-        lo = sm["first_doc"]
-        here = gone.intersection(BitMap(range(lo, lo + sm["n_docs"]))) if gone else ()
+        lo, hi = sm["first_doc"], sm["first_doc"] + sm["n_docs"]
+        here = [g for g in gone if lo <= g < hi] if gone else []
         if here:
             w.rewrite_shard(r, sm, here)
         else:
@@ -587,7 +586,7 @@ def delete_documents(path: str | os.PathLike, doc_ids: Iterable[int]) -> dict:
     ids = sorted({int(i) for i in doc_ids})
     if not ids:
         raise InvalidQuery("no document ids to delete")
-    out, _ = _manifest_of(path)
+    out = Path(os.path.dirname(fmt.find_file(path)))
     with _locked(out), _verified(out) as r:
         manifest = copy.deepcopy(r.manifest)
         total = r.n_docs_total

@@ -252,6 +252,12 @@ class LmdbFile:
             raise self._bad(f"the meta page counts (branch, leaf, overflow pages, entries) "
                             f"{want}, the tree holds {got}")
 
+    def __enter__(self) -> LmdbFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Release the map (a view still exported elsewhere keeps it until that view goes)."""
         view, self.view = self.view, memoryview(b"")

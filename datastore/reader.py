@@ -245,6 +245,12 @@ class Reader:
         """One stored value of a shard as it is on disk (for writers that carry it over)."""
         return self._value(fmt.shard_key(shard, what))
 
+    def shard_documents(self, shard: int) -> list[np.ndarray]:
+        """The token ids of every document of one shard (views of the map)."""
+        sh = self._shards[shard]
+        starts = sh.docs.astype(np.int64)
+        return [sh.tokens[a:b - 1] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+
     def shard_names(self, shard: int) -> list[str]:
         """Document names of one shard, checked: crc32 (version 2), zlib's adler32, count."""
         sm = self.manifest["shards"][shard]
