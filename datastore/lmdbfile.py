@@ -56,10 +56,10 @@ class LmdbFile:
             self.size = st.st_size
             if self.size < PAGE_HEADER + _META.size:
                 raise self._bad(f"not an LMDB file ({self.size} bytes)")
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # slices of it are bytes
         finally:
             os.close(fd)
-        self.view = memoryview(self._mm)
+        self.view = memoryview(self.mm)  # slices of it are zero-copy views
         try:
             self._read_meta()
         except BaseException:
@@ -73,8 +73,8 @@ class LmdbFile:
     def _meta(self, n: int, off: int) -> tuple:
         if off + PAGE_HEADER + _META.size > self.size:
             raise self._bad(f"meta page {n} lies past the end of the file")
-        flags = _U16.unpack_from(self._mm, off + 10)[0]
-        f = _META.unpack_from(self._mm, off + PAGE_HEADER)
+        flags = _U16.unpack_from(self.mm, off + 10)[0]
+        f = _META.unpack_from(self.mm, off + PAGE_HEADER)
         if not flags & P_META or f[0] != MDB_MAGIC:
             raise DatastoreCorrupt(f"{self.file}: not an LMDB file (meta page {n} is damaged)")
         if f[1] != MDB_DATA_VERSION:
@@ -111,7 +111,7 @@ class LmdbFile:
         if not 2 <= pgno <= self.last_pg:
             raise self._bad(f"page number {pgno} outside the file")
         off = pgno * self.psize
-        stored, flags, lower, upper = _PAGE.unpack_from(self._mm, off)
+        stored, flags, lower, upper = _PAGE.unpack_from(self.mm, off)
         if stored != pgno:
             raise self._bad(f"page {pgno} is labelled {stored}")
         if flags & _KINDS != kind:
@@ -122,17 +122,17 @@ class LmdbFile:
 
     def _node(self, off: int, upper: int, i: int) -> tuple[int, int, int, int]:
         """(node offset in the file, lo | hi << 16, flags, key size) of node i, checked."""
-        ptr = _U16.unpack_from(self._mm, off + PAGE_HEADER + 2 * i)[0]
+        ptr = _U16.unpack_from(self.mm, off + PAGE_HEADER + 2 * i)[0]
         if ptr < upper or ptr + NODE_HEADER > self.psize:
             raise self._bad(f"node {i} of page {off // self.psize} at offset {ptr}")
-        lo, hi, flags, ksize = _NODE.unpack_from(self._mm, off + ptr)
+        lo, hi, flags, ksize = _NODE.unpack_from(self.mm, off + ptr)
         if ptr + NODE_HEADER + ksize > self.psize:
             raise self._bad(f"node {i} of page {off // self.psize}: key of {ksize} bytes")
         return off + ptr, lo | hi << 16, flags, ksize
 
     def _key(self, off: int, upper: int, i: int) -> bytes:
         node, _, _, ksize = self._node(off, upper, i)
-        return self._mm[node + NODE_HEADER:node + NODE_HEADER + ksize]
+        return self.mm[node + NODE_HEADER:node + NODE_HEADER + ksize]
 
     def _child(self, off: int, upper: int, i: int) -> int:
         node, lohi, flags, _ = self._node(off, upper, i)
@@ -149,7 +149,7 @@ class LmdbFile:
             return data, size, 0
         if flags != F_BIGDATA or data + 8 > end_of_page:
             raise self._bad(f"value of node {i} on page {off // self.psize}")
-        first, pages = self._overflow(_U64.unpack_from(self._mm, data)[0], size)
+        first, pages = self._overflow(_U64.unpack_from(self.mm, data)[0], size)
         return first + PAGE_HEADER, size, pages
 
     def _overflow(self, pgno: int, size: int) -> tuple[int, int]:
@@ -157,7 +157,7 @@ class LmdbFile:
         if not 2 <= pgno <= self.last_pg:
             raise self._bad(f"overflow page number {pgno} outside the file")
         off = pgno * self.psize
-        stored, _, flags, pages = struct.unpack_from("<QHHI", self._mm, off)
+        stored, _, flags, pages = struct.unpack_from("<QHHI", self.mm, off)
         if stored != pgno or flags & _KINDS != P_OVERFLOW:
             raise self._bad(f"page {pgno} is not the overflow page it should be")
         if pages * self.psize < PAGE_HEADER + size or pgno + pages - 1 > self.last_pg:
@@ -263,6 +263,6 @@ class LmdbFile:
         view, self.view = self.view, memoryview(b"")
         try:
             view.release()
-            self._mm.close()
+            self.mm.close()
         except BufferError:
             pass

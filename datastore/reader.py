@@ -177,7 +177,7 @@ class Reader:
             sizes = self._sizes(sm)
             where = {w: self._where(fmt.shard_key(n, w), sizes[w]) for w in fmt.SHARD_ARRAYS}
             arrays = {w: self._lm.view[o:o + k] for w, (o, k) in where.items()}
-            sh = _Shard(sm, arrays, self._dtype, self._lm._mm, where["tokens"][0])
+            sh = _Shard(sm, arrays, self._dtype, self._lm.mm, where["tokens"][0])
             self._shards.append(sh)
             self._by_corpus.setdefault(sh.corpus, []).append(sh)
 

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -136,17 +137,28 @@ def load_tokenizer(name: str | None = None):
     return tok
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A stable hash of what decides token ids: the vocabulary and the special tokens.
 
     It ignores how the tokenizer was loaded (GGUF, tokenizer.json, saved copy), so the same
     vocabulary always gives the same fingerprint, and any change of id mapping changes it.
+    Hashing a 49k vocabulary takes ~0.1 s, so it is remembered per tokenizer object (and
+    recomputed if tokens are added to it).
     """
+    size = len(tokenizer)
+    known = _FINGERPRINTS.get(tokenizer)
+    if known is not None and known[0] == size:
+        return known[1]
     vocab = tokenizer.get_vocab()
     items = sorted(vocab.items(), key=lambda kv: kv[1])
     special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
     payload = json.dumps({"vocab": items, "special": special}, ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+    fingerprint = "sha256:" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+    _FINGERPRINTS[tokenizer] = (size, fingerprint)
+    return fingerprint
 
 
 def vocab_size(tokenizer) -> int:

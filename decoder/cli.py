@@ -1,10 +1,10 @@
 """The `redraft` command: one entry point, subcommands registered by each package.
 
 The datastore side registers `index`, `query`, `stats` and `serve`; the decoder side
-`generate` and `bench`. The decoder's modules import torch, which the datastore commands
-never need: they are registered only when the command line asks for something other than
-a datastore command, so `redraft stats DIR` starts without importing torch. Errors a user
-can cause are printed as one line (exit 2), never a traceback.
+`generate` and `bench`. Only the subcommands that could parse the command line are
+registered: the decoder's modules import torch and `serve`'s imports gRPC, neither of which
+`redraft stats DIR` needs at start. Errors a user can cause are printed as one line
+(exit 2), never a traceback.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="Retrieval-based speculative decoding: faster generation, same output.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    datastore_cli.register(sub)
     command = argv[0] if argv else None  # the top level has no options but --help
+    datastore_cli.register(sub, command)
     if command not in sub.choices:  # a decoder command, --help, or a mistake to report
         register(sub)
     return parser

@@ -10,7 +10,7 @@ imported redraft and loaded the tokenizer once (a fresh interpreter per command 
 seconds). A writer that succeeds must publish the same datastore it publishes from the
 undamaged copy; one that fails must leave the damaged file as it was.
 
-REDRAFT_FUZZ_CASES (default 100) and REDRAFT_FUZZ_SEED scale and vary the campaign.
+REDRAFT_FUZZ_CASES (default 200) and REDRAFT_FUZZ_SEED scale and vary the campaign.
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from redraft.datastore import format as fmt
 from redraft.datastore.lmdbfile import NODE_HEADER, P_BRANCH, P_LEAF, PAGE_HEADER, LmdbFile
 from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 
-CASES = int(os.environ.get("REDRAFT_FUZZ_CASES", "100"))
+CASES = int(os.environ.get("REDRAFT_FUZZ_CASES", "200"))
 SEED = int(os.environ.get("REDRAFT_FUZZ_SEED", "0"))
 TIMEOUT_S = 120.0  # per command: a hang, not a slow machine
 
 _FORK_SERVER = r"""
 import io, json, os, signal, sys, time, traceback
 from redraft.decoder.cli import main
-from redraft.datastore.tokenizer import load_tokenizer
-import redraft.datastore.build, redraft.datastore.reader
+from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+import redraft.datastore.build, redraft.datastore.cli, redraft.datastore.reader
 
-load_tokenizer("smollm2-135m")
+tokenizer_fingerprint(load_tokenizer("smollm2-135m"))  # both remembered across forks
 channel = os.fdopen(os.dup(1), "w")
 for line in sys.stdin:
     req = json.loads(line)
