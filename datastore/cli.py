@@ -38,11 +38,13 @@ def register(sub: argparse._SubParsersAction, command: str | None = None) -> Non
                    "then question+answer)")
     p.add_argument("--append", action="store_true", help="add to the existing datastore")
     p.add_argument("--delete", metavar="IDS", default=None,
-                   help="tombstone these comma-separated document ids instead of indexing")
+                   help="delete these comma-separated document ids (their tokens are removed) "
+                   "instead of indexing")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="leave out files matching GLOB (repeatable)")
     p.add_argument("--skip-bad", action="store_true",
-                   help="skip unreadable or non-UTF-8 files with a warning instead of failing")
+                   help="skip unreadable or non-UTF-8 files and malformed .jsonl records with a "
+                   "warning instead of failing")
     p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
                    help="maximum tokens per shard (default: 128 Mi)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
