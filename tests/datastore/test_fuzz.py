@@ -1,7 +1,7 @@
 """Corruption fuzzer: every datastore command on damaged files gives exit 0 with the right
 output or exit 2 with one line, never a signal, a traceback or a hang.
 
-A small datastore (16 shards, so LMDB's tree has a branch level) is damaged by single-byte
+A small datastore (20 shards, so LMDB's tree has a branch level) is damaged by single-byte
 flips — at random offsets and at structural ones: meta-page fields, page headers, node
 pointers, node headers and keys, overflow-page headers, the starts and ends of arrays, the
 manifest — and by truncations. `stats`, `query`, `index --append` and `index --delete` run
