@@ -80,13 +80,15 @@ def test_bad_parameters_fail_before_the_network():
 
 
 def test_unreachable_server_is_a_typed_error_quickly():
-    with DraftClient(f"127.0.0.1:{free_port()}", timeout=3) as c:
+    # A refused connection fails at once; waiting out either 30 s deadline would be a bug.
+    # (The bound is far from both a quick failure and the deadlines: a busy machine passes.)
+    with DraftClient(f"127.0.0.1:{free_port()}", timeout=30) as c:
         t0 = time.monotonic()
         with pytest.raises(ServiceUnavailable):
             c.info()
         with pytest.raises(ServiceUnavailable):
             c.session([1, 2], None, FP).__enter__()
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 15
 
 
 def test_session_reopens_after_a_server_restart(reader):
@@ -177,9 +179,10 @@ def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, capsys):
                     s.step(DOCS[2][22:23])
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
-            assert time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 < 30  # the 0.5 s deadline fired: no hang
             # the next step reopens the session with every token so far, the lost one too
-            assert len(s.step(DOCS[2][23:24])) >= 0 and s.reconnects == 1
+            s.step(DOCS[2][23:24]).validate()
+            assert s.reconnects == 1
             assert s.context_len == 24 and s.context == DOCS[2][:24]
             assert redraft_main(["stats", "--server", address]) == 0
             printed = json.loads(capsys.readouterr().out)

@@ -337,7 +337,9 @@ def test_idle_sessions_are_closed(reader):
             DraftClient(srv.address, reconnect=False) as c:
         idle = c.session([1, 2], None, FP).__enter__()
         idle.step([3])
-        time.sleep(0.9)
+        deadline = time.monotonic() + 30  # the sweeper runs every 0.1 s; a busy machine lags
+        while c.stats()["sessions_idle_closed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         with pytest.raises(LimitExceeded, match="idle"):
             idle.step([4])
         st = c.stats()
