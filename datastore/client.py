@@ -183,8 +183,12 @@ class DraftClient:
         if tls:
             roots = None
             if isinstance(tls, str):
-                with open(tls, "rb") as f:
-                    roots = f.read()
+                try:
+                    with open(tls, "rb") as f:
+                        roots = f.read()
+                except OSError as exc:
+                    raise ServiceError(f"cannot read TLS certificates {tls}: "
+                                       f"{exc.strerror or exc}") from None
             creds = grpc.ssl_channel_credentials(root_certificates=roots)
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:

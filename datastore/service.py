@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import signal
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redraft.datastore.draft import PLD, REST, Draft
@@ -34,6 +36,7 @@ from redraft.datastore.pld import PromptLookup
 from redraft.datastore.service_stats import ServiceStats
 from redraft.proto import draft_pb2, draft_pb2_grpc
 
+log = logging.getLogger("redraft.serve")
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 _SOURCE_NAMES = {draft_pb2.SOURCE_REST: REST, draft_pb2.SOURCE_PLD: PLD}
 _SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD}
@@ -62,6 +65,9 @@ class ServiceConfig:
     # REST probabilities p become scale * p**power (merge.REST_CALIBRATION; (1, 1) = raw)
     rest_calibration: tuple[float, float] = REST_CALIBRATION
     token: str | None = None  # shared secret expected as "authorization: Bearer <token>"
+    # Check every array's crc32 in the background once serving (opening stays O(1)); a
+    # damaged datastore turns health NOT_SERVING and drafting UNAVAILABLE.
+    verify_checksums: bool = True
 
 
 @dataclass
@@ -87,14 +93,41 @@ def _bad(message: str) -> _Abort:
     return _Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-class _Waiter:
-    """A session as the idle sweeper and shutdown see it: its task and when it last spoke."""
+class _Malformed:
+    """Stands for a request whose bytes do not parse, so the handler can refuse it with
+    INVALID_ARGUMENT (gRPC itself would end the call with UNKNOWN)."""
 
-    __slots__ = ("task", "since", "reason")
+    def __init__(self, what: str, error: Exception) -> None:
+        self.message = f"malformed {what}: {error}"
+
+
+def _lenient(message_type):
+    """A request deserializer that returns `_Malformed` instead of raising."""
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(message_type.DESCRIPTOR.name, exc)
+
+    return parse
+
+
+def _check_parsed(request) -> None:
+    if isinstance(request, _Malformed):
+        raise _bad(request.message)
+
+
+class _Waiter:
+    """A session as the idle sweeper and shutdown see it: its task, since when it has been
+    waiting, and whether for the client's next request or for the client to read a reply."""
+
+    __slots__ = ("task", "since", "writing", "reason")
 
     def __init__(self, task: asyncio.Task | None) -> None:
         self.task = task
         self.since = time.monotonic()
+        self.writing = False
         self.reason: tuple[grpc.StatusCode, str] | None = None
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
@@ -115,6 +148,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.fingerprint = str(reader.tokenizer_fingerprint)
         self.corpora = set(getattr(reader, "corpora", {}) or {})
         self.stopping = False
+        self.damage: str | None = None  # why the datastore failed verification, if it did
+        self._verifying: asyncio.Future | None = None
         self._waiting: dict[int, _Waiter] = {}  # sessions now waiting for a request
         self._sweeper: asyncio.Future | None = None
         self._next_id = 0
@@ -157,6 +192,12 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 f"tokenizer fingerprint {fingerprint} does not match the datastore's "
                 f"{self.fingerprint} (built with {getattr(self.reader, 'tokenizer_name', '?')})",
             )
+
+    def _check_serving(self) -> None:
+        if self.stopping:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if self.damage is not None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {self.damage}")
 
     def _check_budget(self, budget: int, what: str) -> None:
         if budget > self.config.max_budget:
@@ -243,8 +284,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def Propose(self, request, context):
         try:
             self._auth(context)
-            if self.stopping:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            _check_parsed(request)
+            self._check_serving()
             self._check_fingerprint(request.tokenizer_fingerprint, required=False)
             p = self._params(request.params)
             if len(request.context) > self.config.max_context_len:
@@ -271,40 +312,56 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         except _Abort as exc:
             await self._fail(context, exc)
 
-    async def _read(self, context, waiter: _Waiter):
-        """Next request, or None at the client's end of stream.
+    async def _wait(self, waiter: _Waiter, io, writing: bool = False):
+        """Await a read or a write of the session's stream, visible to the sweeper meanwhile.
 
         While it waits, the session is visible to the idle sweeper and to shutdown, which
-        end it with a status (RESOURCE_EXHAUSTED / UNAVAILABLE) by cancelling the wait;
-        a plain await keeps the per-step cost of the hot path at one read.
+        end it with a status (RESOURCE_EXHAUSTED / UNAVAILABLE) by cancelling the wait.
+        Writes count too: a client that stops reading its replies blocks the write (HTTP/2
+        flow control), and without a deadline there it would hold its session slot forever.
+        A plain await keeps the per-step cost of the hot path at one read and one write.
         """
         waiter.since = time.monotonic()
+        waiter.writing = writing
         self._waiting[id(waiter)] = waiter
         try:
-            req = await context.read()
+            return await io
         except asyncio.CancelledError:
             if waiter.reason is None:
                 raise  # the call itself was cancelled (client gone)
             raise _Abort(*waiter.reason) from None
         finally:
             self._waiting.pop(id(waiter), None)
-        return None if req is grpc.aio.EOF else req
+
+    async def _read(self, context, waiter: _Waiter):
+        """Next request, or None at the client's end of stream."""
+        req = await self._wait(waiter, context.read())
+        if req is grpc.aio.EOF:
+            return None
+        _check_parsed(req)
+        return req
 
     async def _sweep(self) -> None:
-        """End sessions that wait longer than the idle timeout."""
+        """End sessions that wait longer than the idle timeout, for a request or for the
+        client to read a reply."""
         idle = self.config.idle_timeout_s
         while True:
             await asyncio.sleep(min(1.0, idle / 4))
             now = time.monotonic()
             for w in list(self._waiting.values()):
-                if now - w.since > idle and w.reason is None:
+                if now - w.since <= idle or w.reason is not None:
+                    continue
+                if w.writing:
+                    self.stats.add(sessions_unread_closed=1)
+                    w.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"replies not read for more than {idle:g} s; session closed")
+                else:
                     self.stats.add(sessions_idle_closed=1)
                     w.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"session idle for more than {idle:g} s; closed")
 
     async def _session(self, context) -> None:
-        if self.stopping:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        self._check_serving()
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())
         waiter = _Waiter(asyncio.current_task())
@@ -332,6 +389,10 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self._next_id += 1
         session_id = f"{id(self):x}-{self._next_id}"
         try:
+            # Headers go out on their own first: gRPC marks them sent only when a write
+            # completes, so ending a session whose first write was interrupted (by the
+            # sweeper or shutdown) would otherwise send them twice and fail.
+            await context.send_initial_metadata(())
             ctx: list[int] = list(opening.prompt)
             pld = None
             if PLD in p.sources:
@@ -339,7 +400,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 pld.extend(ctx)
             msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
             self._draft(ctx, pld, p, p.budget, msg.draft, None)
-            await context.write(msg)
+            await self._wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
                 req = await self._read(context, waiter)
                 if req is None:
@@ -360,7 +421,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                     pld.extend(step.accepted)
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
                 self._draft(ctx, pld, p, step.budget or p.budget, msg.draft, "session_steps")
-                await context.write(msg)
+                await self._wait(waiter, context.write(msg), writing=True)
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
             self.stats.close_session()
@@ -368,6 +429,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def Info(self, request, context):
         try:
             self._auth(context)
+            _check_parsed(request)
         except _Abort as exc:
             await self._fail(context, exc)
         return self.info_reply()
@@ -388,7 +450,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                                  n_tokens=int(v.get("n_tokens", 0)))
                 for name, v in sorted((getattr(r, "corpora", {}) or {}).items())
             ],
-            format_version=int(manifest.get("format_version", 0) or 0),
+            format_version=int(manifest.get("version", 0) or 0),
             manifest_json=json.dumps(manifest, default=str, sort_keys=True),
             limits=draft_pb2.Limits(
                 max_context_len=c.max_context_len,
@@ -402,6 +464,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def Stats(self, request, context):
         try:
             self._auth(context)
+            _check_parsed(request)
         except _Abort as exc:
             await self._fail(context, exc)
         s = self.stats
@@ -416,19 +479,71 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             latency_p99_us=s.percentile_us(0.99),
             uptime_s=time.time() - s.started,
             stats_json=s.to_json({"limits": limits, "datastore_tokens": int(
-                getattr(self.reader, "n_tokens", 0) or 0)}),
+                getattr(self.reader, "n_tokens", 0) or 0), "checksums": self.verification}),
         )
 
+    @property
+    def verification(self) -> str:
+        """skipped, running, passed, or failed: <why>."""
+        if self._verifying is None:
+            return "skipped"
+        if not self._verifying.done():
+            return "running"
+        return "passed" if self.damage is None else f"failed: {self.damage}"
+
+    def start_verifying(self, health_servicer: health.aio.HealthServicer) -> None:
+        """Verify the datastore's checksums on a thread while the server already serves."""
+        if self.config.verify_checksums and self._verifying is None:
+            self._verifying = asyncio.ensure_future(self._verify(health_servicer))
+
+    async def _verify(self, health_servicer: health.aio.HealthServicer) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.reader.verify)
+        except Exception as exc:  # whatever stops verification, the data is not trusted
+            self.damage = str(exc) or repr(exc)
+            log.error("redraft serve: %s; health is NOT_SERVING", exc)
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def shutdown(self) -> None:
-        """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE."""
+        """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE.
+
+        A checksum verification still running is awaited: its thread reads the Reader's
+        map, which the caller may close once the server has stopped.
+        """
         self.stopping = True
         for w in list(self._waiting.values()):
             w.end(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._verifying is not None:
+            await self._verifying
 
 
 # ---- server assembly --------------------------------------------------------------------
+
+def add_drafter_service(service: DrafterService, server: grpc.aio.Server) -> None:
+    """Register the Drafter methods as the generated stubs do, but with lenient request
+    parsing: undecodable bytes reach the handler, which answers INVALID_ARGUMENT."""
+    pb = draft_pb2
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            service.Session, request_deserializer=_lenient(pb.SessionRequest),
+            response_serializer=pb.SessionReply.SerializeToString),
+        "Propose": grpc.unary_unary_rpc_method_handler(
+            service.Propose, request_deserializer=_lenient(pb.ProposeRequest),
+            response_serializer=pb.DraftReply.SerializeToString),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            service.Info, request_deserializer=_lenient(pb.InfoRequest),
+            response_serializer=pb.InfoReply.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats, request_deserializer=_lenient(pb.StatsRequest),
+            response_serializer=pb.StatsReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
 
 @dataclass
 class TLSFiles:
@@ -458,7 +573,7 @@ async def start_server(
     stats = stats or ServiceStats()
     server = grpc.aio.server(options=server_options(config, reuse_port))
     service = DrafterService(reader, config, stats)
-    draft_pb2_grpc.add_DrafterServicer_to_server(service, server)
+    add_drafter_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -482,6 +597,7 @@ async def start_server(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service.start_verifying(health_servicer)
     return server, service, health_servicer, bound
 
 

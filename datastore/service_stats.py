@@ -23,6 +23,7 @@ FIELDS = (
     "sessions_opened",
     "sessions_active",
     "sessions_idle_closed",
+    "sessions_unread_closed",
     "errors",
     "hits",
     "rest_hits",
