@@ -71,9 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_stats)
 
     try:
-        from redraft.datastore import service_cli
+        from redraft.datastore.service import cli as service_cli
     except ModuleNotFoundError as exc:
-        if exc.name != "redraft.datastore.service_cli":
+        if exc.name not in ("redraft.datastore.service", "redraft.datastore.service.cli"):
             raise
     else:
         service_cli.register(sub)
@@ -172,7 +172,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from redraft.datastore.reader import Reader
 
     if args.server:
-        from redraft.datastore.service_cli import print_server_stats
+        from redraft.datastore.service.cli import print_server_stats
 
         return print_server_stats(args.server)
     if not args.datastore:

@@ -26,7 +26,7 @@ import time
 import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from redraft.datastore.client import DraftClient, DraftParams
+from redraft.datastore.service.client import DraftClient, DraftParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

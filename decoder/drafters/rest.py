@@ -69,7 +69,7 @@ class ServiceDrafter(Drafter):
         timeout: float = 1.0,
         sources: Sequence[str] = ("rest",),
     ) -> None:
-        from redraft.datastore.client import DraftClient
+        from redraft.datastore.service.client import DraftClient
 
         self.address = address
         self.fingerprint = fingerprint
@@ -88,8 +88,8 @@ class ServiceDrafter(Drafter):
 
         An unreachable server is not an error here: generation falls back to local drafts.
         """
-        from redraft.datastore.client import ServiceError
         from redraft.datastore.errors import TokenizerMismatch
+        from redraft.datastore.service.client import ServiceError
 
         try:
             info = self.client.info()
@@ -104,7 +104,7 @@ class ServiceDrafter(Drafter):
             )
 
     def begin(self, prompt: Sequence[int]) -> None:
-        from redraft.datastore.client import DraftParams
+        from redraft.datastore.service.client import DraftParams
 
         self._close_session()
         self._failed = False

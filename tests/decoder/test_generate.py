@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from redraft.datastore import Reader
-from redraft.datastore.service import ServerThread
+from redraft.datastore.service.server import ServerThread
 from redraft.datastore.tokenizer import tokenizer_fingerprint
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import MergedDrafter

@@ -15,7 +15,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from redraft.datastore import Reader, build_datastore
-from redraft.datastore.client import (
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
+from redraft.datastore.pld import PromptLookup, prompt_lookup
+from redraft.datastore.service.client import (
     AuthenticationFailed,
     DraftClient,
     DraftParams,
@@ -24,9 +26,7 @@ from redraft.datastore.client import (
     LimitExceeded,
     ServiceUnavailable,
 )
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import PromptLookup, prompt_lookup
-from redraft.datastore.service import ServerThread, ServiceConfig, TLSFiles
+from redraft.datastore.service.server import ServerThread, ServiceConfig, TLSFiles
 from redraft.proto import draft_pb2, draft_pb2_grpc
 
 FP = "sha256:service-test"
@@ -354,7 +354,7 @@ def test_idle_sessions_are_closed(reader):
 
 KILLED_CLIENT = """
 import sys, time
-from redraft.datastore.client import DraftClient
+from redraft.datastore.service.client import DraftClient
 c = DraftClient(sys.argv[1])
 s = c.session([1, 2, 3], None, sys.argv[2]).__enter__()
 s.step([4])

@@ -19,8 +19,8 @@ import socket
 import sys
 
 from redraft.datastore.errors import RedraftError
-from redraft.datastore.service import ServiceConfig, TLSFiles, serve_forever
-from redraft.datastore.service_stats import ServiceStats
+from redraft.datastore.service.server import ServiceConfig, TLSFiles, serve_forever
+from redraft.datastore.service.stats import ServiceStats
 
 TOKEN_ENV = "REDRAFT_TOKEN"
 UINT32 = (1 << 32) - 1
@@ -249,7 +249,7 @@ def print_server_stats(address: str, timeout: float = 5.0) -> int:
     """`redraft stats --server ADDR`: the service's counters as JSON on stdout."""
     import json
 
-    from redraft.datastore.client import DraftClient
+    from redraft.datastore.service.client import DraftClient
 
     with DraftClient(address, token=os.environ.get(TOKEN_ENV) or None, timeout=timeout) as c:
         json.dump(c.stats(), sys.stdout, indent=2, sort_keys=True)

@@ -18,7 +18,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redraft.datastore import Reader, build_datastore
-from redraft.datastore.client import (
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
+from redraft.datastore.pld import prompt_lookup
+from redraft.datastore.service.client import (
     DraftClient,
     DraftParams,
     DraftTimeout,
@@ -26,9 +28,7 @@ from redraft.datastore.client import (
     ServiceError,
     ServiceUnavailable,
 )
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import prompt_lookup
-from redraft.datastore.service import ServerThread
+from redraft.datastore.service.server import ServerThread
 from redraft.decoder.cli import main as redraft_main
 
 FP = "sha256:client-test"
@@ -58,7 +58,7 @@ def free_port() -> int:
 
 
 def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
-    from redraft.datastore.service_cli import TOKEN_ENV, read_token
+    from redraft.datastore.service.cli import TOKEN_ENV, read_token
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     assert read_token(None) is None

@@ -33,7 +33,7 @@ from redraft.datastore.draft import PLD, REST, Draft, source_bits
 from redraft.datastore.errors import DatastoreError, RedraftError
 from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
 from redraft.datastore.pld import PromptLookup
-from redraft.datastore.service_stats import ServiceStats
+from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("redraft.serve")
