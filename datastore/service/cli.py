@@ -19,7 +19,7 @@ import socket
 import sys
 
 from redraft.datastore.errors import RedraftError
-from redraft.datastore.service.server import ServiceConfig, TLSFiles, serve_forever
+from redraft.datastore.service.server import LEARN_MODES, ServiceConfig, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 
 TOKEN_ENV = "REDRAFT_TOKEN"
@@ -70,6 +70,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    metavar="SCALE,POWER",
                    help="map retrieval probabilities p to SCALE*p**POWER so they compare "
                    "with prompt lookup's (default %(default)s; 1,1 = raw)")
+    p.add_argument("--learn", choices=LEARN_MODES, default=d.learn,
+                   help="learn from served outputs and draft them for the same tenant (bearer "
+                   "token, or the session's declared tenant without auth), for everyone "
+                   "(global), or not at all (default %(default)s)")
+    p.add_argument("--learn-max-tokens", type=int, default=d.learn_max_tokens, metavar="N",
+                   help="tokens of learned outputs kept in memory, oldest evicted first "
+                   f"(default {d.learn_max_tokens:,})")
+    p.add_argument("--learn-persist-seconds", type=float, default=300.0, metavar="SECONDS",
+                   help="append learned outputs to the datastore (corpus 'learned') this "
+                   "often and at shutdown; 0 = memory only (default %(default)g)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the background check of the datastore's checksums (by default "
                    "a damaged datastore turns health NOT_SERVING)")
@@ -89,12 +99,15 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         "--max-message-bytes": (args.max_message_bytes, INT32),
         "--budget": (args.budget, UINT32), "--depth": (args.depth, UINT32),
         "--workers": (args.workers, 1024), "--rest-occurrences": (args.rest_occurrences, INT32),
+        "--learn-max-tokens": (args.learn_max_tokens, UINT64),
     }
     for flag, (value, most) in bounded.items():
         if not 0 < value <= most:  # also false for nan
             raise RedraftError(f"{flag} must be positive and at most {most}, got {value}")
-    if not 0 <= args.grace <= UINT32:
-        raise RedraftError(f"--grace must be between 0 and {UINT32} seconds, got {args.grace}")
+    for flag, value in (("--grace", args.grace),
+                        ("--learn-persist-seconds", args.learn_persist_seconds)):
+        if not 0 <= value <= UINT32:
+            raise RedraftError(f"{flag} must be between 0 and {UINT32} seconds, got {value}")
     if not 0 <= args.port < 65536:
         raise RedraftError(f"--port must be in 0..65535, got {args.port}")
     if args.budget > args.max_budget or args.depth > args.max_depth:
@@ -126,22 +139,27 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         default_depth=args.depth,
         grace_s=args.grace,
         verify_checksums=not args.no_verify,
-        token=read_token(args.token_file),
+        token=read_tokens(args.token_file) or None,
+        learn=args.learn,
+        learn_max_tokens=args.learn_max_tokens,
+        learn_persist_s=args.learn_persist_seconds,
     )
 
 
-def read_token(path: str | None) -> str | None:
-    """The shared secret from --token-file, else from the environment, else none."""
+def read_tokens(path: str | None) -> tuple[str, ...]:
+    """The shared secrets in --token-file (one per line, each its own tenant), else the one
+    in the environment, else none."""
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
+                tokens = tuple(line.strip() for line in f if line.strip())
+        except (OSError, UnicodeDecodeError) as exc:
             raise RedraftError(f"cannot read --token-file: {exc}") from exc
-        if not token:
+        if not tokens:
             raise RedraftError(f"--token-file {path} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
+        return tokens
+    token = os.environ.get(TOKEN_ENV)
+    return (token,) if token else ()
 
 
 def _announce(line: str) -> None:

@@ -58,15 +58,15 @@ def free_port() -> int:
 
 
 def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
-    from redraft.datastore.service.cli import TOKEN_ENV, read_token
+    from redraft.datastore.service.cli import TOKEN_ENV, read_tokens
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    assert read_token(None) is None
+    assert read_tokens(None) == ()
     monkeypatch.setenv(TOKEN_ENV, "from-env")
-    assert read_token(None) == "from-env"
+    assert read_tokens(None) == ("from-env",)
     f = tmp_path / "tok"
-    f.write_text("from-file\n")
-    assert read_token(str(f)) == "from-file"
+    f.write_text("from-file\n\nsecond \n")
+    assert read_tokens(str(f)) == ("from-file", "second")
 
 
 def test_bad_parameters_fail_before_the_network():
