@@ -163,7 +163,7 @@ class LearnedIndex:
             docs = self._docs
             found: dict[int, tuple[int, _Doc, int]] = {}
             for level in LEVELS:
-                if n < level or len(found) >= MAX_OCCURRENCES:
+                if n < level or found:  # a shorter n-gram only when the longer found nothing
                     continue
                 for entry in reversed(pool.get(_key(ctx, n - 1, level), ())):
                     if entry in found:

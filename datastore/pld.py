@@ -151,6 +151,16 @@ def continuation_tree(continuations: Sequence[tuple[Sequence[int], int]], budget
     """
     if not continuations:
         return Draft()
+    # Identical continuations (text that repeats) are walked once, with their summed weight:
+    # the trie comes out the same, for a fraction of the work.
+    votes: dict[tuple[int, ...], list[int]] = {}
+    for cont, m in continuations:
+        vote = votes.get(key := tuple(cont))
+        if vote is None:
+            votes[key] = [m * m, m]  # longer matches dominate the vote
+        else:
+            vote[0] += m * m
+            vote[1] = max(vote[1], m)
     # Each trie node: token, parent, depth, and the weight and best match length of the
     # occurrences that pass through it.
     tokens: list[int] = []
@@ -159,8 +169,7 @@ def continuation_tree(continuations: Sequence[tuple[Sequence[int], int]], budget
     weight: list[float] = []
     best: list[int] = []
     children: dict[int, int] = {}
-    for cont, m in continuations:
-        w = float(m * m)  # longer matches dominate the vote
+    for cont, (w, m) in votes.items():
         parent = -1
         d = 0
         for tok in cont:
