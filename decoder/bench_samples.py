@@ -206,8 +206,8 @@ def run_command(args: argparse.Namespace) -> int:
             generators[m] = Generator(model, tokenizer, drafter, model_name=name,
                                       packed_kernels=not args.stock_kernels)
         warm_up([_Method(m, g) for m, g in generators.items()])
-        total = len(questions) * args.samples
-        with tqdm(total=total, desc="samples", unit="round", file=sys.stderr) as bar:
+        total = len(questions) * args.samples * len(methods)
+        with tqdm(total=total, desc="samples", unit="answer", file=sys.stderr) as bar:
             records = run_samples(questions, generators, args.samples, args.temperature,
                                   args.max_new_tokens, progress=bar.update)
     finally:
