@@ -1,4 +1,8 @@
-"""The gRPC draft service: REST and PLD candidate trees over streaming sessions.
+"""The gRPC draft service: REST, PLD and learned candidate trees over streaming sessions.
+
+Each session drafts through `redraft.datastore.session.SessionDrafter` (the decoder's
+in-process path runs the same class); the service adds the wire, limits, auth, tenants, the
+learned index shared by all sessions and its persistence.
 
 Why asyncio: a decoder keeps one `Session` stream open per generation and steps it hundreds
 of times a second; a thread-per-stream server would pin a thread to every idle session.
@@ -132,7 +136,8 @@ class _Waiter:
         self.reason: tuple[grpc.StatusCode, str] | None = None
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
-        """Interrupt the session's wait for a request; it then ends with this status."""
+        """Interrupt the session's wait (for a request, or for its reply to be read); it then
+        ends with this status."""
         if self.reason is None and self.task is not None:
             self.reason = (code, message)
             self.task.cancel()
