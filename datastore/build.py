@@ -5,21 +5,25 @@ Rust backend encodes a batch on every core) -> shards of bounded size (token arr
 separator after each document, suffix array from pydivsufsort, document offsets, first-token
 buckets) -> one LMDB file.
 
-Every change is atomic. The new file is written beside the datastore's `datastore.lmdb`
-(`.datastore.lmdb.tmp-PID`) and renamed over it only when complete and synced, so a build
-killed at any point leaves the previous datastore as it was and nothing half-written that
-opens. Append and delete copy the current file first (no re-tokenizing, no re-sorting of
-existing shards): the published file is never modified in place, which is what lets readers
-map it without locks and keep their snapshot while it is replaced.
+Every change is atomic. A whole new file is written beside the datastore's
+`datastore.lmdb` (`.datastore.lmdb.tmp-PID`) and renamed over it only when complete and
+synced, so a writer killed or failing at any point leaves the previous datastore as it was
+and nothing half-written that opens. The published file is never modified in place, which
+is what lets readers map it without locks and keep their snapshot while it is replaced.
+
+Append and delete start from the current datastore, verified first (a damaged one is
+refused rather than copied), and copy its shards value by value through the bounds-checked
+reader: LMDB only ever opens files this module creates. Append copies every shard as it is;
+delete re-sorts the shards that hold the deleted documents without their tokens, so a
+deleted document leaves nothing a lookup could find (or the file could leak).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import copy
 import fcntl
 import os
-import shutil
 import sys
 import time
 import zlib
@@ -33,6 +37,7 @@ from redraft.datastore import format as fmt
 from redraft.datastore.corpus import Document, expand_inputs, iter_documents
 from redraft.datastore.errors import (
     CorpusError,
+    DatastoreCorrupt,
     DatastoreError,
     InvalidQuery,
     TokenizerMismatch,
@@ -102,37 +107,40 @@ def suffix_array(tokens: np.ndarray) -> np.ndarray:
 
 
 class _StoreWriter:
-    """Writes shards and the header into one (temporary) LMDB file."""
+    """Writes shards, bitmaps and the header into a new (temporary) LMDB file."""
 
-    def __init__(self, file: str, manifest: dict, *, copy_from: str | None = None,
-                 progress: bool = False) -> None:
-        if copy_from is not None:
-            shutil.copyfile(copy_from, file)
+    def __init__(self, file: str, manifest: dict, *, progress: bool = False) -> None:
         self.file = file
         self.manifest = manifest
         self.progress = progress
-        self.env = fmt.open_env(file, write=True, map_size=1 << 40 if sys.maxsize > 2**32
-                                else 1 << 31)
+        self.env = fmt.open_writer(file, map_size=1 << 40 if sys.maxsize > 2**32 else 1 << 31)
         self.vocab = int(manifest["tokenizer"]["vocab_size"])
         self.sep = int(manifest["separator"])
         self.dtype = np.dtype(manifest["token_dtype"])
         self.be = self.dtype.newbyteorder(">")
         self.corpora: dict[str, BitMap] = {}
         self.deleted = BitMap()
-        if copy_from is not None:
-            with self.env.begin() as txn:
-                for name in manifest["corpora"]:
-                    raw = txn.get(fmt.corpus_key(name))
-                    self.corpora[name] = BitMap.deserialize(raw) if raw else BitMap()
-                raw = txn.get(fmt.KEY_DELETED)
-                self.deleted = BitMap.deserialize(raw) if raw else BitMap()
+        manifest["shards"] = []  # filled in order: carried, rewritten and new shards
 
     @property
     def next_doc(self) -> int:
         shards = self.manifest["shards"]
         return shards[-1]["first_doc"] + shards[-1]["n_docs"] if shards else 0
 
+    def _put(self, key: bytes, value) -> None:
+        # One transaction per value: LMDB holds a value's pages in memory until commit.
+        with self.env.begin(write=True) as txn:
+            txn.put(key, value)
+
+    def _add_entry(self, entry: dict) -> None:
+        first = self.next_doc
+        entry.update(id=len(self.manifest["shards"]), first_doc=first)
+        self.manifest["shards"].append(entry)
+        self.corpora.setdefault(entry["corpus"], BitMap()).add_range(
+            first, first + entry["n_docs"])
+
     def add_shard(self, docs: list[np.ndarray], names: list[str], corpus: str) -> None:
+        """Sort and write a new shard of these documents (empty ones keep their ids)."""
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
         starts = np.zeros(len(docs) + 1, dtype=np.int64)
         np.cumsum(lengths + 1, out=starts[1:])
@@ -150,36 +158,50 @@ class _StoreWriter:
         counts = np.bincount(tokens, minlength=self.sep + 1)
         bucket = np.zeros(self.sep + 2, dtype="<u4")
         np.cumsum(counts, out=bucket[1:])
-        arrays = {
+        idx = len(self.manifest["shards"])
+        values = {
             "tokens": tokens.astype(self.be),
             "sa": sa,
             "docs": starts.astype("<u4"),
             "bucket": bucket,
+            # File names that are not UTF-8 arrive as surrogate escapes: store their bytes.
+            "names": zlib.compress("\n".join(n.replace("\n", "\\n") for n in names)
+                                   .encode("utf-8", "surrogateescape"), 6),
         }
         del tokens
-        idx = len(self.manifest["shards"])
-        first = self.next_doc
-        names_blob = zlib.compress("\n".join(n.replace("\n", "\\n") for n in names).encode(), 6)
         checks = {}
-        with self.env.begin(write=True) as txn:
-            for what, arr in arrays.items():
-                buf = memoryview(np.ascontiguousarray(arr)).cast("B")
+        for what, arr in values.items():
+            buf = memoryview(np.ascontiguousarray(arr)).cast("B") if what != "names" else arr
+            checks[what] = fmt.crc32(buf)
+            self._put(fmt.shard_key(idx, what), buf)
+        self._add_entry({"corpus": corpus, "n_docs": len(docs), "n_tokens": int(lengths.sum()),
+                         "length": length, "crc32": checks, "sa_seconds": round(sa_s, 3)})
+
+    def carry_shard(self, reader, shard: dict) -> None:
+        """Copy a shard of a verified datastore as it is (no re-sorting)."""
+        checks = dict(shard["crc32"])
+        for what in fmt.SHARD_KEYS:
+            buf = reader.shard_raw(shard["id"], what)
+            if what not in checks:  # version 1 kept no crc of names
                 checks[what] = fmt.crc32(buf)
-                txn.put(fmt.shard_key(idx, what), buf)
-            txn.put(fmt.shard_key(idx, "names"), names_blob)
-        n_tok = int(lengths.sum())
-        self.manifest["shards"].append({
-            "id": idx, "corpus": corpus, "first_doc": first, "n_docs": len(docs),
-            "n_tokens": n_tok, "length": length, "crc32": checks, "sa_seconds": round(sa_s, 3),
-        })
-        self.corpora.setdefault(corpus, BitMap()).add_range(first, first + len(docs))
+            self._put(fmt.shard_key(len(self.manifest["shards"]), what), buf)
+        entry = {k: v for k, v in shard.items() if k not in ("offsets", "id", "first_doc")}
+        self._add_entry({**entry, "crc32": checks})
+
+    def rewrite_shard(self, reader, shard: dict, gone: Iterable[int]) -> None:
+        """Rewrite a shard with the tokens of documents `gone` (global ids) removed; their
+        ids stay, as empty documents, so that no other id changes."""
+        docs = reader.shard_documents(shard["id"])
+        for g in gone:
+            docs[g - shard["first_doc"]] = docs[g - shard["first_doc"]][:0]
+        self.add_shard(docs, reader.shard_names(shard["id"]), shard["corpus"])
 
     def finish(self) -> dict:
         """Recount, write bitmaps and the manifest, sync and close. Returns the manifest."""
         m = self.manifest
+        m["version"] = fmt.FORMAT_VERSION
         m["n_shards"] = len(m["shards"])
-        _recount(m, self._doc_lengths, self.deleted)
-        self._record_offsets()
+        _recount(m, self.deleted)
         checks = {}
         with self.env.begin(write=True) as txn:
             for name, bm in self.corpora.items():
@@ -195,67 +217,24 @@ class _StoreWriter:
         self.env.close()
         return m
 
-    def _record_offsets(self) -> None:
-        """File offset of every array stored in overflow pages (None for small inline ones).
-
-        py-lmdb touches every page of a value it returns (so that later reads never fault
-        with the GIL held); for arrays of gigabytes that would make opening O(size). Readers
-        therefore map these arrays themselves at the offsets recorded here. Overflow pages
-        are never moved by later transactions, so the offsets stay valid.
-        """
-        psize = self.env.stat()["psize"]
-        fd = os.open(self.file, os.O_RDONLY)
-        try:
-            with self.env.begin(buffers=True) as txn:
-                for sh in self.manifest["shards"]:
-                    offsets = {}
-                    for what in fmt.SHARD_ARRAYS:
-                        view = np.frombuffer(txn.get(fmt.shard_key(sh["id"], what)), np.uint8)
-                        addr = view.ctypes.data
-                        head = ctypes.string_at(addr - fmt.PAGE_HEADER, fmt.PAGE_HEADER)
-                        pgno = int.from_bytes(head[:8], "little")
-                        off = pgno * psize + fmt.PAGE_HEADER
-                        probe = fmt.PAGE_HEADER + min(len(view), 64)
-                        ok = (fmt.overflow_header_ok(head, off, len(view), psize)
-                              and off + len(view) <= os.fstat(fd).st_size
-                              and os.pread(fd, probe, off - fmt.PAGE_HEADER)
-                              == ctypes.string_at(addr - fmt.PAGE_HEADER, probe))
-                        offsets[what] = off if ok else None
-                    sh["offsets"] = offsets
-        finally:
-            os.close(fd)
-
-    def _doc_lengths(self, shard: dict) -> np.ndarray:
-        with self.env.begin(buffers=True) as txn:
-            starts = np.frombuffer(txn.get(fmt.shard_key(shard["id"], "docs")), dtype="<u4")
-            return np.diff(starts.astype(np.int64)) - 1
-
     def abort(self) -> None:
         with contextlib.suppress(Exception):
             self.env.close()
 
 
-def _recount(m: dict, doc_lengths: Callable[[dict], np.ndarray], deleted: BitMap) -> None:
-    """Totals of live (not deleted) documents and tokens, overall and per corpus."""
+def _recount(m: dict, deleted: BitMap) -> None:
+    """Totals of live (not deleted) documents and tokens, overall and per corpus. A shard's
+    n_tokens counts live tokens only: deleted documents have none left."""
     corpora: dict[str, dict] = {}
-    n_docs = n_tokens = 0
-    gone_all = np.asarray(deleted.to_array(), dtype=np.int64)
     for sh in m["shards"]:
         c = corpora.setdefault(sh["corpus"], {"n_docs": 0, "n_tokens": 0, "n_shards": 0})
         c["n_shards"] += 1
-        docs, toks = sh["n_docs"], sh["n_tokens"]
-        lo, hi = sh["first_doc"], sh["first_doc"] + sh["n_docs"]
-        gone = gone_all[(gone_all >= lo) & (gone_all < hi)]
-        if len(gone):
-            docs -= len(gone)
-            toks -= int(doc_lengths(sh)[gone - lo].sum())
-        c["n_docs"] += docs
-        c["n_tokens"] += toks
-        n_docs += docs
-        n_tokens += toks
+        lo = sh["first_doc"]
+        c["n_docs"] += sh["n_docs"] - deleted.range_cardinality(lo, lo + sh["n_docs"])
+        c["n_tokens"] += sh["n_tokens"]
     m["corpora"] = corpora
-    m["n_docs"] = n_docs
-    m["n_tokens"] = n_tokens
+    m["n_docs"] = sum(c["n_docs"] for c in corpora.values())
+    m["n_tokens"] = sum(c["n_tokens"] for c in corpora.values())
     m["n_deleted"] = len(deleted)
 
 
@@ -311,10 +290,39 @@ def _write_shards(writer: _StoreWriter, docs: Iterable[tuple[str, np.ndarray]], 
 
 
 # ---- atomic publication ---------------------------------------------------------------
+def _write_error(out: Path, exc: BaseException) -> DatastoreError:
+    """One line for a failure of the file system while writing (full, read-only, ...)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        reason = exc.strerror
+    else:  # LMDB reports a short write on a full disk as an I/O error: say how full it is
+        reason = str(exc)
+        with contextlib.suppress(OSError):
+            st = os.statvfs(out)
+            reason += f"; {st.f_bavail * st.f_frsize:,} bytes free on its file system"
+    return DatastoreError(f"{out}: cannot write the datastore ({reason}); "
+                          f"nothing was changed")
+
+
+def _prepare_dir(out: Path) -> bool:
+    """Create `out` if needed; whether it was created here."""
+    if out.exists() and not out.is_dir():
+        raise DatastoreError(f"{out}: exists and is not a directory")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DatastoreError(
+            f"{out}: cannot create the directory ({exc.strerror or exc})") from exc
+    return created
+
+
 @contextlib.contextmanager
 def _locked(out: Path) -> Iterator[None]:
     """One writer per datastore; stale temporary files of killed writers are removed."""
-    fd = os.open(out / fmt.WRITE_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fd = os.open(out / fmt.WRITE_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as exc:
+        raise _write_error(out, exc) from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -343,18 +351,26 @@ def _publish(tmp: str, final: str) -> None:
 
 
 def _run_writer(out: Path, manifest: dict, fill: Callable[[_StoreWriter], None],
-                copy_from: str | None, progress: bool) -> dict:
+                progress: bool) -> dict:
+    """Write a whole new file with `fill`, then publish it; on any failure remove it."""
+    import lmdb
+
     tmp = str(out / f"{fmt.TMP_PREFIX}{os.getpid()}")
-    writer = _StoreWriter(tmp, manifest, copy_from=copy_from, progress=progress)
+    writer = None
     try:
+        writer = _StoreWriter(tmp, manifest, progress=progress)
         fill(writer)
         result = writer.finish()
         _publish(tmp, str(out / fmt.DATA_FILE))
         return result
-    except BaseException:
-        writer.abort()
+    except BaseException as exc:
+        failed = _write_error(out, exc) if isinstance(exc, (OSError, lmdb.Error)) else None
+        if writer is not None:
+            writer.abort()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if failed is not None:
+            raise failed from exc
         raise
 
 
@@ -367,18 +383,27 @@ def _progress_bar(enabled: bool, desc: str):
     return tqdm(desc=desc, unit="char", unit_scale=True, disable=None, file=sys.stderr)
 
 
-def _token_stream(inputs, documents, tok, *, field, exclude, skip_bad, progress):
+def _token_stream(inputs, documents, tok, *, field, exclude, skip_bad, progress, skipped):
+    """(name, ids) of every document; `skipped` collects what --skip-bad left out."""
     if documents is not None:
         return _pretokenized(documents), None
     bar = _progress_bar(progress, "tokenizing")
-    docs = iter_documents(inputs, field=field, exclude=exclude, skip_bad=skip_bad,
-                          on_skip=lambda msg: print(f"skipped: {msg}", file=sys.stderr))
+
+    def skip(msg: str) -> None:
+        skipped.append(msg)
+        print(f"skipped: {msg}", file=sys.stderr)
+
+    docs = iter_documents(inputs, field=field, exclude=exclude, skip_bad=skip_bad, on_skip=skip)
     return tokenize_documents(docs, tok, progress=bar), bar
 
 
 def _check_corpus_name(corpus: str) -> str:
     if not corpus or len(corpus) > 200 or any(c in corpus for c in "\n\r\0"):
         raise CorpusError(f"bad corpus name {corpus!r}")
+    try:
+        corpus.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise CorpusError(f"bad corpus name {corpus!r}: not valid UTF-8") from exc
     return corpus
 
 
@@ -418,27 +443,26 @@ def build_datastore(
     except ValueError as exc:
         raise DatastoreError(str(exc)) from exc
     out_p = Path(out)
-    if out_p.exists() and not out_p.is_dir():
-        raise DatastoreError(f"{out}: exists and is not a directory")
-    created = not out_p.exists()
-    out_p.mkdir(parents=True, exist_ok=True)
+    created = _prepare_dir(out_p)
     manifest = fmt.new_manifest(
         tokenizer_name=name, fingerprint=fp, vocab_size=vocab,
         build={"shard_tokens": int(shard_tokens), "field": field,
                "history": []},
     )
     bar = None
+    skipped: list[str] = []
     try:
         with _locked(out_p):
             stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
-                                        skip_bad=skip_bad, progress=progress)
+                                        skip_bad=skip_bad, progress=progress, skipped=skipped)
             t0 = time.perf_counter()
 
             def fill(w: _StoreWriter) -> None:
                 n_docs, n_tok = _write_shards(w, stream, corpus, shard_tokens)
-                manifest["build"]["history"].append(_event("build", corpus, n_docs, n_tok, t0))
+                manifest["build"]["history"].append(
+                    _event("build", corpus, n_docs, n_tok, t0, len(skipped)))
 
-            return _run_writer(out_p, manifest, fill, None, progress)
+            return _run_writer(out_p, manifest, fill, progress)
     except BaseException:
         if created:
             _remove_if_empty(out_p)
@@ -448,10 +472,14 @@ def build_datastore(
             bar.close()
 
 
-def _event(op: str, corpus: str | None, n_docs: int, n_tokens: int, t0: float) -> dict:
-    return {"op": op, "corpus": corpus, "n_docs": n_docs, "n_tokens": n_tokens,
-            "seconds": round(time.perf_counter() - t0, 3),
-            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+def _event(op: str, corpus: str | None, n_docs: int, n_tokens: int, t0: float,
+           skipped: int = 0) -> dict:
+    event = {"op": op, "corpus": corpus, "n_docs": n_docs, "n_tokens": n_tokens,
+             "seconds": round(time.perf_counter() - t0, 3),
+             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if skipped:
+        event["skipped"] = skipped
+    return event
 
 
 def _remove_if_empty(out: Path) -> None:
@@ -460,11 +488,36 @@ def _remove_if_empty(out: Path) -> None:
         out.rmdir()
 
 
-def _existing(path: str | os.PathLike) -> tuple[Path, dict]:
+def _manifest_of(path: str | os.PathLike) -> tuple[Path, dict]:
+    """Directory and manifest of an existing datastore (opened, not verified)."""
     from redraft.datastore.reader import Reader
 
     with Reader(path) as r:
         return Path(os.path.dirname(r.file)), r.manifest
+
+
+def _verified(out: Path):
+    """The datastore at `out`, every checksum verified: a writer carries nothing damaged
+    into the file it publishes."""
+    from redraft.datastore.reader import Reader
+
+    try:
+        return Reader(out, verify=True)
+    except DatastoreCorrupt as exc:
+        raise DatastoreCorrupt(f"refusing to modify a damaged datastore: {exc}") from exc
+
+
+def _carry_all(w: _StoreWriter, r, deleted: BitMap, gone: BitMap | None = None) -> None:
+    """Copy every shard of `r` into `w`; shards holding documents of `gone` are rewritten
+    without their tokens."""
+    w.deleted = BitMap(deleted)
+    for sm in r.manifest["shards"]:
+        lo, hi = sm["first_doc"], sm["first_doc"] + sm["n_docs"]
+        here = [g for g in gone if lo <= g < hi] if gone else []
+        if here:
+            w.rewrite_shard(r, sm, here)
+        else:
+            w.carry_shard(r, sm)
 
 
 def append_corpus(
@@ -481,13 +534,14 @@ def append_corpus(
     shard_tokens: int | None = None,
     progress: bool = False,
 ) -> dict:
-    """Add documents to an existing datastore as new shards; existing shards are kept as is.
+    """Add documents to an existing datastore as new shards; existing shards are copied
+    as they are (verified first: a damaged datastore is refused).
 
     The tokenizer defaults to the one the datastore was built with and must match its
     fingerprint (TokenizerMismatch otherwise). Returns the new manifest.
     """
     _check_corpus_name(corpus)
-    out, manifest = _existing(path)
+    out, manifest = _manifest_of(path)
     want = manifest["tokenizer"]["fingerprint"]
     if documents is None:
         expand_inputs(inputs or [], exclude)
@@ -498,43 +552,54 @@ def append_corpus(
         raise TokenizerMismatch(
             f"tokenizer fingerprint {fp} does not match the datastore's {want} "
             f"(built with {manifest['tokenizer']['name']})")
-    shard_tokens = shard_tokens or manifest["build"].get("shard_tokens", DEFAULT_SHARD_TOKENS)
     bar = None
+    skipped: list[str] = []
     try:
-        with _locked(out):
-            out, manifest = _existing(out)  # re-read under the lock
+        with _locked(out), _verified(out) as r:  # re-read under the lock
+            manifest = copy.deepcopy(r.manifest)
+            shard_tokens = shard_tokens or manifest["build"].get("shard_tokens",
+                                                                 DEFAULT_SHARD_TOKENS)
             stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
-                                        skip_bad=skip_bad, progress=progress)
+                                        skip_bad=skip_bad, progress=progress, skipped=skipped)
             t0 = time.perf_counter()
 
             def fill(w: _StoreWriter) -> None:
+                _carry_all(w, r, r.deleted)
                 n_docs, n_tok = _write_shards(w, stream, corpus, shard_tokens)
-                manifest["build"]["history"].append(_event("append", corpus, n_docs, n_tok, t0))
+                manifest["build"]["history"].append(
+                    _event("append", corpus, n_docs, n_tok, t0, len(skipped)))
 
-            return _run_writer(out, manifest, fill, str(out / fmt.DATA_FILE), progress)
+            return _run_writer(out, manifest, fill, progress)
     finally:
         if bar is not None:
             bar.close()
 
 
 def delete_documents(path: str | os.PathLike, doc_ids: Iterable[int]) -> dict:
-    """Tombstone documents by global id; every lookup then ignores them. Returns the manifest.
+    """Delete documents by global id: their tokens are removed from the datastore (the
+    shards holding them are re-sorted), so no lookup can see them again; the other
+    documents keep their ids. Returns the manifest.
 
-    Already deleted ids are accepted (deleting is idempotent); ids that never existed are an
-    InvalidQuery.
+    Already deleted ids are accepted (deleting is idempotent: nothing is rewritten when
+    every id was deleted before); ids that never existed are an InvalidQuery.
     """
     ids = sorted({int(i) for i in doc_ids})
-    out, manifest = _existing(path)
-    with _locked(out):
-        out, manifest = _existing(out)
-        total = sum(s["n_docs"] for s in manifest["shards"])
+    if not ids:
+        raise InvalidQuery("no document ids to delete")
+    out = Path(os.path.dirname(fmt.find_file(path)))
+    with _locked(out), _verified(out) as r:
+        manifest = copy.deepcopy(r.manifest)
+        total = r.n_docs_total
         bad = [i for i in ids if not 0 <= i < total]
         if bad:
             raise InvalidQuery(f"document id {bad[0]} out of range [0, {total})")
+        gone = BitMap(ids) - r.deleted
+        if not gone:
+            return manifest
         t0 = time.perf_counter()
+        manifest["build"]["history"].append(_event("delete", None, len(gone), 0, t0))
 
         def fill(w: _StoreWriter) -> None:
-            w.deleted.update(ids)
-            manifest["build"]["history"].append(_event("delete", None, len(ids), 0, t0))
+            _carry_all(w, r, r.deleted | gone, gone)
 
-        return _run_writer(out, manifest, fill, str(out / fmt.DATA_FILE), False)
+        return _run_writer(out, manifest, fill, False)

@@ -14,9 +14,13 @@ import time
 
 from redraft.datastore.errors import InvalidQuery, RedraftError
 
+COMMANDS = ("index", "query", "stats")  # `serve` comes from redraft.datastore.service.cli
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the datastore's subcommands to the `redraft` parser."""
+
+def register(sub: argparse._SubParsersAction, command: str | None = None) -> None:
+    """Add the datastore's subcommands to the `redraft` parser. Given the `command` about
+    to run, `serve` is left out unless it could be that command: its module imports gRPC,
+    a fifth of a second that `stats` or `query` would otherwise pay at every start."""
     p = sub.add_parser("index", help="build a datastore from corpora (or append / delete)",
                        description="Tokenize corpora with the target model's tokenizer and "
                        "index them as suffix arrays in an LMDB datastore. Replaces any "
@@ -34,11 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "then question+answer)")
     p.add_argument("--append", action="store_true", help="add to the existing datastore")
     p.add_argument("--delete", metavar="IDS", default=None,
-                   help="tombstone these comma-separated document ids instead of indexing")
+                   help="delete these comma-separated document ids (their tokens are removed) "
+                   "instead of indexing")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="leave out files matching GLOB (repeatable)")
     p.add_argument("--skip-bad", action="store_true",
-                   help="skip unreadable or non-UTF-8 files with a warning instead of failing")
+                   help="skip unreadable or non-UTF-8 files and malformed .jsonl records with a "
+                   "warning instead of failing")
     p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
                    help="maximum tokens per shard (default: 128 Mi)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -70,6 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip checking the arrays' checksums (which reads the whole file)")
     s.set_defaults(func=cmd_stats)
 
+    if command in COMMANDS:
+        return
     try:
         from redraft.datastore.service import cli as service_cli
     except ModuleNotFoundError as exc:
@@ -80,23 +88,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from redraft.datastore.build import (
-        DEFAULT_SHARD_TOKENS,
-        append_corpus,
-        build_datastore,
-        delete_documents,
-    )
+    from redraft.datastore.build import DEFAULT_SHARD_TOKENS, append_corpus, build_datastore
 
     progress = not args.quiet
     t0 = time.perf_counter()
     if args.delete is not None:
         if args.inputs or args.append:
             raise InvalidQuery("--delete takes no inputs and no --append")
-        ids = _int_list(args.delete, "--delete")
-        m = delete_documents(args.out, ids)
-        print(f"deleted {len(ids)} document(s) from {args.out}: {m['n_docs']:,} documents, "
-              f"{m['n_tokens']:,} tokens live")
-        return 0
+        return _delete(args.out, set(_int_list(args.delete, "--delete")))
     common = dict(tokenizer=args.tokenizer, corpus=args.corpus, field=args.field,
                   exclude=args.exclude, skip_bad=args.skip_bad, progress=progress)
     if args.append:
@@ -107,9 +106,27 @@ def cmd_index(args: argparse.Namespace) -> int:
                             shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, **common)
         verb = "built"
     last = m["build"]["history"][-1]
+    skipped = last.get("skipped", 0)
     print(f"{verb} {args.out}: +{last['n_docs']:,} documents, +{last['n_tokens']:,} tokens "
           f"(corpus {args.corpus}); total {m['n_docs']:,} documents, {m['n_tokens']:,} tokens "
-          f"in {m['n_shards']} shard(s), {time.perf_counter() - t0:.1f} s")
+          f"in {m['n_shards']} shard(s), {time.perf_counter() - t0:.1f} s"
+          + (f"; skipped {skipped:,} bad file(s) or record(s)" if skipped else ""))
+    return 0
+
+
+def _delete(out: str, ids: set[int]) -> int:
+    from redraft.datastore.build import delete_documents
+    from redraft.datastore.reader import Reader
+
+    if not ids:
+        raise InvalidQuery("--delete: no document ids given")
+    with Reader(out) as r:
+        before = len(r.deleted)
+    m = delete_documents(out, ids)
+    new = m["n_deleted"] - before
+    already = f" ({len(ids) - new} already deleted)" if len(ids) > new else ""
+    print(f"deleted {new} document(s){already} from {out}: {m['n_docs']:,} documents, "
+          f"{m['n_tokens']:,} tokens live")
     return 0
 
 
@@ -137,13 +154,19 @@ def _tokenizer_for(reader, name: str | None, required: bool):
 def cmd_query(args: argparse.Namespace) -> int:
     from redraft.datastore.reader import Reader
 
+    if args.text is not None:
+        what, context, empty = "--text", None, not args.text
+    else:
+        context = _int_list(args.tokens, "--tokens")
+        what, empty = "--tokens", not context
+    if empty:
+        raise InvalidQuery(f"{what}: empty context")
     with Reader(args.datastore, verify=True) as r:
-        if args.text is not None:
+        tok = None
+        if context is None:
             tok = _tokenizer_for(r, args.tokenizer, required=True)
             context = tok(args.text, add_special_tokens=False)["input_ids"]
-        else:
-            context = _int_list(args.tokens, "--tokens")
-            tok = None
+        r.check_ids(context, what)  # every id, not only the tail a lookup reads
         d = r.propose(context, budget=args.budget, max_depth=args.max_depth,
                       max_match_len=args.max_match_len, min_match_len=args.min_match_len,
                       max_occurrences=args.max_occurrences, corpora=args.corpus)

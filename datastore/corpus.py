@@ -131,20 +131,38 @@ def record_text(rec: object, field: str | None) -> str | None:
     return None
 
 
-def _jsonl_docs(path: Path, field: str | None) -> Iterator[Document]:
+def _record(path: Path, lineno: int, line: str, field: str | None) -> str:
+    """The text of one .jsonl record, or CorpusError naming path:line."""
+    try:
+        rec = json.loads(line)
+    except ValueError as exc:
+        raise CorpusError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise CorpusError(f"{path}:{lineno}: JSON nested too deeply") from exc
+    doc = record_text(rec, field)
+    if doc is None:
+        what = (f"field {field!r}" if field
+                else "'text', 'messages', 'turns' or 'question'+'answer'")
+        raise CorpusError(f"{path}:{lineno}: record has no {what}")
+    return doc
+
+
+def _jsonl_docs(path: Path, field: str | None,
+                on_bad: Callable[[CorpusError], None] | None) -> Iterator[Document]:
+    """One document per record. Records end at "\n" only: JSON text may hold U+2028 and
+    other characters that str.splitlines() would also split on. A bad record raises, or,
+    given `on_bad`, is reported there and skipped alone."""
     text = read_text(path)
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-        except ValueError as exc:
-            raise CorpusError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-        doc = record_text(rec, field)
-        if doc is None:
-            what = (f"field {field!r}" if field
-                    else "'text', 'messages', 'turns' or 'question'+'answer'")
-            raise CorpusError(f"{path}:{lineno}: record has no {what}")
+            doc = _record(path, lineno, line, field)
+        except CorpusError as exc:
+            if on_bad is None:
+                raise
+            on_bad(exc)
+            continue
         if doc:
             yield Document(f"{path}:{lineno}", doc)
 
@@ -160,12 +178,18 @@ def iter_documents(
     """Yield the documents of the inputs in order; empty documents are left out.
 
     `field=None` means the default (`text`, with chat and question/answer fallbacks).
-    With `skip_bad`, unreadable / non-UTF-8 files are reported to `on_skip` and skipped.
+    With `skip_bad`, unreadable / non-UTF-8 files and malformed .jsonl records are reported
+    to `on_skip` (one call each) and skipped.
     """
+
+    def skip(exc: CorpusError) -> None:
+        if on_skip is not None:
+            on_skip(str(exc))
+
     for path in expand_inputs(inputs, exclude):
         try:
             if path.suffix.lower() == ".jsonl":
-                yield from _jsonl_docs(path, field)
+                yield from _jsonl_docs(path, field, skip if skip_bad else None)
             else:
                 text = read_text(path)
                 if text:
@@ -173,5 +197,4 @@ def iter_documents(
         except CorpusError as exc:
             if not skip_bad:
                 raise
-            if on_skip is not None:
-                on_skip(str(exc))
+            skip(exc)

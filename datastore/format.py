@@ -13,25 +13,31 @@ lock file: it is never modified in place, see build.py). Keys:
     shard/NNNNNN/bucket        SA start of each first token (vocab_size + 2 entries), <u4
     shard/NNNNNN/names         zlib-compressed, newline-separated document names
     corpus/<name>              pyroaring bitmap: global doc ids of a named corpus
-    deleted                    pyroaring bitmap: tombstoned global doc ids
+    deleted                    pyroaring bitmap: deleted global doc ids (their tokens are gone)
 
 Tokens are stored big-endian so that comparing raw bytes orders suffixes exactly as tokens
 order them: a binary search compares slices of the mmap with one memcmp each.
+
+Version 2 added the crc32 of every shard's `names` and removes deleted documents' tokens
+from their shard (version 1 only tombstoned them). Version 1 files without deleted
+documents are still read (their names are checked by zlib's own checksum) and any write
+upgrades them to version 2.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
-import threading
 import time
 import zlib
 
-import lmdb
 from redraft.datastore.errors import DatastoreCorrupt, DatastoreNotFound
+from redraft.datastore.lmdbfile import LmdbFile
 
 MAGIC = b"redraft-datastore\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 DATA_FILE = "datastore.lmdb"
 WRITE_LOCK = ".write.lock"
 TMP_PREFIX = ".datastore.lmdb.tmp-"
@@ -41,25 +47,11 @@ KEY_MANIFEST = b"manifest"
 KEY_MANIFEST_CRC = b"manifest.crc32"
 KEY_DELETED = b"deleted"
 SHARD_ARRAYS = ("tokens", "sa", "docs", "bucket")
+SHARD_KEYS = (*SHARD_ARRAYS, "names")
 
 # Largest token array one shard may hold: suffix-array offsets are uint32 and an LMDB value
 # (the SA, 4 bytes per token) must stay under 4 GiB.
 MAX_SHARD_LEN = (1 << 30) - 1
-
-
-# LMDB stores a large value in "overflow" pages: a 16-byte page header (page number u64,
-# pad u16, flags u16, page count u32) followed by the value's bytes, contiguous in the file.
-PAGE_HEADER = 16
-P_OVERFLOW = 0x04
-
-
-def overflow_header_ok(header: bytes, offset: int, size: int, psize: int) -> bool:
-    """Whether `header` is the LMDB overflow-page header of a `size`-byte value at `offset`."""
-    if len(header) != PAGE_HEADER or offset < PAGE_HEADER:
-        return False
-    pgno, _, flags, pages = struct.unpack("<QHHI", header)
-    return (bool(flags & P_OVERFLOW) and pgno * psize == offset - PAGE_HEADER
-            and pages * psize >= size + PAGE_HEADER)
 
 
 def shard_key(shard: int, what: str) -> bytes:
@@ -116,102 +108,40 @@ def new_manifest(*, tokenizer_name: str, fingerprint: str, vocab_size: int,
 
 
 def encode_manifest(manifest: dict) -> tuple[bytes, bytes]:
-    import json
-
     raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return raw, struct.pack("<I", crc32(raw))
 
 
-def write_header(txn: lmdb.Transaction, manifest: dict) -> None:
+def write_header(txn, manifest: dict) -> None:
     raw, crc = encode_manifest(manifest)
     txn.put(KEY_MAGIC, MAGIC)
     txn.put(KEY_MANIFEST, raw)
     txn.put(KEY_MANIFEST_CRC, crc)
 
 
-def open_env(file: str, *, write: bool = False, map_size: int | None = None) -> lmdb.Environment:
-    """Open the single-file environment. Readers never lock: the file is immutable."""
-    if write:
-        return lmdb.open(file, subdir=False, lock=False, map_size=map_size or (1 << 30),
-                         sync=False, metasync=False, max_dbs=0, readahead=False)
-    size = os.path.getsize(file)
-    return lmdb.open(file, subdir=False, lock=False, readonly=True,
-                     map_size=max(size, 1 << 20), max_dbs=0, readahead=False)
+def open_writer(file: str, map_size: int):
+    """A new single-file environment to write (only ever on a file no reader sees yet)."""
+    import lmdb
+
+    return lmdb.open(os.fsencode(file), subdir=False, lock=False, map_size=map_size,
+                     sync=False, metasync=False, max_dbs=0, readahead=False)
 
 
-# LMDB refuses to open one file twice in a process, yet several Readers (a service and a
-# writer checking the manifest, say) may want the same file: they share one environment,
-# each with its own read transaction. Keyed by pid too: an environment never crosses fork().
-_ENVS: dict[tuple, list] = {}
-_ENVS_LOCK = threading.Lock()
-
-
-def _file_id(file: str) -> tuple:
-    st = os.stat(file)
-    return (os.getpid(), st.st_dev, st.st_ino)
-
-
-def acquire_env(file: str) -> tuple[tuple, lmdb.Environment]:
-    """A shared read-only environment of `file` and the key to release it with."""
-    with _ENVS_LOCK:
-        for _ in range(3):
-            key = _file_id(file)
-            if key in _ENVS:
-                _ENVS[key][1] += 1
-                return key, _ENVS[key][0]
-            env = open_env(file)
-            if _file_id(file) == key:  # not replaced while we opened it
-                _ENVS[key] = [env, 1]
-                return key, env
-            env.close()
-        raise lmdb.Error(f"{file} keeps being replaced")
-
-
-def release_env(key: tuple) -> None:
-    with _ENVS_LOCK:
-        entry = _ENVS.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _ENVS[key]
-            entry[0].close()
-
-
-def open_checked(path: str | os.PathLike) -> tuple[str, tuple, lmdb.Environment]:
-    """Open a datastore file and check what O(1) allows: file, LMDB header, size."""
+def find_file(path: str | os.PathLike) -> str:
+    """The datastore file at `path` (a directory or the file itself), or DatastoreNotFound."""
     p = os.fspath(path)
     if not os.path.exists(p):
         raise DatastoreNotFound(f"{p}: no such datastore")
     file = data_path(p)
     if not os.path.isfile(file):
         raise DatastoreNotFound(f"{p}: no datastore here (missing {DATA_FILE})")
-    try:
-        key, env = acquire_env(file)
-    except (lmdb.Error, OSError) as exc:
-        raise DatastoreCorrupt(f"{file}: not a readable datastore file ({exc})") from exc
-    try:
-        # A truncated file would fault (SIGBUS) on first touch of a missing page: refuse it.
-        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        size = os.path.getsize(file)
-        if size < need:
-            raise DatastoreCorrupt(f"{file}: truncated ({size} bytes, the index needs {need})")
-    except BaseException:
-        release_env(key)
-        raise
-    return file, key, env
+    return file
 
 
-def read_manifest(txn: lmdb.Transaction, file: str) -> dict:
+def read_manifest(lm: LmdbFile) -> dict:
     """Check magic, version and manifest checksum; return the manifest."""
-    import json
-
-    try:
-        magic = txn.get(KEY_MAGIC)
-        raw = txn.get(KEY_MANIFEST)
-        crc = txn.get(KEY_MANIFEST_CRC)
-    except lmdb.Error as exc:
-        raise DatastoreCorrupt(f"{file}: damaged index ({exc})") from exc
+    file = lm.file
+    magic, raw, crc = lm.get(KEY_MAGIC), lm.get(KEY_MANIFEST), lm.get(KEY_MANIFEST_CRC)
     if magic is None or bytes(magic) != MAGIC:
         raise DatastoreCorrupt(f"{file}: wrong magic, not a redraft datastore")
     if raw is None or crc is None:
@@ -221,10 +151,12 @@ def read_manifest(txn: lmdb.Transaction, file: str) -> dict:
         raise DatastoreCorrupt(f"{file}: manifest checksum mismatch")
     try:
         manifest = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise DatastoreCorrupt(f"{file}: manifest is not valid JSON") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != "redraft-datastore":
+        raise DatastoreCorrupt(f"{file}: the manifest is not a redraft datastore's")
     version = manifest.get("version")
-    if manifest.get("format") != "redraft-datastore" or version != FORMAT_VERSION:
-        raise DatastoreCorrupt(
-            f"{file}: format version {version!r}, this redraft reads {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise DatastoreCorrupt(f"{file}: format version {version!r}, this redraft reads "
+                               f"{' and '.join(map(str, READABLE_VERSIONS))}")
     return manifest

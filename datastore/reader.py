@@ -1,27 +1,29 @@
 """Reading a datastore: exact suffix-array lookups and candidate trees, zero-copy.
 
-Opening maps the LMDB file and keeps one read transaction for the Reader's lifetime; every
-array is a numpy view into the map (nothing is copied into RAM, open time does not depend
-on size). After opening no call mutates shared state, so one Reader serves many threads.
+Opening maps the file and reads the manifest and the arrays' locations through lmdbfile,
+whose parser checks every page number and length against the file (LMDB itself would
+follow a damaged pointer out of the map). Every array is a numpy view into that map:
+nothing is copied into RAM, and open time does not depend on size. After opening no call
+mutates shared state, so one Reader serves many threads.
 
 Lookups binary-search the suffix array with `bisect` over the raw big-endian token bytes:
 each comparison is one memcmp of a slice of the map, and a per-shard table of first-token
 buckets narrows the search before it starts. The longest matching suffix of a context is
 found by an exponential then binary search over the suffix length (if a suffix occurs,
 every shorter one does): a 16-token context costs at most 7 probes instead of 15, and about 3
-when matches are short (2-4 tokens, the common case on code).
+when matches are short (2-4 tokens, the common case on code). Deleted documents need no
+filtering here: deleting one removes its tokens from its shard (see build.py).
 """
 
 from __future__ import annotations
 
-import mmap
+import functools
 import os
 import sys
 import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 
-import lmdb
 import numpy as np
 from pyroaring import BitMap
 from redraft.datastore import format as fmt
@@ -32,29 +34,25 @@ from redraft.datastore.errors import (
     InvalidQuery,
     TokenizerMismatch,
 )
+from redraft.datastore.lmdbfile import LmdbFile
 
 _LITTLE = sys.byteorder == "little"
 _MASS = 1 << 40  # total integer weight of a tree's samples: exact sums, no float ties
-_CHECK_SAMPLE = 4096  # occurrences inspected first when tombstones must be filtered
-_FILTER_CAP = 65536  # most occurrences materialised per shard when filtering tombstones
 
 
 class _Shard:
     """Views of one shard's arrays and the search primitives over them."""
 
     __slots__ = ("id", "corpus", "first_doc", "n_docs", "length", "width", "tokens",
-                 "tok_bytes", "src", "base", "sa", "sa_mv", "docs", "bucket", "bucket_mv",
-                 "deleted")
+                 "src", "base", "sa", "sa_mv", "docs", "bucket", "bucket_mv")
 
-    def __init__(self, meta: dict, arrays: dict, dtype: np.dtype,
-                 deleted: np.ndarray | None, mapped: tuple | None = None) -> None:
+    def __init__(self, meta: dict, arrays: dict, dtype: np.dtype, src, base: int) -> None:
         self.id = meta["id"]
         self.corpus = meta["corpus"]
         self.first_doc = meta["first_doc"]
         self.n_docs = meta["n_docs"]
         self.length = meta["length"]
         self.width = dtype.itemsize
-        self.tok_bytes = arrays["tokens"]
         self.tokens = np.frombuffer(arrays["tokens"], dtype=dtype.newbyteorder(">"))
         self.sa = np.frombuffer(arrays["sa"], dtype="<u4")
         self.docs = np.frombuffer(arrays["docs"], dtype="<u4")
@@ -62,25 +60,16 @@ class _Shard:
         # memoryview indexing returns plain ints fast; numpy scalars are slower for bisect.
         self.sa_mv = arrays["sa"].cast("I") if _LITTLE else self.sa.tolist()
         self.bucket_mv = arrays["bucket"].cast("I") if _LITTLE else self.bucket.tolist()
-        self.deleted = deleted  # bool per local doc, None when nothing here is deleted
-        # Slicing an mmap yields bytes in one step (a memoryview needs a second, .tobytes()).
-        self.src, self.base = mapped if mapped is not None else (None, 0)
+        # Slicing the mmap yields bytes in one step (a memoryview needs a second, .tobytes()).
+        self.src, self.base = src, base
 
     def _key(self, nb: int):
         """p -> the nb bytes of the suffix at token position p (what bisect compares)."""
-        w, base = self.width, self.base
-        if self.src is not None:
-            src = self.src
+        w, base, src = self.width, self.base, self.src
 
-            def k(p: int) -> bytes:
-                s = base + p * w
-                return src[s:s + nb]
-        else:
-            tb = self.tok_bytes
-
-            def k(p: int) -> bytes:
-                s = p * w
-                return tb[s:s + nb].tobytes()
+        def k(p: int) -> bytes:
+            s = base + p * w
+            return src[s:s + nb]
         return k
 
     def lower(self, key: bytes, t0: int) -> tuple[int, int, bool]:
@@ -97,27 +86,19 @@ class _Shard:
         """First SA index in [lo, hi) whose suffix is past every suffix starting with key."""
         return bisect_right(self.sa_mv, key, lo, hi, key=self._key(len(key)))
 
-    def allowed(self, positions: np.ndarray) -> np.ndarray:
-        """Mask of positions that lie in documents not deleted."""
-        local = np.searchsorted(self.docs, positions, side="right") - 1
-        return ~self.deleted[local]
 
-    def any_allowed(self, i: int, j: int) -> bool:
-        if self.deleted is None:
-            return j > i
-        n = j - i
-        if n > _CHECK_SAMPLE:
-            idx = i + (np.arange(_CHECK_SAMPLE, dtype=np.int64) * n) // _CHECK_SAMPLE
-            if self.allowed(self.sa[idx]).any():
-                return True
-        return bool(self.allowed(self.sa[i:j]).any())
+def _guarded(verb):
+    """Damaged arrays in a Reader opened without verify() surface as DatastoreCorrupt: an
+    index past an array's end is the one way they can show (every slice is bounded)."""
 
-    def positions(self, i: int, j: int) -> np.ndarray:
-        """All allowed match positions of SA range [i, j)."""
-        pos = self.sa[i:j].astype(np.int64)
-        if self.deleted is not None and len(pos):
-            pos = pos[self.allowed(pos)]
-        return pos
+    @functools.wraps(verb)
+    def run(self, *args, **kwargs):
+        try:
+            return verb(self, *args, **kwargs)
+        except IndexError as exc:
+            raise DatastoreCorrupt(f"{self.file}: damaged arrays ({exc}); verify it with "
+                                   f"`redraft stats`") from exc
+    return run
 
 
 class Reader:
@@ -125,98 +106,78 @@ class Reader:
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
         self.path = os.fspath(path)
-        self.file, self._env_key, self._env = fmt.open_checked(path)
+        self.file = fmt.find_file(path)
+        self._closed = True
+        try:
+            self._lm = LmdbFile(self.file)
+        except OSError as exc:
+            raise DatastoreError(f"{self.file}: cannot read ({exc.strerror or exc})") from exc
         self._closed = False
         try:
-            self._txn = self._env.begin(buffers=True)
-            self.manifest = fmt.read_manifest(self._txn, self.file)
+            self.manifest = fmt.read_manifest(self._lm)
             self._load()
             if verify:
                 self.verify()
-        except lmdb.Error as exc:
-            self.close()
-            raise DatastoreCorrupt(f"{self.file}: damaged index ({exc})") from exc
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             self.close()  # a manifest whose checksum holds but whose fields do not fit
             raise DatastoreCorrupt(f"{self.file}: inconsistent manifest ({exc!r})") from exc
         except BaseException:
             self.close()
             raise
 
-    def _get(self, key: bytes, size: int | None = None):
-        buf = self._txn.get(key)
-        if buf is None:
+    def _where(self, key: bytes, size: int | None = None) -> tuple[int, int]:
+        """(offset, length) of a value in the map; DatastoreCorrupt if missing or mis-sized."""
+        where = self._lm.locate(key)
+        if where is None:
             raise DatastoreCorrupt(f"{self.file}: missing {key.decode()}")
-        if size is not None and len(buf) != size:
+        if size is not None and where[1] != size:
             raise DatastoreCorrupt(
-                f"{self.file}: {key.decode()} has {len(buf)} bytes, the manifest says {size}")
-        return buf
+                f"{self.file}: {key.decode()} has {where[1]} bytes, the manifest says {size}")
+        return where
 
-    def _map_file(self) -> None:
-        """Our own read-only map of the same file the environment has open."""
-        fd = os.open(self.file, os.O_RDONLY)
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._env_key[1:]:
-                raise DatastoreError(f"{self.file}: replaced while opening; open it again")
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if st.st_size else None
-            self._mv = memoryview(self._mm) if self._mm is not None else memoryview(b"")
-        finally:
-            os.close(fd)
+    def _value(self, key: bytes, size: int | None = None) -> memoryview:
+        off, n = self._where(key, size)
+        return self._lm.view[off:off + n]
 
-    def _array(self, shard: dict, what: str, size: int):
-        """A zero-copy view of one shard array: mapped at its recorded offset when it lives
-        in LMDB overflow pages (checked against the page header), else read through LMDB."""
-        key = fmt.shard_key(shard["id"], what)
-        off = (shard.get("offsets") or {}).get(what)
-        if off is None:
-            return self._get(key, size)
-        with self._txn.cursor() as cur:  # positioning does not touch the value's pages
-            if not cur.set_key(key):
-                raise DatastoreCorrupt(f"{self.file}: missing {key.decode()}")
-        off = int(off)
-        head = self._mv[off - fmt.PAGE_HEADER:off].tobytes() if off >= fmt.PAGE_HEADER else b""
-        if off + size > len(self._mv) or not fmt.overflow_header_ok(head, off, size,
-                                                                     self._psize):
-            raise DatastoreCorrupt(f"{self.file}: {key.decode()} is not where the manifest says")
-        return self._mv[off:off + size]
+    def _sizes(self, sm: dict) -> dict[str, int]:
+        n = sm["length"]
+        return {"tokens": n * self._dtype.itemsize, "sa": n * 4,
+                "docs": (sm["n_docs"] + 1) * 4, "bucket": (self.vocab_size + 2) * 4}
 
     def _load(self) -> None:
         m = self.manifest
-        try:
-            tok = m["tokenizer"]
-            self.vocab_size = int(tok["vocab_size"])
-            self.tokenizer_fingerprint = str(tok["fingerprint"])
-            self.tokenizer_name = str(tok["name"])
-            self.separator = int(m["separator"])
-            dtype = np.dtype(m["token_dtype"])
-            shards = m["shards"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DatastoreCorrupt(f"{self.file}: manifest lacks {exc}") from exc
-        self._dtype = dtype
-        self._be = dtype.newbyteorder(">")
-        self._psize = self._env.stat()["psize"]
-        self._map_file()
-        self.deleted = BitMap.deserialize(bytes(self._get(fmt.KEY_DELETED)))
-        gone = np.asarray(self.deleted.to_array(), dtype=np.int64)
+        tok = m["tokenizer"]
+        self.vocab_size = int(tok["vocab_size"])
+        self.tokenizer_fingerprint = str(tok["fingerprint"])
+        self.tokenizer_name = str(tok["name"])
+        self.separator = int(m["separator"])
+        self.version = int(m["version"])
+        if m["token_dtype"] != fmt.token_dtype(self.vocab_size) or \
+                self.separator != self.vocab_size:
+            raise ValueError("token_dtype or separator does not fit the vocabulary")
+        self._dtype = np.dtype(m["token_dtype"])
+        self._be = self._dtype.newbyteorder(">")
+        # Bitmaps are deserialized by C code: only ever hand it bytes whose checksum holds.
+        self.deleted = BitMap.deserialize(bytes(self._checked(
+            fmt.KEY_DELETED, m["checksums"]["deleted"], "deleted")))
+        if self.version < 2 and len(self.deleted):
+            raise DatastoreCorrupt(
+                f"{self.file}: format version 1 with deleted documents still inside (their "
+                f"tokens were only hidden); rebuild it with this redraft")
         self._shards: list[_Shard] = []
         self._by_corpus: dict[str, list[_Shard]] = {}
-        for sm in shards:
-            for field in ("id", "length", "n_docs", "first_doc"):
+        next_doc = 0
+        for n, sm in enumerate(m["shards"]):
+            for field in ("id", "length", "n_docs", "first_doc", "n_tokens"):
                 sm[field] = int(sm[field])
-            n = sm["length"]
-            sizes = {"tokens": n * dtype.itemsize, "sa": n * 4, "docs": (sm["n_docs"] + 1) * 4,
-                     "bucket": (self.vocab_size + 2) * 4}
-            arrays = {w: self._array(sm, w, sizes[w]) for w in fmt.SHARD_ARRAYS}
-            lo = sm["first_doc"]
-            mine = gone[(gone >= lo) & (gone < lo + sm["n_docs"])]
-            mask = None
-            if len(mine):
-                mask = np.zeros(sm["n_docs"], dtype=bool)
-                mask[mine - lo] = True
-            off = (sm.get("offsets") or {}).get("tokens")
-            mapped = (self._mm, int(off)) if off is not None and self._mm is not None else None
-            sh = _Shard(sm, arrays, dtype, mask, mapped)
+            if sm["id"] != n or sm["first_doc"] != next_doc or sm["length"] < 0 \
+                    or sm["n_docs"] < 0:
+                raise ValueError(f"shard {n}: ids or document ranges out of sequence")
+            next_doc += sm["n_docs"]
+            sizes = self._sizes(sm)
+            where = {w: self._where(fmt.shard_key(n, w), sizes[w]) for w in fmt.SHARD_ARRAYS}
+            arrays = {w: self._lm.view[o:o + k] for w, (o, k) in where.items()}
+            sh = _Shard(sm, arrays, self._dtype, self._lm.mm, where["tokens"][0])
             self._shards.append(sh)
             self._by_corpus.setdefault(sh.corpus, []).append(sh)
 
@@ -247,19 +208,7 @@ class Reader:
         self._closed = True
         self._shards = []
         self._by_corpus = {}
-        txn = getattr(self, "_txn", None)
-        if txn is not None:
-            txn.abort()
-        mv, mm = getattr(self, "_mv", None), getattr(self, "_mm", None)
-        self._mv = self._mm = None
-        try:
-            if mv is not None:
-                mv.release()
-            if mm is not None:
-                mm.close()
-        except BufferError:
-            pass  # a view still exported somewhere: the map goes when that view does
-        fmt.release_env(self._env_key)
+        self._lm.close()
 
     def __enter__(self) -> Reader:
         return self
@@ -271,19 +220,50 @@ class Reader:
         return f"Reader({self.path!r}, n_tokens={self.manifest.get('n_tokens')})"
 
     def verify(self) -> None:
-        """Check every array and bitmap against the manifest's crc32 (reads the whole file)."""
-        w = self._dtype.itemsize
+        """Check the LMDB structure and every array, name list and bitmap against the
+        manifest's crc32 (reads the whole file)."""
+        self._lm.check()
         for sm in self.manifest["shards"]:
-            n = sm["length"]
-            sizes = {"tokens": n * w, "sa": n * 4, "docs": (sm["n_docs"] + 1) * 4,
-                     "bucket": (self.vocab_size + 2) * 4}
-            for what, want in sm["crc32"].items():
-                if fmt.crc32(self._array(sm, what, sizes[what])) != want:
+            sizes = self._sizes(sm)
+            for what in fmt.SHARD_ARRAYS:
+                buf = self._value(fmt.shard_key(sm["id"], what), sizes[what])
+                if fmt.crc32(buf) != sm["crc32"][what]:
                     raise DatastoreCorrupt(
                         f"{self.file}: checksum mismatch in shard {sm['id']} {what}")
-        for key, want in self.manifest.get("checksums", {}).items():
-            if fmt.crc32(self._get(key.encode())) != want:
-                raise DatastoreCorrupt(f"{self.file}: checksum mismatch in {key}")
+            self.shard_names(sm["id"])
+        for key, want in self.manifest["checksums"].items():
+            self._checked(key.encode(), want, key)
+
+    def _checked(self, key: bytes, want: int | None, what: str) -> memoryview:
+        """A value whose crc32 must be `want` (None: no checksum recorded)."""
+        buf = self._value(key)
+        if want is not None and fmt.crc32(buf) != want:
+            raise DatastoreCorrupt(f"{self.file}: checksum mismatch in {what}")
+        return buf
+
+    def shard_raw(self, shard: int, what: str) -> memoryview:
+        """One stored value of a shard as it is on disk (for writers that carry it over)."""
+        return self._value(fmt.shard_key(shard, what))
+
+    def shard_documents(self, shard: int) -> list[np.ndarray]:
+        """The token ids of every document of one shard (views of the map)."""
+        sh = self._shards[shard]
+        starts = sh.docs.astype(np.int64)
+        return [sh.tokens[a:b - 1] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+
+    def shard_names(self, shard: int) -> list[str]:
+        """Document names of one shard, checked: crc32 (version 2), zlib's adler32, count."""
+        sm = self.manifest["shards"][shard]
+        want = sm["crc32"]["names"] if self.version >= 2 else None
+        raw = self._checked(fmt.shard_key(shard, "names"), want, f"shard {shard} names")
+        try:
+            names = zlib.decompress(raw).decode("utf-8", "surrogateescape").split("\n")
+        except zlib.error as exc:
+            raise DatastoreCorrupt(f"{self.file}: shard {shard} names are damaged") from exc
+        if len(names) != sm["n_docs"]:
+            raise DatastoreCorrupt(f"{self.file}: shard {shard} has {len(names)} names for "
+                                   f"{sm['n_docs']} documents")
+        return names
 
     def check_tokenizer(self, fingerprint) -> None:
         """Raise TokenizerMismatch unless `fingerprint` (or a tokenizer's) is the datastore's."""
@@ -318,20 +298,30 @@ class Reader:
         """Validate token ids: integers in [0, vocab_size)."""
         try:
             arr = np.asarray(tokens)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise InvalidQuery(f"{what}: not a sequence of token ids") from exc
         if arr.ndim != 1:
             raise InvalidQuery(f"{what}: expected a flat sequence of token ids")
         if arr.size == 0:
             return arr.astype(np.int64)
+        if arr.dtype == object:  # ints too wide for int64 or uint64, or not ints at all
+            vals = arr.tolist()
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in vals):
+                bad = next(t for t in vals if not 0 <= t < self.vocab_size)
+                raise InvalidQuery(self._out_of_range(what, bad))
         if arr.dtype.kind not in "iu":
             raise InvalidQuery(f"{what}: token ids must be integers")
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InvalidQuery(
-                f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidQuery(self._out_of_range(what, lo if lo < 0 else hi))
         return arr.astype(np.int64, copy=False)
+
+    def _out_of_range(self, what: str, bad: int) -> str:
+        return f"{what}: token id {bad} is out of range (the vocabulary is [0, {self.vocab_size}))"
+
+    def check_ids(self, tokens: Sequence[int], what: str = "tokens") -> None:
+        """InvalidQuery unless every id is an integer in [0, vocab_size)."""
+        self._ids(tokens, what)
 
     def _pattern(self, tokens) -> tuple[np.ndarray, bytes]:
         arr = self._ids(tokens)
@@ -348,21 +338,20 @@ class Reader:
         return out
 
     # ---- verbs --------------------------------------------------------------------------
+    @_guarded
     def count(self, tokens: Sequence[int], corpora=None) -> int:
-        """Occurrences of `tokens` in live documents of the selected corpora."""
+        """Occurrences of `tokens` in the documents of the selected corpora."""
         arr, key = self._pattern(tokens)
-        total = 0
-        for sh, i, j in self._ranges(key, int(arr[0]), self._select(corpora)):
-            total += (j - i) if sh.deleted is None else len(sh.positions(i, j))
-        return total
+        return sum(j - i for _, i, j in self._ranges(key, int(arr[0]), self._select(corpora)))
 
+    @_guarded
     def find(self, tokens: Sequence[int], limit: int = 100,
              corpora=None) -> list[tuple[int, int]]:
         """Up to `limit` occurrences as (doc_id, offset_in_doc), in document order."""
         arr, key = self._pattern(tokens)
         docs, offs = [], []
         for sh, i, j in self._ranges(key, int(arr[0]), self._select(corpora)):
-            pos = sh.positions(i, j)
+            pos = sh.sa[i:j].astype(np.int64)
             local = np.searchsorted(sh.docs, pos, side="right") - 1
             docs.append(local + sh.first_doc)
             offs.append(pos - sh.docs[local].astype(np.int64))
@@ -372,24 +361,25 @@ class Reader:
         order = np.lexsort((o, d))[:max(0, int(limit))]
         return list(zip(d[order].tolist(), o[order].tolist()))
 
+    @_guarded
     def next_token_counts(self, tokens: Sequence[int], corpora=None) -> dict[int, int]:
         """How often each token follows `tokens` (document ends are not counted)."""
         arr, key = self._pattern(tokens)
         n = len(arr)
         acc: dict[int, int] = {}
         for sh, i, j in self._ranges(key, int(arr[0]), self._select(corpora)):
-            nxt = sh.tokens[sh.positions(i, j) + n].astype(np.int64)
+            after = np.minimum(sh.sa[i:j].astype(np.int64) + n, sh.length - 1)
+            nxt = sh.tokens[after].astype(np.int64)
             vals, cnt = np.unique(nxt[nxt != self.separator], return_counts=True)
             for v, c in zip(vals.tolist(), cnt.tolist()):
                 acc[v] = acc.get(v, 0) + c
         return acc
 
     def doc_name(self, doc_id: int) -> str:
-        """The source (file or file:line) a document came from."""
+        """The source (file or file:line) a document came from (deleted ones included)."""
         for sh in self._shards:
             if sh.first_doc <= doc_id < sh.first_doc + sh.n_docs:
-                raw = zlib.decompress(bytes(self._get(fmt.shard_key(sh.id, "names"))))
-                return raw.decode().split("\n")[doc_id - sh.first_doc]
+                return self.shard_names(sh.id)[doc_id - sh.first_doc]
         raise InvalidQuery(f"document id {doc_id} out of range [0, {self.n_docs_total})")
 
     def documents(self, corpus: str, newest_first: bool = False
@@ -398,18 +388,17 @@ class Reader:
         newest first (e.g. to reload only the most recent ones)."""
         shards = self._select([corpus])
         for sh in reversed(shards) if newest_first else shards:
-            raw = zlib.decompress(bytes(self._get(fmt.shard_key(sh.id, "names"))))
-            names = raw.decode().split("\n")
+            names = self.shard_names(sh.id)
             local = range(sh.n_docs - 1, -1, -1) if newest_first else range(sh.n_docs)
             for i in local:
-                if sh.deleted is not None and sh.deleted[i]:
+                if sh.first_doc + i in self.deleted:
                     continue
                 start, end = int(sh.docs[i]), int(sh.docs[i + 1]) - 1  # minus the separator
                 yield sh.first_doc + i, names[i], sh.tokens[start:end].tolist()
 
     def _longest(self, arr: np.ndarray, key: bytes, shards: list[_Shard], min_len: int
                  ) -> tuple[int, list[tuple[_Shard, int, int]]]:
-        """Longest suffix of `arr` (>= min_len) occurring in live documents, with its ranges."""
+        """Longest suffix of `arr` (>= min_len) occurring in the shards, with its ranges."""
         n, w = len(arr), self._dtype.itemsize
         lo, hi = min_len - 1, n
         best: list = []
@@ -421,14 +410,8 @@ class Reader:
             hits = []
             for sh in shards:
                 i, bhi, found = sh.lower(k, t0)
-                if not found:
-                    continue
-                if sh.deleted is None:
-                    hits.append((sh, i, bhi, -1))
-                else:
-                    j = sh.upper(k, i, bhi)
-                    if sh.any_allowed(i, j):
-                        hits.append((sh, i, bhi, j))
+                if found:
+                    hits.append((sh, i, bhi))
             if hits:
                 lo, best = mid, hits
                 step *= 2
@@ -438,8 +421,9 @@ class Reader:
         if lo < max(min_len, 1):
             return 0, []
         k = key[(n - lo) * w:]
-        return lo, [(sh, i, j if j >= 0 else sh.upper(k, i, bhi)) for sh, i, bhi, j in best]
+        return lo, [(sh, i, sh.upper(k, i, bhi)) for sh, i, bhi in best]
 
+    @_guarded
     def longest_match(self, context: Sequence[int], max_len: int = 16, min_len: int = 1,
                       corpora=None) -> int:
         """Length of the longest suffix of `context` (at most max_len) found; 0 if < min_len."""
@@ -451,6 +435,7 @@ class Reader:
         return self._longest(arr, arr.astype(self._be).tobytes(), self._select(corpora),
                              min_len)[0]
 
+    @_guarded
     def propose(
         self,
         context: Sequence[int],
@@ -505,19 +490,7 @@ class Reader:
     # ---- tree construction --------------------------------------------------------------
     def _sample(self, L: int, ranges, k_max: int, depth: int) -> np.ndarray | None:
         """Next `depth` tokens after up to k_max occurrences spread evenly over the ranges."""
-        segs = []  # (shard, count, sa start or None, materialised positions or None)
-        for sh, i, j in ranges:
-            if sh.deleted is None:
-                segs.append((sh, j - i, i, None))
-            else:
-                if j - i > _FILTER_CAP:
-                    idx = i + (np.arange(_FILTER_CAP, dtype=np.int64) * (j - i)) // _FILTER_CAP
-                    pos = sh.sa[idx].astype(np.int64)
-                    pos = pos[sh.allowed(pos)]
-                else:
-                    pos = sh.positions(i, j)
-                if len(pos):
-                    segs.append((sh, len(pos), None, pos))
+        segs = [(sh, j - i, i) for sh, i, j in ranges if j > i]  # (shard, count, SA start)
         total = sum(s[1] for s in segs)
         if total == 0:
             return None
@@ -526,7 +499,7 @@ class Reader:
         offs = (L + np.arange(depth, dtype=np.int64))[:, None]
         cols = []
         off = 0
-        for sh, cnt, start, pos in segs:
+        for sh, cnt, start in segs:
             if len(segs) == 1:
                 local = g
             else:
@@ -534,7 +507,7 @@ class Reader:
                 off += cnt
                 if not len(local):
                     continue
-            p = sh.sa[start + local] if pos is None else pos[local]
+            p = sh.sa[start + local]
             idx = offs + p  # int64 (uint32 positions widen here)
             np.minimum(idx, sh.length - 1, out=idx)
             cols.append(sh.tokens[idx])

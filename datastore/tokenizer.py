@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -83,6 +84,23 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_saved(directory: Path):
+    """A tokenizer saved in our cache. When it is the plain fast tokenizer class (as for
+    every GGUF vocabulary), load it through that class: `AutoTokenizer` imports torch via
+    transformers' model-configuration code, and the datastore side never needs torch."""
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") in _PLAIN_CLASSES:
+        from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(name: str | None = None):
     """Load the fast tokenizer of a model name.
@@ -90,8 +108,6 @@ def load_tokenizer(name: str | None = None):
     Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached on
     disk (keyed by the GGUF file's size and mtime) and later loads take milliseconds.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
-
     source = resolve_model(name)
     cache = None
     if source.gguf_file:
@@ -102,9 +118,11 @@ def load_tokenizer(name: str | None = None):
         cache = _cache_dir() / "tokenizers" / key
         if (cache / "tokenizer.json").is_file():
             try:
-                return AutoTokenizer.from_pretrained(str(cache))
+                return _load_saved(cache)
             except Exception:  # a damaged cache is rebuilt below
                 pass
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(source.path, **source.kwargs())
     except Exception as exc:  # transformers raises many types; report one line
@@ -119,17 +137,28 @@ def load_tokenizer(name: str | None = None):
     return tok
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A stable hash of what decides token ids: the vocabulary and the special tokens.
 
     It ignores how the tokenizer was loaded (GGUF, tokenizer.json, saved copy), so the same
     vocabulary always gives the same fingerprint, and any change of id mapping changes it.
+    Hashing a 49k vocabulary takes ~0.1 s, so it is remembered per tokenizer object (and
+    recomputed if tokens are added to it).
     """
+    size = len(tokenizer)
+    known = _FINGERPRINTS.get(tokenizer)
+    if known is not None and known[0] == size:
+        return known[1]
     vocab = tokenizer.get_vocab()
     items = sorted(vocab.items(), key=lambda kv: kv[1])
     special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
     payload = json.dumps({"vocab": items, "special": special}, ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+    fingerprint = "sha256:" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+    _FINGERPRINTS[tokenizer] = (size, fingerprint)
+    return fingerprint
 
 
 def vocab_size(tokenizer) -> int:

@@ -9,12 +9,19 @@ Each turn's tokens are compared with `hf-greedy`'s. Where they differ, the targe
 logit gap at the first differing position is reported: a tree forward and a one-token
 forward round differently in the last bits, so a tiny gap is a numerical near-tie and
 anything larger is a bug.
+
+A CPU speed-up depends on the machine's state, so the summary records what decides it: the
+kernels each method's forwards really ran on, the packing time, where the forward-cost curve
+came from (cached, or measured at start and how long that took), the thread count and the
+load average at start and end. `--repeat N` runs every question N times, interleaved, and
+reports each ratio's median and range over the repetitions: a claim comes with its noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,6 +33,7 @@ from pathlib import Path
 
 import torch
 from redraft.datastore.errors import RedraftError
+from redraft.decoder.kernels import packed_calls
 
 MT_BENCH = {
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
@@ -59,6 +67,11 @@ class TurnResult:
     text: str
     steps: int  # target forwards that produced new tokens
     seconds: float  # wall clock of the whole call, prefill included, for every method alike
+    forwards: int = 0  # every target forward, prefill included
+    packed_forwards: int = 0  # of those, the ones whose linear layers really ran packed
+    # this process's CPU time for the call: with one torch thread it leaves out the time other
+    # processes held the core, so it is the steadier clock on a shared machine
+    cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -74,6 +87,11 @@ class Record:
     first_diff: int | None = None
     logit_gap: float | None = None
     tokens: list[int] = field(default_factory=list)
+    repeat: int = 0
+    prompt_tokens: int = 0
+    forwards: int = 0
+    packed_forwards: int = 0
+    cpu_seconds: float = 0.0
 
 
 def load_questions(path: str | Path, per_category: int | None) -> list[Question]:
@@ -128,29 +146,35 @@ class HFMethod(Method):
         self.kwargs = {}
         if prompt_lookup_num_tokens:
             self.kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
-        self._forwards = 0
-        model.register_forward_pre_hook(self._count)
+        self._forwards = self._packed = self._calls_before = 0
+        model.register_forward_pre_hook(self._before)
+        model.register_forward_hook(self._after)
 
-    def _count(self, *_args) -> None:
+    def _before(self, *_args) -> None:
         self._forwards += 1
+        self._calls_before = packed_calls()
+
+    def _after(self, *_args) -> None:
+        self._packed += packed_calls() > self._calls_before  # never, unless a bug packs them
 
     def run(self, messages: list[dict], max_new_tokens: int) -> TurnResult:
         ids = chat_ids(self.tokenizer, messages)
         input_ids = torch.tensor([ids], device=self.model.device)
         eos = self.model.generation_config.eos_token_id
-        self._forwards = 0
-        t0 = time.perf_counter()
+        self._forwards = self._packed = 0
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.no_grad():
             out = self.model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                 max_new_tokens=max_new_tokens, eos_token_id=eos,
                 pad_token_id=self.tokenizer.pad_token_id or eos, **self.kwargs,
             )
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = out[0, len(ids):].tolist()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         # HF's prefill forward already yields the first new token, so every forward counts.
-        return TurnResult(tokens, text, self._forwards, seconds)
+        return TurnResult(tokens, text, self._forwards, seconds, self._forwards, self._packed,
+                          cpu)
 
 
 class RedraftMethod(Method):
@@ -161,10 +185,14 @@ class RedraftMethod(Method):
         self.generator = generator
 
     def run(self, messages: list[dict], max_new_tokens: int) -> TurnResult:
-        t0 = time.perf_counter()
-        res = self.generator.generate(messages, max_new_tokens=max_new_tokens)
-        seconds = time.perf_counter() - t0
-        return TurnResult(res.tokens, res.text, res.stats.steps, seconds)
+        ids = chat_ids(self.generator.tokenizer, messages)  # outside the clock, as for HF
+        verifier = self.generator.verifier
+        forwards, packed = verifier.forwards, verifier.packed_forwards
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = self.generator.generate(ids, max_new_tokens=max_new_tokens)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return TurnResult(res.tokens, res.text, res.stats.steps, seconds,
+                          verifier.forwards - forwards, verifier.packed_forwards - packed, cpu)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -196,9 +224,17 @@ def compare(
     return False, pos, gap
 
 
+def machine_state() -> dict:
+    """What a CPU timing depends on besides the code: threads, usable cores, load."""
+    cpus = os.cpu_count()
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    return {"torch_threads": torch.get_num_threads(), "cpus": cpus, "cpus_allowed": allowed,
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
 def warm_up(methods: Sequence[Method]) -> None:
-    """One short answer per method before timing: first-call costs (allocations, the cost
-    curve a Generator measures once per device) must not land on the first question."""
+    """One short answer per method before timing: first-call costs (allocations, oneDNN
+    primitives, the kernel choice trying both kinds) must not land on the first question."""
     for method in methods:
         method.run([{"role": "user", "content": "Write a Python function that adds two numbers."}],
                    max_new_tokens=8)
@@ -211,14 +247,19 @@ def run_bench(
     tokenizer,
     max_new_tokens: int,
     progress: Callable[[int], None] | None = None,
+    repeat: int = 1,
 ) -> list[Record]:
-    """Run every method on every question, interleaved per question; hf-greedy is the reference."""
+    """Run every method on every question, interleaved per question; hf-greedy is the reference.
+
+    With `repeat` > 1 each question runs that many times in a row, every method once per
+    repetition, the order rotating from run to run."""
     names = [m.name for m in methods]
     if "hf-greedy" not in names:
         raise BenchError("the methods must include hf-greedy, the reference every ratio divides by")
     records: list[Record] = []
-    for qi, q in enumerate(questions):
-        order = list(methods[qi % len(methods):]) + list(methods[: qi % len(methods)])
+    for qi, rep in ((qi, rep) for qi in range(len(questions)) for rep in range(repeat)):
+        q, k = questions[qi], (qi * repeat + rep) % len(methods)
+        order = list(methods[k:]) + list(methods[:k])
         turns: dict[str, list[tuple[list[int], TurnResult]]] = {}
         for method in order:
             messages: list[dict] = []
@@ -244,55 +285,128 @@ def run_bench(
                 )
                 records.append(Record(q.question_id, q.category, method.name, t,
                                       len(res.tokens), res.steps, res.seconds,
-                                      identical, pos, gap, res.tokens))
+                                      identical, pos, gap, res.tokens, rep, len(prompt),
+                                      res.forwards, res.packed_forwards, res.cpu_seconds))
     return records
 
 
 def summarize(records: Sequence[Record]) -> dict:
-    """Per method × category (and overall): tokens/forward, tokens/s, speed-up, identity."""
+    """Per method × category (and overall): tokens/forward, tokens/s, speed-up, identity, the
+    kernels the forwards ran on, and the speed-up's median and range over repetitions."""
     by: dict[tuple[str, str], list[Record]] = defaultdict(list)
     for r in records:
         by[(r.method, r.category)].append(r)
         by[(r.method, "overall")].append(r)
     base = {cat: _tps(rs) for (m, cat), rs in by.items() if m == "hf-greedy"}
+    base_cpu = {cat: _tps(rs, cpu=True) for (m, cat), rs in by.items() if m == "hf-greedy"}
     rows = []
     for (method, cat), rs in sorted(by.items()):
-        tps = _tps(rs)
+        tps, cpu_tps = _tps(rs), _tps(rs, cpu=True)
         diffs = [r for r in rs if r.identical is False]
-        rows.append({
+        row = {
             "method": method, "category": cat, "turns": len(rs),
             "tokens_per_forward": round(
                 sum(r.new_tokens for r in rs) / max(1, sum(r.steps for r in rs)), 3
             ),
             "tokens_per_second": round(tps, 2),
             "speedup": round(tps / base[cat], 3) if base.get(cat) else None,
+            "tokens_per_cpu_second": round(cpu_tps, 2),
+            "cpu_speedup": round(cpu_tps / base_cpu[cat], 3) if base_cpu.get(cat) else None,
             "identical": f"{len(rs) - len(diffs)}/{len(rs)}",
             "max_gap_at_diff": max((r.logit_gap or 0.0 for r in diffs), default=None),
             "median_seconds_per_turn": round(statistics.median(r.seconds for r in rs), 3),
-        })
-    return {"rows": rows}
+            "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in rs), 1),
+            "forwards": sum(r.forwards for r in rs),
+            "packed_forwards": sum(r.packed_forwards for r in rs),
+        }
+        row.update(_spread(rs, by[("hf-greedy", cat)]))
+        rows.append(row)
+    return {"rows": rows, "repeats": len({r.repeat for r in records})}
 
 
-def _tps(rs: Sequence[Record]) -> float:
-    secs = sum(r.seconds for r in rs)
+def _spread(rs: Sequence[Record], reference: Sequence[Record]) -> dict:
+    """Tokens/s and speed-up per repetition (each over its own hf-greedy): median and range,
+    by the wall clock (`speedup_*`) and by CPU time (`cpu_speedup_*`)."""
+    def per_repeat(records: Sequence[Record], cpu: bool) -> dict[int, float]:
+        groups: dict[int, list[Record]] = defaultdict(list)
+        for r in records:
+            groups[r.repeat].append(r)
+        return {k: _tps(v, cpu) for k, v in groups.items()}
+
+    out: dict = {}
+    for prefix, cpu in (("", False), ("cpu_", True)):
+        tps, ref = per_repeat(rs, cpu), per_repeat(reference, cpu)
+        if not cpu:
+            out["tokens_per_second_runs"] = [round(v, 2) for _, v in sorted(tps.items())]
+        ratios = [tps[k] / ref[k] for k in sorted(tps) if ref.get(k)]
+        if ratios:
+            out.update({f"{prefix}speedup_runs": [round(x, 3) for x in ratios],
+                        f"{prefix}speedup_median": round(statistics.median(ratios), 3),
+                        f"{prefix}speedup_min": round(min(ratios), 3),
+                        f"{prefix}speedup_max": round(max(ratios), 3)})
+    return out
+
+
+def _tps(rs: Sequence[Record], cpu: bool = False) -> float:
+    """Tokens per second of the records, by the wall clock or by this process's CPU time."""
+    secs = sum(r.cpu_seconds if cpu else r.seconds for r in rs)
     return sum(r.new_tokens for r in rs) / secs if secs else 0.0
 
 
 def markdown_table(summary: dict, methods: Sequence[str]) -> str:
+    """The results table; with repetitions, a column for the speed-up's median (min–max)."""
+    runs = summary.get("repeats", 1)
+    spread = f" median (min–max) of {runs} runs |" if runs > 1 else ""
     lines = [
-        "| category | method | tokens/forward | tokens/s | speed-up vs hf-greedy | identical |",
-        "|---|---|---:|---:|---:|---:|",
+        "| category | method | tokens/forward | tokens/s | speed-up vs hf-greedy |"
+        f"{spread} in CPU time | identical |",
+        "|---|---|---:|---:|---:|" + ("---:|" if runs > 1 else "") + "---:|---:|",
     ]
-    cats = [c for c in [*CATEGORIES, "overall"] if any(r["category"] == c for r in summary["rows"])]
-    index = {(r["method"], r["category"]): r for r in summary["rows"]}
+    rows = summary["rows"]
+    cats = _categories(rows)
+    index = {(r["method"], r["category"]): r for r in rows}
     for cat in cats:
         for m in methods:
             r = index.get((m, cat))
             if r:
                 sp = f"{r['speedup']:.2f}×" if r["speedup"] is not None else "–"
+                if runs > 1:
+                    sp += (f" | {r['speedup_median']:.2f}× ({r['speedup_min']:.2f}–"
+                           f"{r['speedup_max']:.2f})" if "speedup_median" in r else " | –")
+                cpu = r.get("cpu_speedup")
+                sp += f" | {cpu:.2f}×" if cpu is not None else " | –"
                 lines.append(f"| {cat} | {m} | {r['tokens_per_forward']:.2f} | "
                              f"{r['tokens_per_second']:.1f} | {sp} | {r['identical']} |")
     return "\n".join(lines) + "\n"
+
+
+def _categories(rows: Sequence[dict]) -> list[str]:
+    """Spec-Bench's categories in their order, then any others (own question files), then
+    overall."""
+    present = {r["category"] for r in rows}
+    known = [c for c in CATEGORIES if c in present]
+    return [*known, *sorted(present - set(known) - {"overall"}), "overall"]
+
+
+def conditions_note(meta: dict) -> str:
+    """One paragraph under the table: the state of the machine the ratios were measured in."""
+    start, end = meta.get("machine_start", {}), meta.get("machine_end", {})
+    kernels, curve = meta.get("kernels", {}), meta.get("cost_curve") or {}
+    parts = [f"torch threads {start.get('torch_threads')}",
+             f"{start.get('cpus_allowed')} of {start.get('cpus')} CPUs allowed",
+             f"load average {start.get('load_average', [None])[0]} at start, "
+             f"{end.get('load_average', [None])[0]} at end"]
+    forwards = kernels.get("forwards", {})
+    if forwards:
+        parts.append("packed forwards: " + ", ".join(
+            f"{m} {v['packed']}/{v['forwards']}" for m, v in forwards.items()))
+    if "pack_seconds" in kernels:
+        parts.append(f"packing {kernels['pack_seconds']:.2f} s (before any answer)")
+    if curve:
+        how = (f"measured at start in {curve['measure_seconds']:.1f} s"
+               if curve["source"] == "measured" else curve["source"])
+        parts.append(f"cost curve {how}, corrected {curve['corrections']} times by timed forwards")
+    return "Conditions: " + "; ".join(parts) + ".\n"
 
 
 def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
@@ -301,7 +415,7 @@ def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cats = [c for c in [*CATEGORIES, "overall"] if any(r["category"] == c for r in summary["rows"])]
+    cats = _categories(summary["rows"])
     index = {(r["method"], r["category"]): r for r in summary["rows"]}
     shown = [m for m in methods if m != "hf-greedy"]
     width = 0.8 / max(1, len(shown))
@@ -320,6 +434,20 @@ def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
     plt.close(fig)
 
 
+def kernel_report(records: Sequence[Record], kernels) -> dict:
+    """Per method, how many target forwards really ran on packed weights; packing's cost."""
+    forwards: dict[str, dict[str, int]] = {}
+    for r in records:
+        f = forwards.setdefault(r.method, {"forwards": 0, "packed": 0})
+        f["forwards"] += r.forwards
+        f["packed"] += r.packed_forwards
+    out = {"redraft": "stock" if kernels is None else "packed", "forwards": forwards}
+    if kernels is not None:
+        out.update(pack_seconds=round(kernels.pack_seconds, 3), repacked=kernels.repacked,
+                   packed_layers=len(kernels.forwards), preferred=kernels.choice.summary())
+    return out
+
+
 def write_outputs(out: Path, records: Sequence[Record], summary: dict, methods: Sequence[str],
                   meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +455,8 @@ def write_outputs(out: Path, records: Sequence[Record], summary: dict, methods: 
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
     (out / "summary.json").write_text(json.dumps({**meta, **summary}, indent=2) + "\n")
-    (out / "summary.md").write_text(markdown_table(summary, methods))
+    (out / "summary.md").write_text(markdown_table(summary, methods) + "\n"
+                                    + conditions_note(meta))
     plot(summary, methods, out / "speedup.png")
 
 
@@ -381,6 +510,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-category", type=int, default=10,
                    help="questions per category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run every question N times, interleaved; report each speed-up's "
+                   "median and range over the runs")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {', '.join([*HF_METHODS, *redraft_methods()])}"
                    ", or redraft-A+B for any combination of drafters; X-nolearn is X without "
@@ -442,14 +574,25 @@ def run_command(args: argparse.Namespace) -> int:
         raise BenchError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.per_category < 0:
         raise BenchError(f"--per-category must be >= 0, got {args.per_category}")
+    if args.repeat < 1:
+        raise BenchError(f"--repeat must be >= 1, got {args.repeat}")
     names = parse_methods(args.methods or DEFAULT_METHODS,
                           bool(args.datastore or args.draft_service))
     questions = load_questions(args.questions, args.per_category or None)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from redraft.decoder.budget import CostModel
     from redraft.decoder.kernels import packed_linears
 
+    machine_start = machine_state()
+    model_name = args.model or "smollm2-135m"
     model, tokenizer = load_model(args.model)
+    kernels = None if args.stock_kernels else packed_linears(model)  # packs once, timed
+    # One forward-cost curve for every drafting method, loaded (or, on a cold cache, measured)
+    # before any answer is timed; the methods' timed forwards keep correcting it.
+    cost = None
+    if any(method_drafters(n) not in (None, "none") for n in names):
+        cost = CostModel.for_model(model, model_name, packed_kernels=kernels is not None)
     methods: list[Method] = []
     drafters = []
     run_id = uuid.uuid4().hex[:12]
@@ -459,33 +602,35 @@ def run_command(args: argparse.Namespace) -> int:
                                     10 if name == "hf-pld" else None))
             continue
         drafter = build_drafter(method_drafters(name), model=model, tokenizer=tokenizer,
-                                model_name=args.model or "smollm2-135m",
+                                model_name=model_name,
                                 datastore=args.datastore, draft_service=args.draft_service,
                                 options=drafter_options(name, options_from_args(args), run_id))
         drafters.append(drafter)
         methods.append(RedraftMethod(name, Generator(
-            model, tokenizer, drafter, model_name=args.model or "smollm2-135m",
+            model, tokenizer, drafter, model_name=model_name, cost=cost,
             packed_kernels=not args.stock_kernels)))
     warm_up(methods)
-    total = len(questions) * len(methods)
+    total = len(questions) * len(methods) * args.repeat
     try:
         with tqdm(total=total, desc="spec-bench", unit="answer", file=sys.stderr) as bar:
             records = run_bench(questions, methods, model, tokenizer, args.max_new_tokens,
-                                progress=bar.update)
+                                progress=bar.update, repeat=args.repeat)
     finally:
         for d in drafters:
             if d is not None and hasattr(d, "close"):
                 d.close()
     summary = summarize(records)
-    meta = {"model": args.model or "smollm2-135m", "questions": len(questions),
+    meta = {"model": model_name, "questions": len(questions),
             "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-            "methods": names, "datastore": args.datastore, "draft_service": args.draft_service,
-            "torch_threads": torch.get_num_threads(), "device": str(model.device),
+            "repeat": args.repeat, "methods": names, "datastore": args.datastore,
+            "draft_service": args.draft_service, "device": str(model.device),
+            "machine_start": machine_start, "machine_end": machine_state(),
             # redraft's forwards run on packed oneDNN weights on a CPU; HF's on stock kernels
-            "redraft_kernels": "packed" if not args.stock_kernels
-            and packed_linears(model) is not None else "stock"}
+            "kernels": kernel_report(records, kernels),
+            "cost_curve": cost.describe() if cost is not None else None}
     out = Path(args.out)
     write_outputs(out, records, summary, names, meta)
     print(markdown_table(summary, names))
+    print(conditions_note(meta))
     print(f"results in {out}/ (records.jsonl, summary.json, summary.md, speedup.png)")
     return 0

@@ -175,7 +175,9 @@ def run_command(args: argparse.Namespace) -> int:
     import torch
     from redraft.decoder.bench import BenchError, method_drafters, warm_up
     from redraft.decoder.bench import RedraftMethod as _Method
+    from redraft.decoder.budget import CostModel
     from redraft.decoder.generate import Generator
+    from redraft.decoder.kernels import packed_linears
     from redraft.decoder.models import load_model
     from redraft.decoder.registry import build_drafter, options_from_args
     from tqdm import tqdm
@@ -194,6 +196,8 @@ def run_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     name = args.model or "smollm2-135m"
+    kernels = None if args.stock_kernels else packed_linears(model)
+    cost = CostModel.for_model(model, name, packed_kernels=kernels is not None)  # one for all
     run_id = uuid.uuid4().hex[:12]
     generators, drafters = {}, []
     try:
@@ -203,7 +207,7 @@ def run_command(args: argparse.Namespace) -> int:
                                     datastore=args.datastore, draft_service=args.draft_service,
                                     options=drafter_options(m, options_from_args(args), run_id))
             drafters.append(drafter)
-            generators[m] = Generator(model, tokenizer, drafter, model_name=name,
+            generators[m] = Generator(model, tokenizer, drafter, model_name=name, cost=cost,
                                       packed_kernels=not args.stock_kernels)
         warm_up([_Method(m, g) for m, g in generators.items()])
         total = len(questions) * args.samples * len(methods)

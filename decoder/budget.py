@@ -5,7 +5,9 @@ p_i yields 1 + sum(p_i) tokens in expectation. Each step keeps the k best nodes 
 maximise (1 + sum of their p_i) / cost(k + 1). On a CPU cost grows quickly with N (the
 DESIGN notes 64 tokens at ~3x one), on a GPU it is nearly flat up to ~64, so the same
 rule drafts little on one and a lot on the other. The cost curve is measured once per
-(model, device, dtype, threads) and cached on disk.
+(model, device, dtype, threads, kernels) and cached on disk, then kept honest by the forwards
+the decoder times anyway (`CostModel.observe`): a curve measured while the machine was busy
+is corrected within a few dozen steps and written back, instead of staying pessimistic.
 
 The drafters' probabilities are estimates. `Calibrator` corrects them online from what the
 target actually accepted (per source, binned by the predicted probability), so a drafter
@@ -15,8 +17,10 @@ costs no more than plain decoding plus the drafter's own (small) lookup time.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -56,6 +60,16 @@ class CostModel:
     # Drafting at all must promise this much more speed: a tree forward has fixed overheads
     # (mask, drafter call, acceptance) and calibrated probabilities are estimates.
     min_gain: float = 0.03
+    # Where the curve came from: "given", "cached" (read from `path`) or "measured" (just now,
+    # in `measure_seconds`); `path` is the cache file that corrections are written back to.
+    source: str = "given"
+    measure_seconds: float = 0.0
+    path: Path | None = None
+    # Online correction (`observe`): timed forwards per curve point before a re-estimate, and
+    # the disagreement beyond which the re-estimate replaces the point.
+    window: int = 8
+    tolerance: float = 0.15
+    corrections: int = 0
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.seconds) or not self.sizes or self.sizes[0] != 1:
@@ -63,6 +77,11 @@ class CostModel:
         # Deliberately not forced monotone: where a bigger forward is really cheaper (kernel
         # quirks), `select` simply prefers the bigger tree. Noise is kept out by measuring
         # the minimum of several interleaved rounds instead.
+        self.sizes, self.seconds = list(self.sizes), list(self.seconds)  # corrected in place
+        self._base = list(self.seconds)  # the curve as measured or loaded
+        self._factors: dict[int, float] = {}  # point index -> observed / base
+        self._recent: dict[int, list[float]] = {}
+        self._saved_corrections = 0
 
     def cost(self, n: int) -> float:
         """Seconds for a forward of n tokens, interpolated (linearly extrapolated past the end)."""
@@ -113,6 +132,58 @@ class CostModel:
         keep = self.select(tree, max_nodes, overhead)
         return tree if len(keep) == len(tree) else tree.subset(keep)
 
+    # -- keeping it honest ------------------------------------------------------------------
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Correct the curve from one timed forward of n tokens.
+
+        A forward counts for the curve point nearest its size (rescaled along the curve's
+        shape). Once `window` forwards have accumulated there, their fastest (as `measure`
+        keeps the fastest of several rounds: load only ever adds time) replaces the point
+        when the two disagree by more than `tolerance`. Points no forward has reached move
+        by the factor of their observed neighbours, so the sizes decoding actually uses
+        correct the whole curve.
+        """
+        if not seconds > 0 or n < 1:
+            return
+        i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / n)))
+        recent = self._recent.setdefault(i, [])
+        recent.append(seconds * self.cost(self.sizes[i]) / self.cost(n))
+        if len(recent) < self.window:
+            return
+        fresh = min(recent)
+        recent.clear()
+        if self.seconds[i] > 0 and abs(fresh / self.seconds[i] - 1.0) <= self.tolerance:
+            return
+        self._factors[i] = fresh / self._base[i] if self._base[i] > 0 else 1.0
+        observed = sorted(self._factors)
+        for j in range(len(self.sizes)):
+            k = bisect.bisect_left(observed, j)
+            if k < len(observed) and observed[k] == j or k == 0:
+                factor = self._factors[observed[k]]
+            elif k == len(observed):
+                factor = self._factors[observed[-1]]
+            else:  # between two observed points: interpolate their factors
+                a, b = observed[k - 1], observed[k]
+                t = (j - a) / (b - a)
+                factor = self._factors[a] + t * (self._factors[b] - self._factors[a])
+            self.seconds[j] = self._base[j] * factor
+        self.corrections += 1
+
+    def save(self) -> None:
+        """Write the curve back to its cache file if forwards have corrected it since."""
+        if self.path is None or self.corrections == self._saved_corrections:
+            return
+        _write_json(self.path, self.to_json())
+        self._saved_corrections = self.corrections
+
+    def describe(self) -> dict:
+        """Where the curve came from and what it says (for benchmark summaries)."""
+        return {"source": self.source, "measure_seconds": round(self.measure_seconds, 2),
+                "corrections": self.corrections, "sizes": self.sizes,
+                "seconds": [round(s, 5) for s in self.seconds],
+                "base_seconds": [round(s, 5) for s in self._base]}
+
     # -- measuring and caching -------------------------------------------------------------
 
     def to_json(self) -> dict:
@@ -126,34 +197,34 @@ class CostModel:
     @classmethod
     def measure(
         cls, model, sizes: Sequence[int] = DEFAULT_SIZES, prefix: int = 128, rounds: int = 5,
-        packed_kernels: bool = True,
+        packed_kernels: bool = True, choose_kernels: bool = True,
     ) -> CostModel:
-        """Time one forward of n tokens over a cached prefix, for each n.
+        """Time one forward of n tokens over a cached prefix, for each n (on the verifier's
+        `cost_clock`, as decoding's own forwards are timed).
 
         Sizes are interleaved round by round and the minimum is kept: on a shared machine
         noise only ever adds time, so the fastest of a few runs is the best estimate of the
-        intrinsic cost, and interleaving keeps a busy spell from skewing one size.
+        intrinsic cost, and interleaving keeps a busy spell from skewing one size. With
+        `choose_kernels` the verifier picks packed or stock kernels per size as decoding
+        does (its first rounds try both), so each size gets the faster kind's time;
+        without it, packed kernels run every forward where they apply.
         """
         from redraft.decoder.verify import TreeVerifier
 
         verifier = TreeVerifier(model, packed_kernels=packed_kernels)
+        if not choose_kernels:
+            verifier.choice = None
         vocab = int(model.config.vocab_size)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).tolist()
         verifier.prefill(ids[:prefix])
-        sync = torch.cuda.synchronize if verifier.device.type == "cuda" else (lambda: None)
         best = {n: float("inf") for n in sizes}
         for rnd in range(rounds + 1):
             for n in sizes:
-                tree = Tree.chain(ids[prefix + 1 : prefix + n])
-                sync()
-                t0 = time.perf_counter()
-                verifier.tree_forward(ids[prefix], tree)
-                sync()
-                elapsed = time.perf_counter() - t0
+                verifier.tree_forward(ids[prefix], Tree.chain(ids[prefix + 1 : prefix + n]))
                 verifier.commit([])
                 if rnd:  # round 0 warms up allocations and kernels
-                    best[n] = min(best[n], elapsed)
+                    best[n] = min(best[n], verifier.last_forward_cost)
         return cls(list(sizes), [best[n] for n in sizes], verifier.device.type)
 
     @classmethod
@@ -175,18 +246,26 @@ class CostModel:
         key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
         path = (directory or cache_dir()) / f"{key}.json"
         try:
-            return cls.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError):
-            pass
-        curve = cls.measure(model, packed_kernels=packed_kernels)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(curve.to_json()))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+            curve = cls.from_json(json.loads(path.read_text()))
+            curve.source = "cached"
+        except (OSError, ValueError, KeyError, TypeError):
+            start = time.perf_counter()
+            curve = cls.measure(model, packed_kernels=packed_kernels)
+            curve.source, curve.measure_seconds = "measured", time.perf_counter() - start
+            _write_json(path, curve.to_json())
+        curve.path = path
         return curve
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Replace a cache file atomically; a cache that cannot be written is no error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 # -- calibration ------------------------------------------------------------------------
@@ -274,13 +353,7 @@ class Calibrator:
                 hits.append(h * f)
                 trials.append(n * f)
             data[src] = {"hits": hits, "trials": trials}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        _write_json(Path(path), data)
 
     def rate(self, source: str) -> float:
         """Observed acceptance rate of the source's verified nodes (0 before any)."""

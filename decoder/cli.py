@@ -1,8 +1,10 @@
 """The `redraft` command: one entry point, subcommands registered by each package.
 
 The datastore side registers `index`, `query`, `stats` and `serve`; the decoder side
-`generate` and `bench`. Errors a user can cause are printed as one line (exit 2), never a
-traceback.
+`generate` and `bench`. Only the subcommands that could parse the command line are
+registered: the decoder's modules import torch and `serve`'s imports gRPC, neither of which
+`redraft stats DIR` needs at start. Errors a user can cause are printed as one line
+(exit 2), never a traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import sys
 from redraft.datastore.errors import RedraftError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `redraft` parser; with `argv`, only the subcommands that can parse it."""
     from redraft.datastore import cli as datastore_cli
 
     parser = argparse.ArgumentParser(
@@ -21,8 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Retrieval-based speculative decoding: faster generation, same output.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    datastore_cli.register(sub)
-    register(sub)
+    command = argv[0] if argv else None  # the top level has no options but --help
+    datastore_cli.register(sub, command)
+    if command not in sub.choices:  # a decoder command, --help, or a mistake to report
+        register(sub)
     return parser
 
 
@@ -35,7 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Paths that are not UTF-8 reach us as surrogate escapes: print them, never crash on them.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -228,6 +228,8 @@ def _run_turns(gen, turns: list[str], kwargs: dict, stream: bool) -> dict:
         total.new_tokens += s.new_tokens
         total.seconds += s.seconds
         total.prefill_seconds += s.prefill_seconds
+        total.forward_seconds += s.forward_seconds
+        total.packed_forwards += s.packed_forwards
         total.drafted += s.drafted
         total.drafter_errors += s.drafter_errors
         for k, v in s.accepted.items():

@@ -19,6 +19,7 @@ from redraft.decoder.acceptance import Acceptance, SamplingParams, accept
 from redraft.decoder.budget import Calibrator, CostModel, calibration_path
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
 from redraft.decoder.recycle import top_candidates
+from redraft.decoder.text import IncrementalText, StopStrings
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
 
@@ -38,6 +39,8 @@ class GenerationStats:
     new_tokens: int = 0
     seconds: float = 0.0  # decoding time, prefill excluded
     prefill_seconds: float = 0.0
+    forward_seconds: float = 0.0  # of `seconds`, the time inside the target's forwards
+    packed_forwards: int = 0  # target forwards (prefill included) that ran on packed kernels
     drafted: int = 0  # tree nodes verified
     accepted: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per source
     drafter_errors: int = 0
@@ -108,31 +111,29 @@ def speculative_decode(
 
 
 class TextStream:
-    """Iterates over text pieces as tokens are accepted; `.result` is set when it ends."""
+    """Iterates over text pieces as tokens are accepted; `.result` is set when it ends.
 
-    def __init__(self, steps: Iterator[list[int]], tokenizer) -> None:
+    The pieces joined are exactly `result.text`: text that may begin a stop string is held
+    back until it is known not to, and nothing after a stop string is ever yielded.
+    """
+
+    def __init__(self, steps: Iterator[tuple[list[int], str]]) -> None:
         self._steps = steps
-        self._tokenizer = tokenizer
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        tokens: list[int] = []
-        shown = ""
+        shown = 0
         while True:
             try:
-                tokens.extend(next(self._steps))
+                _, piece = next(self._steps)
             except StopIteration as stop:
                 self.result = stop.value
                 break
-            text = self._tokenizer.decode(tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue  # a multi-byte character is split across tokens: wait for the rest
-            if text.startswith(shown) and len(text) > len(shown):
-                yield text[len(shown) :]
-                shown = text
-        final = self.result.text
-        if final.startswith(shown) and len(final) > len(shown):
-            yield final[len(shown) :]
+            if piece:
+                shown += len(piece)
+                yield piece
+        if len(self.result.text) > shown:
+            yield self.result.text[shown:]  # what was held back until the end
 
 
 class Generator:
@@ -229,7 +230,16 @@ class Generator:
         """A Python generator yielding each step's new tokens; its return value (the
         StopIteration's `value`) is the GenerationResult. For custom loops, and for running
         several configurations in lock-step so machine noise hits them alike."""
-        return self._run(prompt, max_new_tokens, **kwargs)
+        steps = self._run(prompt, max_new_tokens, **kwargs)
+        try:
+            while True:
+                try:
+                    tokens, _ = next(steps)
+                except StopIteration as stop:
+                    return stop.value
+                yield tokens
+        finally:
+            steps.close()
 
     def generate(self, prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
         """Decode until max_new_tokens, EOS or a stop string; returns tokens, text and stats."""
@@ -242,7 +252,7 @@ class Generator:
 
     def stream(self, prompt, max_new_tokens: int = 128, **kwargs) -> TextStream:
         """Like `generate`, but iterate over the returned stream to get text as it is accepted."""
-        return TextStream(self._run(prompt, max_new_tokens, **kwargs), self.tokenizer)
+        return TextStream(self._run(prompt, max_new_tokens, **kwargs))
 
     def _run(
         self,
@@ -270,12 +280,14 @@ class Generator:
                 f"prompt is {len(ids)} tokens; the model's context is {self.context_limit}"
             )
         max_new = min(int(max_new_tokens), self.context_limit - len(ids))
-        stop = [s for s in (stop or []) if s]
+        text, stops = IncrementalText(self.tokenizer), StopStrings(stop or [])
+        shown: list[str] = []
         eos_ids = self.eos_ids if eos else set()
         generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
         drafter = self.drafter
         stats = GenerationStats(prompt_tokens=len(ids))
         cost = self.cost if drafter is not None else None
+        packed_before = self.verifier.packed_forwards
 
         t0 = time.perf_counter()
         root = prefill(self.verifier, ids)
@@ -316,6 +328,8 @@ class Generator:
                 want_hidden = drafter_ok and drafter.hidden_wanted
                 acc = speculative_decode(self.verifier, root, tree, params, generator, want,
                                          want_hidden)
+                forward_seconds = self.verifier.last_forward_seconds
+                stats.forward_seconds += forward_seconds
                 if acc.candidates is not None:
                     drafter_ok = self._safe(stats, drafter.observe, context, tree,
                                             *acc.candidates)
@@ -334,10 +348,9 @@ class Generator:
                 out.extend(new)
                 context.extend(new)
                 root = new[-1]
-                if stop and finish != "eos":
-                    text = self.tokenizer.decode(out, skip_special_tokens=True)
-                    if any(s in text for s in stop):
-                        finish = "stop"
+                shown.append(stops.feed(text.push(new)))
+                if stops.stopped:
+                    finish = "stop"
                 if drafter_ok:  # the last step's tokens too: drafters that learn keep them
                     drafter_ok = self._safe(stats, drafter.update, new)
                 if drafter_ok and finish == "length" and len(out) < max_new:
@@ -345,8 +358,9 @@ class Generator:
                         drafter_ok = self._safe(stats, drafter.observe_hidden, context,
                                                 acc.hidden)
                 if cost is not None:
-                    self._learn_overhead(cost, len(tree), time.perf_counter() - step_start)
-                yield new
+                    cost.observe(len(tree) + 1, self.verifier.last_forward_cost)
+                    self._learn_overhead(cost, time.perf_counter() - step_start, forward_seconds)
+                yield new, shown[-1]
                 if finish != "length":
                     break
         finally:
@@ -356,21 +370,25 @@ class Generator:
         _sync(self.verifier.device)
         stats.seconds = time.perf_counter() - t0
         stats.new_tokens = len(out)
+        stats.packed_forwards = self.verifier.packed_forwards - packed_before
         if self._calibration_file is not None:
             self.calibrator.save(self._calibration_file)
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        if finish == "stop":
-            cut = min(text.find(s) for s in stop if s in text)
-            text = text[:cut]
-        return GenerationResult(out, text, stats, finish, ids)
+        if cost is not None:
+            cost.save()  # what the timed forwards corrected, for the next process
+        shown.append(stops.feed(text.flush()))
+        if stops.stopped:
+            finish = "stop"
+        shown.append(stops.flush())
+        return GenerationResult(out, "".join(shown), stats, finish, ids)
 
-    def _learn_overhead(self, cost: CostModel, nodes: int, seconds: float) -> None:
-        """Move the overhead estimate toward this step's time beyond its predicted forward.
+    def _learn_overhead(self, cost: CostModel, step_seconds: float, forward_seconds: float
+                        ) -> None:
+        """Move the overhead estimate toward this step's time outside the target's forward.
 
         Clipped to one plain forward so that a burst of load on a shared machine cannot
         inflate it much; the running average forgets within a few dozen steps.
         """
-        sample = min(max(seconds - cost.cost(nodes + 1), 0.0), cost.cost(1))
+        sample = min(max(step_seconds - forward_seconds, 0.0), cost.cost(1))
         self.step_overhead += 0.05 * (sample - self.step_overhead)
 
     def _safe(self, stats: GenerationStats, fn, *args) -> bool:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from redraft.datastore.errors import RedraftError
-from redraft.decoder.kernels import packed_linears
+from redraft.decoder.kernels import packed_calls, packed_linears
 from redraft.decoder.tree import Tree
 
 
@@ -82,13 +84,18 @@ def tree_mask_rows(tree: Tree) -> list[list[int]]:
 class TreeVerifier:
     """Owns the KV cache of one generation and runs tree forwards over it.
 
-    `packed_kernels` runs the model's linear layers on pre-packed oneDNN weights where that
-    applies (float32 on a CPU, see `kernels`); elsewhere it changes nothing.
+    `packed_kernels` lets the model's linear layers run on pre-packed oneDNN weights where
+    that applies (float32 on a CPU, see `kernels`), for the forward sizes where they are the
+    faster kind on this machine now (`choice`; None = packed for every forward); elsewhere it
+    changes nothing. It counts the forwards that really ran on packed weights, and times
+    each tree forward, on the wall clock (the decoding loop learns its own overhead from it)
+    and on `cost_clock` (what corrects the cost curve).
     """
 
     def __init__(self, model, packed_kernels: bool = True) -> None:
         self.model = model
         self.kernels = packed_linears(model) if packed_kernels else None
+        self.choice = self.kernels.choice if self.kernels is not None else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._split = _split_model(model)
@@ -96,6 +103,10 @@ class TreeVerifier:
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache = None
         self._pending = 0  # tree rows in the cache that `commit` has not resolved yet
+        self.forwards = 0  # target forwards run, prefills included
+        self.packed_forwards = 0  # of those, the ones whose linear layers ran packed
+        self.last_forward_seconds = 0.0  # wall clock of the last tree forward
+        self.last_forward_cost = 0.0  # the same forward on `cost_clock`
 
     @property
     def cached_len(self) -> int:
@@ -120,7 +131,7 @@ class TreeVerifier:
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
         # The vocabulary projection of a long prompt is waste: only the cache is wanted.
         if self._split is not None:
-            with self._kernels():
+            with self._kernels(len(ids)):
                 self._split[0](input_ids=x, **kwargs)
             return
         if self._keep_kw:
@@ -149,20 +160,44 @@ class TreeVerifier:
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
             kwargs["attention_mask"] = mask
         # A single token needs no mask: it may see everything, as in plain decoding.
+        start, cost_start = time.perf_counter(), self.cost_clock()
         out = self._forward(ids, kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_seconds = time.perf_counter() - start
+        self.last_forward_cost = self.cost_clock() - cost_start
         self._pending = n
         return out
 
     def _forward(self, ids: torch.Tensor, kwargs: dict) -> ForwardOutput:
-        with self._kernels():
+        with self._kernels(ids.shape[1]):
             if self._split is None:
                 return ForwardOutput(self.model(input_ids=ids, **kwargs).logits[0].float(), None)
             body, head = self._split
             hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
             return ForwardOutput(head(hidden).float(), hidden)
 
-    def _kernels(self):
-        return self.kernels.active() if self.kernels is not None else contextlib.nullcontext()
+    def cost_clock(self) -> float:
+        """The clock a forward's cost is read on: this thread's CPU time on a CPU with one
+        torch thread (time other processes held the core is not the forward's cost, and on a
+        shared machine it is most of the wall clock's noise; memory stalls still count), the
+        wall clock elsewhere."""
+        if self.device.type == "cpu" and torch.get_num_threads() == 1:
+            return time.thread_time()
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def _kernels(self, rows: int) -> Iterator[None]:
+        """One target forward of `rows` tokens, on the kernels chosen for that size; counts
+        the kernels it really ran on and feeds its cost back to the choice."""
+        packed = self.kernels is not None and (self.choice is None or self.choice.packed(rows))
+        before, start = packed_calls(), self.cost_clock()
+        with self.kernels.active() if packed else contextlib.nullcontext():
+            yield
+        if self.choice is not None:
+            self.choice.record(rows, packed, self.cost_clock() - start)
+        self.forwards += 1
+        self.packed_forwards += packed_calls() > before
 
     def commit(self, accepted: list[int]) -> None:
         """Keep the root and the accepted nodes (tree indices along one path), drop the rest."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lmdb
 import numpy as np
 import pytest
@@ -77,7 +79,7 @@ def test_other_format_version(store):
         fmt.write_header(txn, m)
 
     _rewrite(store, bump)
-    with pytest.raises(DatastoreCorrupt, match="format version 2, this redraft reads 1"):
+    with pytest.raises(DatastoreCorrupt, match="format version 3, this redraft reads 1 and 2"):
         Reader(store)
 
 
@@ -123,3 +125,142 @@ def test_manifest_with_inconsistent_fields(store):
     _rewrite(store, damage)
     with pytest.raises(DatastoreCorrupt, match="inconsistent manifest"):
         Reader(store)
+
+
+# ---- damage the checksums catch, and what writers do with it ----------------------------
+def _offset_of(store, key: bytes) -> tuple[int, int]:
+    """(offset, length) of a stored value in the file."""
+    with Reader(store) as r:
+        return r._lm.locate(key)
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_names_are_checksummed(store):
+    off, n = _offset_of(store, fmt.shard_key(0, "names"))
+    _flip(_file(store), off + n // 2)
+    with Reader(store) as r:  # opening reads no names
+        with pytest.raises(DatastoreCorrupt, match="checksum mismatch in shard 0 names"):
+            r.doc_name(0)
+    with pytest.raises(DatastoreCorrupt, match="checksum mismatch in shard 0 names"):
+        Reader(store, verify=True)
+
+
+def test_writers_refuse_a_damaged_datastore(store):
+    from redraft.datastore import append_corpus, delete_documents
+
+    off, n = _offset_of(store, fmt.shard_key(0, "sa"))
+    _flip(_file(store), off + n - 3)
+    before = _file(store).read_bytes()
+    with pytest.raises(DatastoreCorrupt, match="refusing to modify a damaged datastore: .*"
+                                               "checksum mismatch in shard 0 sa"):
+        append_corpus(None, store, documents=[[1, 2]], fingerprint="test-vocab-8")
+    with pytest.raises(DatastoreCorrupt, match="refusing to modify.*shard 0 sa"):
+        delete_documents(store, [0])
+    assert _file(store).read_bytes() == before
+
+
+def _as_version_1(store, deleted=()) -> None:
+    """Rewrite a datastore as redraft's format 1 wrote it: no crc32 of names, tombstones."""
+    import json
+
+    from pyroaring import BitMap
+
+    def downgrade(txn):
+        m = json.loads(bytes(txn.get(fmt.KEY_MANIFEST)))
+        m["version"] = 1
+        for sm in m["shards"]:
+            del sm["crc32"]["names"]
+        raw = BitMap(deleted).serialize()
+        txn.put(fmt.KEY_DELETED, raw)
+        m["checksums"]["deleted"] = fmt.crc32(raw)
+        m["n_deleted"] = len(deleted)
+        fmt.write_header(txn, m)
+
+    _rewrite(store, downgrade)
+
+
+def test_version_1_is_read_and_upgraded_by_a_write(make_store):
+    from redraft.datastore import append_corpus
+
+    store = make_store([[1, 2, 3], [2, 3, 4]], vocab=8, shard_tokens=5)
+    _as_version_1(store)
+    with Reader(store, verify=True) as r:
+        assert r.manifest["version"] == 1 and r.count([2, 3]) == 2 and r.doc_name(1) == "doc1"
+    m = append_corpus(None, store, documents=[[3, 4]], fingerprint="test-vocab-8")
+    assert m["version"] == 2 and all("names" in sm["crc32"] for sm in m["shards"])
+    with Reader(store, verify=True) as r:
+        assert r.count([3, 4]) == 2 and [r.doc_name(i) for i in range(3)] == [
+            "doc0", "doc1", "doc0"]
+
+
+def test_version_1_names_are_checked_by_zlib(make_store):
+    store = make_store([[1, 2, 3]], vocab=8)
+    _as_version_1(store)
+    off, n = _offset_of(store, fmt.shard_key(0, "names"))
+    _flip(_file(store), off + n - 2)  # inside zlib's adler32 of the names
+    with pytest.raises(DatastoreCorrupt, match="shard 0 names are damaged"):
+        Reader(store, verify=True)
+
+
+def test_version_1_with_tombstones_is_refused(make_store):
+    store = make_store([[1, 2, 3], [2, 3, 4]], vocab=8)
+    _as_version_1(store, deleted=[1])
+    with pytest.raises(DatastoreCorrupt, match="format version 1 with deleted documents"):
+        Reader(store)
+
+
+# ---- damage LMDB itself would fault on (SIGBUS): only ever one line ----------------------
+def _tree_pages(path) -> list[tuple[int, int]]:
+    """(page number, level) of every branch and leaf page of the current tree."""
+    from redraft.datastore.lmdbfile import P_BRANCH, P_LEAF, LmdbFile
+
+    lm = LmdbFile(str(path))
+    try:
+        out, todo = [], [(lm.root, 1)]
+        while todo:
+            pgno, level = todo.pop()
+            out.append((pgno, level))
+            if level < lm.depth:
+                off, n, upper = lm._page(pgno, P_BRANCH)
+                todo += [(lm._child(off, upper, i), level + 1) for i in range(n)]
+            else:
+                lm._page(pgno, P_LEAF)
+        return out
+    finally:
+        lm.close()
+
+
+def test_a_flipped_node_pointer_is_one_line_for_every_command(tmp_path):
+    """The reported case: a datastore of the standard library's json package, one byte of a
+    leaf page's node pointer flipped; LMDB would read outside the file (SIGBUS)."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    ds = tmp_path / "ds"
+    cli = [sys.executable, "-m", "redraft.decoder.cli"]
+    subprocess.run([*cli, "index", "--quiet", "--out", ds, src], check=True, timeout=300)
+    more = tmp_path / "more.py"
+    more.write_text("import json\n")
+    clean = (ds / fmt.DATA_FILE).read_bytes()
+    offsets = [4096 * p + 17 for p, _ in _tree_pages(ds / fmt.DATA_FILE)] + [72 * 4096 + 17]
+    for off in offsets:
+        damaged = bytearray(clean)
+        damaged[off] ^= 0xFF
+        (ds / fmt.DATA_FILE).write_bytes(damaged)
+        for argv in (["stats", ds], ["query", "--datastore", ds, "--tokens", "1,2"],
+                     ["index", "--quiet", "--append", "--out", ds, more],
+                     ["index", "--out", ds, "--delete", "1"]):
+            p = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=300)
+            assert p.returncode == 2, (off, argv, p.returncode, p.stderr)
+            lines = p.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"redraft {argv[0]}: error: "), p.stderr
+        assert (ds / fmt.DATA_FILE).read_bytes() == damaged

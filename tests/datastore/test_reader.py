@@ -187,6 +187,69 @@ def test_deleted_documents_are_invisible_to_every_verb(make_store, helpers):
         assert r.longest_match(only) == ref.longest(only)
 
 
+def _contexts(rng, docs, n):
+    """Contexts cut from the documents (deleted ones too) and a few random ones."""
+    out = []
+    for _ in range(n):
+        d = docs[int(rng.integers(len(docs)))]
+        end = int(rng.integers(1, len(d) + 1))
+        ctx = d[max(0, end - int(rng.integers(1, 20))):end]
+        if rng.random() < 0.1:
+            ctx = rng.integers(0, 6, size=len(ctx)).tolist()
+        out.append(ctx)
+    return out
+
+
+def test_deleted_documents_have_no_influence(make_store, helpers):
+    """A datastore with documents deleted answers exactly as one built from the documents
+    left: same trees (support counts and the shorter-suffix fallback included), counts and
+    next-token counts, on thousands of contexts, sampled or not."""
+    from redraft.datastore import delete_documents
+
+    rng = np.random.default_rng(21)
+    docs = helpers.random_docs(rng, 80, 6, max_len=120)
+    docs[1] = docs[1] + [5, 5, 5, 4, 4, 4, 3, 3, 3]  # a rare tail only deleted docs hold
+    docs[2] = docs[2] + [5, 5, 5, 4, 4, 4, 3, 3, 3]
+    deleted = make_store(docs, vocab=6)
+    delete_documents(deleted, [1, 2])
+    rebuilt = make_store([d for i, d in enumerate(docs) if i not in (1, 2)], vocab=6)
+    variants = [{}, {"min_match_len": 1, "max_occurrences": 40},
+                {"min_support": 60, "max_depth": 6}, {"min_support": 2, "budget": 8}]
+    with Reader(deleted, verify=True) as a, Reader(rebuilt) as b:
+        assert a.n_docs == b.n_docs and a.n_tokens == b.n_tokens
+        for ctx in _contexts(rng, docs, 3000):
+            for kw in variants:
+                assert a.propose(ctx, **kw) == b.propose(ctx, **kw), (ctx, kw)
+            tail = ctx[-3:]
+            assert a.count(tail) == b.count(tail) and a.longest_match(ctx) == b.longest_match(ctx)
+            assert a.next_token_counts(tail) == b.next_token_counts(tail), tail
+        assert a.count([5, 5, 5, 4, 4, 4, 3, 3, 3]) == 0
+
+
+def test_deleted_documents_are_gone_from_every_shard_and_the_file(make_store, helpers):
+    from redraft.datastore import delete_documents
+
+    rng = np.random.default_rng(22)
+    docs = helpers.random_docs(rng, 60, 6, max_len=60)
+    secret = list(range(900, 1000))  # ids no other document holds
+    docs[7] = docs[7] + secret
+    path = make_store(docs, vocab=1000, shard_tokens=300)
+    delete_documents(path, [7, 30, 31])
+    live = [d for i, d in enumerate(docs) if i not in (7, 30, 31)]
+    ref = helpers.Ref(live)
+    with Reader(path, verify=True) as r:
+        assert r.manifest["n_shards"] > 3
+        assert r.n_tokens == sum(map(len, live)) and r.doc_name(7) == "doc7"
+        for ctx in _contexts(rng, docs, 300):
+            tail = ctx[-3:]
+            assert r.count(tail) == ref.count(tail)
+            assert r.next_token_counts(tail) == ref.next_counts(tail)
+            assert r.longest_match(ctx) == ref.longest(ctx)
+        assert r.count(secret[:2]) == 0
+    raw = (path / "datastore.lmdb").read_bytes()
+    assert np.array(secret[:4], ">u2").tobytes() not in raw  # no stale copy in free pages
+
+
 def test_delete_validates_ids(make_store):
     from redraft.datastore import delete_documents
 
@@ -206,8 +269,10 @@ def test_bad_queries_raise_invalid_query(make_store):
                 r.propose(bad)
             with pytest.raises(InvalidQuery):
                 r.count(bad)
-        with pytest.raises(InvalidQuery, match="outside the vocabulary"):
+        with pytest.raises(InvalidQuery, match="token id 99 is out of range"):
             r.longest_match([0, 99])
+        with pytest.raises(InvalidQuery, match=f"token id {10**23} is out of range"):
+            r.count([1, 10**23])
         with pytest.raises(InvalidQuery, match="empty"):
             r.count([])
         with pytest.raises(InvalidQuery):

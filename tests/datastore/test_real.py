@@ -43,6 +43,15 @@ def test_manifest_records_the_tokenizer(real_store, tok):
             r.check_tokenizer("sha256:0000")
 
 
+def test_fingerprint_follows_the_vocabulary(tok):
+    import copy
+
+    more = copy.deepcopy(tok)
+    assert tokenizer_fingerprint(more) == tokenizer_fingerprint(tok)
+    more.add_tokens(["<redraft-test-token>"])
+    assert tokenizer_fingerprint(more) != tokenizer_fingerprint(tok)
+
+
 def test_real_sequences_match_brute_force(real_store, tok, helpers):
     out, docs = real_store
     ref = helpers.Ref(docs)

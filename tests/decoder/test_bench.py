@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from redraft.decoder.bench import (
     CATEGORIES,
     MULTI_TURN,
@@ -12,7 +13,10 @@ from redraft.decoder.bench import (
     HFMethod,
     Record,
     RedraftMethod,
+    conditions_note,
+    kernel_report,
     load_questions,
+    machine_state,
     markdown_table,
     parse_methods,
     run_bench,
@@ -79,15 +83,44 @@ def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
     assert rows[("redraft-pld", "qa")]["identical"] == "0/1"
     assert rows[("redraft-pld", "qa")]["max_gap_at_diff"] == 2e-5
     table = markdown_table(summarize(recs), ["hf-greedy", "redraft-pld"])
-    assert "| translation | redraft-pld | 2.50 | 20.0 | 2.00× | 1/1 |" in table
+    assert "| translation | redraft-pld | 2.50 | 20.0 | 2.00× | – | 1/1 |" in table
     write_outputs(tmp_path / "out", recs, summarize(recs), ["hf-greedy", "redraft-pld"], {})
     for name in ("records.jsonl", "summary.json", "summary.md", "speedup.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
 
 
+def test_repeats_give_each_speedup_a_median_and_range(tmp_path):
+    recs = []
+    for rep, (hf_s, pld_s) in enumerate([(10.0, 5.0), (10.0, 4.0), (12.0, 8.0)]):
+        # CPU time: what the process itself spent; the wall clock adds other jobs' turns
+        recs += [Record(1, "qa", "hf-greedy", 0, 100, 100, hf_s, repeat=rep, forwards=100,
+                        cpu_seconds=8.0),
+                 Record(1, "qa", "redraft-pld", 0, 100, 50, pld_s, identical=True, repeat=rep,
+                        forwards=51, packed_forwards=51, cpu_seconds=4.0)]
+    summary = summarize(recs)
+    assert summary["repeats"] == 3
+    row = {(r["method"], r["category"]): r for r in summary["rows"]}[("redraft-pld", "qa")]
+    assert row["speedup_runs"] == [2.0, 2.5, 1.5]
+    assert (row["speedup_median"], row["speedup_min"], row["speedup_max"]) == (2.0, 1.5, 2.5)
+    assert row["speedup"] == pytest.approx(32 / 17, abs=1e-3)  # pooled over all runs
+    assert row["forwards"] == row["packed_forwards"] == 153
+    assert row["cpu_speedup"] == 2.0 and row["cpu_speedup_runs"] == [2.0, 2.0, 2.0]
+    table = markdown_table(summary, ["hf-greedy", "redraft-pld"])
+    assert "median (min–max) of 3 runs" in table
+    assert "| qa | redraft-pld | 2.00 | 17.6 | 1.88× | 2.00× (1.50–2.50) | 2.00× | 3/3 |" in table
+    meta = {"machine_start": machine_state(), "machine_end": machine_state(),
+            "kernels": kernel_report(recs, None),
+            "cost_curve": {"source": "measured", "measure_seconds": 7.5, "corrections": 2}}
+    assert meta["kernels"]["forwards"]["hf-greedy"] == {"forwards": 300, "packed": 0}
+    note = conditions_note(meta)
+    assert "redraft-pld 153/153" in note and "measured at start in 7.5 s" in note
+    assert f"torch threads {torch.get_num_threads()}" in note
+
+
 @pytest.mark.slow
 def test_bench_on_the_default_model_is_token_identical(default_model, tmp_path):
     from redraft.decoder.generate import Generator
+    from redraft.decoder.kernels import packed_linears
     from redraft.decoder.registry import build_drafter
 
     model, tok = default_model
@@ -99,9 +132,19 @@ def test_bench_on_the_default_model_is_token_identical(default_model, tmp_path):
         HFMethod("hf-pld", model, tok, prompt_lookup_num_tokens=10),
         RedraftMethod("redraft-pld", Generator(model, tok, build_drafter("pld"))),
     ]
-    recs = run_bench(questions, methods, model, tok, max_new_tokens=12)
-    assert len(recs) == 3 * 3  # (2 turns + 1 turn) x 3 methods
+    recs = run_bench(questions, methods, model, tok, max_new_tokens=12, repeat=2)
+    assert len(recs) == 2 * 3 * 3  # 2 runs x (2 turns + 1 turn) x 3 methods
+    assert sorted({r.repeat for r in recs}) == [0, 1]
     hf = [r for r in recs if r.method == "hf-greedy"]
     assert all(r.identical for r in hf) and all(r.steps == r.new_tokens for r in hf)
     for r in recs:
         assert r.identical or (r.logit_gap is not None and r.logit_gap < 1e-3), r
+        assert r.prompt_tokens > 0 and r.forwards >= r.steps
+        # the kernels each forward really ran on: HF's always stock; redraft's counted, the
+        # prefill included, packed where they are the faster kind here (see test_kernels)
+        if r.method.startswith("hf-"):
+            assert r.packed_forwards == 0
+        else:
+            assert 0 <= r.packed_forwards <= r.forwards == r.steps + 1
+    if packed_linears(model) is not None:
+        assert sum(r.packed_forwards for r in recs) > 0

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.acceptance import Acceptance
 from redraft.decoder.budget import Calibrator, CostModel
+from redraft.decoder.drafters.pld import PLDDrafter
+from redraft.decoder.generate import Generator
 from redraft.decoder.tree import Tree
 
 from .conftest import CPU_COST, tiny_model
@@ -109,14 +113,56 @@ def test_a_per_step_overhead_makes_bigger_trees_worth_it():
     assert len(cpu.choose(tree, overhead=overhead)) == best > len(cpu.choose(tree))
 
 
+class SlowPLD(PLDDrafter):
+    """Prompt lookup taking 5 ms more per proposal: time spent outside the target's forward."""
+
+    def propose(self, context, budget):
+        time.sleep(0.005)
+        return super().propose(context, budget)
+
+
 def test_generator_learns_the_loops_overhead_per_step():
-    from redraft.datastore.tokenizer import load_tokenizer
-    from redraft.decoder.drafters.pld import PLDDrafter
-    from redraft.decoder.generate import Generator
+    # a pessimistic curve that is never corrected: the clip (one plain forward) never binds
+    curve = CostModel([1, 64], [1.0, 2.0], window=10**6)
+    gen = Generator(tiny_model(), load_tokenizer(None), SlowPLD(), cost=curve)
+    r = gen.generate([5, 9, 14, 3], max_new_tokens=40, eos=False)
+    assert 0 < r.stats.forward_seconds < r.stats.seconds
+    # 5 ms per step outside the forward, learned by a running average over ~40 steps
+    assert 0.002 < gen.step_overhead < 1.0
 
-    # a curve claiming forwards take a microsecond: every step's real time is overhead
-    fast = CostModel([1, 64], [1e-6, 2e-6])
-    gen = Generator(tiny_model(), load_tokenizer(None), PLDDrafter(), cost=fast)
-    gen.generate([5, 9, 14, 3], max_new_tokens=10, eos=False)
-    assert 0.0 < gen.step_overhead <= fast.cost(1)  # clipped to one plain forward
 
+def test_timed_forwards_correct_a_pessimistic_curve_everywhere():
+    true = CostModel([1, 2, 4, 8, 16, 64], [0.02, 0.021, 0.023, 0.027, 0.035, 0.09])
+    busy = CostModel(true.sizes, [3 * s for s in true.seconds])  # measured on a busy machine
+    for i in range(busy.window * 3):
+        for n in (1, 4):  # the sizes decoding used: load only ever adds time
+            busy.observe(n, true.cost(n) * (1.0 + 0.5 * (i % 3)))
+    assert busy.corrections >= 1
+    for n in (1, 4):
+        assert busy.cost(n) == pytest.approx(true.cost(n), rel=0.01)
+    # sizes no forward reached move with their observed neighbours: the shape is kept
+    for n in (8, 16, 64):
+        assert busy.cost(n) == pytest.approx(true.cost(n), rel=0.01)
+    # ... and an agreeing curve is left alone
+    steady = CostModel(true.sizes, list(true.seconds))
+    for i in range(steady.window * 4):
+        steady.observe(2, true.cost(2) * (1.0 + 0.1 * (i % 2)))
+    assert steady.corrections == 0 and steady.seconds == true.seconds
+
+
+def test_a_curve_cached_while_busy_is_corrected_and_written_back(tmp_path):
+    model = tiny_model("llama")
+    measured = CostModel.for_model(model, "tiny-busy", directory=tmp_path)
+    assert measured.source == "measured" and measured.measure_seconds > 0
+    path = measured.path
+    data = json.loads(path.read_text())
+    data["seconds"] = [100 * s for s in data["seconds"]]  # as if measured under heavy load
+    path.write_text(json.dumps(data))
+    busy = CostModel.for_model(model, "tiny-busy", directory=tmp_path)
+    assert busy.source == "cached" and busy.cost(1) == pytest.approx(100 * measured.cost(1))
+    # max_nodes=0: every step is a one-token forward, each one timed
+    gen = Generator(model, load_tokenizer(None), PLDDrafter(), cost=busy, max_nodes=0)
+    gen.generate([5, 9, 14, 3], max_new_tokens=4 * busy.window, eos=False)
+    assert busy.corrections >= 1 and busy.cost(1) < 25 * measured.cost(1)
+    again = CostModel.for_model(model, "tiny-busy", directory=tmp_path)
+    assert again.source == "cached" and again.seconds == pytest.approx(busy.seconds)

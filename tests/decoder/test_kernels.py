@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from redraft.decoder.kernels import packed_linears
+from redraft.decoder.kernels import KernelChoice, packed_calls, packed_linears
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
 
@@ -49,9 +51,36 @@ def test_verifier_tree_logits_match_with_and_without_packing():
     for packed in (True, False):
         v = TreeVerifier(model, packed_kernels=packed)
         assert (v.kernels is not None) == packed
+        v.choice = None  # packed for every forward
         v.prefill([3, 4, 9, 10])
         logits.append(v.tree_forward(11, tree).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+
+
+def test_verifier_counts_the_forwards_that_really_ran_packed():
+    model = tiny_model("llama", layers=2)
+    packed, stock = TreeVerifier(model), TreeVerifier(model, packed_kernels=False)
+    packed.choice = None
+    for v in (packed, stock):
+        before = packed_calls()
+        v.prefill([3, 4, 9])
+        v.tree_forward(10, Tree([5, 6], [-1, 0], [0.5, 0.5]))
+        v.commit([0])
+        assert v.forwards == 2 and v.last_forward_seconds > 0
+        ran = packed_calls() - before
+        if v is packed:  # every linear layer of both forwards ran packed (prefill: no LM head)
+            assert v.packed_forwards == 2 and ran == 2 * len(v.kernels.forwards) - 1
+        else:
+            assert v.packed_forwards == 0 and ran == 0
+    assert packed.kernels.pack_seconds > 0 and packed.kernels.repacked == 0
+
+
+def test_forward_costs_leave_out_time_the_process_was_not_running():
+    v = TreeVerifier(tiny_model("llama"))
+    assert torch.get_num_threads() == 1  # conftest: one thread, so CPU time is the clock
+    start = v.cost_clock()
+    time.sleep(0.2)  # as if another process held the core
+    assert v.cost_clock() - start < 0.05
 
 
 def test_weights_changed_after_packing_are_repacked_at_the_next_generation():
@@ -63,7 +92,44 @@ def test_weights_changed_after_packing_are_repacked_at_the_next_generation():
         model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
             torch.randn_like(model.model.layers[0].mlp.down_proj.weight))  # replaced
     verifier.prefill([3, 4, 5])
+    assert verifier.kernels.repacked == 2
     fast = verifier.tree_forward(6, Tree()).logits
     with torch.inference_mode():
         stock = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits[0, -1:]
     torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_choice_follows_the_faster_kind_per_size_and_keeps_checking():
+    choice = KernelChoice(explore=8)
+    cost = {(1, True): 1.2, (1, False): 1.0, (8, True): 1.5, (8, False): 2.5}  # a loaded CPU
+
+    def run(n: int) -> bool:
+        packed = choice.packed(n)
+        choice.record(n, packed, cost[(n, packed)])
+        return packed
+
+    first = [run(1) for _ in range(4)]
+    assert first == [True, True, False, False]  # both kinds measured, packed first
+    ones, eights = [run(1) for _ in range(40)], [run(8) for _ in range(68)][4:]
+    # one in 8 tries the other kind; one in 32 where that kind was over 25% slower
+    assert ones.count(True) == 5 and eights.count(False) == 2
+    assert choice.summary() == {"1": "stock", "8-15": "packed"}
+    cost[(1, True)] = 0.8  # the other jobs stopped: packed is faster again at one token
+    assert [run(1) for _ in range(40)][-8:].count(True) >= 7
+
+
+def test_verifier_runs_each_forward_on_the_chosen_kernels():
+    model = tiny_model("llama", layers=2)
+    v = TreeVerifier(model)
+    for _ in range(2):  # one-token forwards measured faster on stock, tree forwards on packed
+        for n, packed, seconds in ((1, True, 2.0), (1, False, 1.0), (3, True, 1.0),
+                                   (3, False, 2.0)):
+            v.choice.record(n, packed, seconds)
+    v.prefill([3, 4, 9])
+    before = v.packed_forwards
+    v.tree_forward(10, Tree())
+    v.commit([])
+    assert v.packed_forwards == before  # stock
+    v.tree_forward(10, Tree([5, 6], [-1, 0], [0.5, 0.5]))
+    v.commit([0])
+    assert v.packed_forwards == before + 1  # packed
