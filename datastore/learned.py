@@ -75,9 +75,6 @@ class LearnedIndex:
         self._next_id = 0
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return self.n_tokens
-
     def _pool(self, tenant: str) -> dict[int, list[int]]:
         name = "" if self.shared else tenant
         pool = self._pools.get(name)

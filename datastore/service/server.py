@@ -487,9 +487,10 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             latency_p50_us=s.percentile_us(0.5),
             latency_p99_us=s.percentile_us(0.99),
             uptime_s=time.time() - s.started,
-            stats_json=s.to_json({"limits": limits, "datastore_tokens": int(
-                getattr(self.reader, "n_tokens", 0) or 0), "checksums": self.verification,
-                "learn": self.config.learn, **(self.learned.stats() if self.learned else {})}),
+            stats_json=s.to_json({
+                "limits": limits, "datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
+                "checksums": self.verification, "learn": self.config.learn,
+                **(self.learned.stats() if self.learned is not None else {})}),
         )
 
     @property

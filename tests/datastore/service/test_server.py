@@ -120,7 +120,7 @@ def test_info_reports_the_manifest(client, reader):
     assert info.corpora["b"]["n_docs"] == len(DOCS_B)
     assert info.limits["max_budget"] == ServiceConfig().max_budget
     assert info.manifest["n_tokens"] == reader.n_tokens
-    assert info.format_version == reader.manifest["version"] == 1
+    assert info.format_version == reader.manifest["version"] > 0
 
 
 def test_propose_equals_in_process_reader(client, reader):
@@ -424,9 +424,9 @@ def test_malformed_protobuf_is_invalid_argument(server, client, method):
 def flip_byte_in_tokens(path: str) -> None:
     """Damage a token array where opening does not look (opening checks sizes, not crc32)."""
     with Reader(path) as r:
-        shard = r.manifest["shards"][0]
-        offset = int(shard["offsets"]["tokens"]) + 10
         data_file = r.file
+    with open(data_file, "rb") as f:  # the first document, as stored: big-endian uint16
+        offset = f.read().index(b"".join(t.to_bytes(2, "big") for t in DOCS_A[0][:8])) + 10
     with open(data_file, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
