@@ -7,7 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint proto demo bench bench-datastore stdlib-datastore default-datastore clean
+.PHONY: install test lint proto demo bench bench-samples bench-datastore stdlib-datastore \
+	default-datastore clean
 
 install: $(STAMP)
 
@@ -52,7 +53,8 @@ $(STDLIB_DS)/datastore.lmdb: | $(STAMP)
 DEMO_PORT ?= 50151
 demo: install $(STDLIB_DS)/datastore.lmdb
 	@set -e; \
-	$(VENV)/bin/redraft serve --datastore $(STDLIB_DS) --port $(DEMO_PORT) & SERVE=$$!; \
+	$(VENV)/bin/redraft serve --datastore $(STDLIB_DS) --port $(DEMO_PORT) \
+		--learn-persist-seconds 0 & SERVE=$$!; \
 	trap 'kill $$SERVE 2>/dev/null || true; wait $$SERVE 2>/dev/null || true' EXIT INT TERM; \
 	for i in $$(seq 1 120); do \
 		$(VENV)/bin/redraft stats --server 127.0.0.1:$(DEMO_PORT) >/dev/null 2>&1 && break; \
@@ -82,6 +84,13 @@ SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl
 bench: install $(DEFAULT_DS)/datastore.lmdb
 	$(VENV)/bin/redraft bench --questions $(SPEC_BENCH) --datastore $(DEFAULT_DS) \
 		--per-category 10 --max-new-tokens 128 --threads 1 --out bench-out/spec_bench
+
+# Repeated sampling (best-of-N): Spec-Bench's math and coding questions, each answered 8 times
+# at temperature 0.8, the default drafters with and without learned drafts, interleaved.
+bench-samples: install $(DEFAULT_DS)/datastore.lmdb
+	$(VENV)/bin/redraft bench --questions $(SPEC_BENCH) --datastore $(DEFAULT_DS) \
+		--samples 8 --temperature 0.8 --per-category 10 --max-new-tokens 128 --threads 1 \
+		--out bench-out/samples
 
 # The datastore benchmark (builds its own held-out datastores under bench-out/).
 bench-datastore: install

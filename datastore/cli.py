@@ -14,7 +14,7 @@ import time
 
 from redraft.datastore.errors import InvalidQuery, RedraftError
 
-COMMANDS = ("index", "query", "stats")  # `serve` comes from service_cli
+COMMANDS = ("index", "query", "stats")  # `serve` comes from redraft.datastore.service.cli
 
 
 def register(sub: argparse._SubParsersAction, command: str | None = None) -> None:
@@ -79,9 +79,9 @@ def register(sub: argparse._SubParsersAction, command: str | None = None) -> Non
     if command in COMMANDS:
         return
     try:
-        from redraft.datastore import service_cli
+        from redraft.datastore.service import cli as service_cli
     except ModuleNotFoundError as exc:
-        if exc.name != "redraft.datastore.service_cli":
+        if exc.name not in ("redraft.datastore.service", "redraft.datastore.service.cli"):
             raise
     else:
         service_cli.register(sub)
@@ -195,7 +195,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from redraft.datastore.reader import Reader
 
     if args.server:
-        from redraft.datastore.service_cli import print_server_stats
+        from redraft.datastore.service.cli import print_server_stats
 
         return print_server_stats(args.server)
     if not args.datastore:

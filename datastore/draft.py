@@ -2,7 +2,7 @@
 
 Flat arrays as in the README: `parents[i] == -1` means node i follows the context's last
 token, parents come before children, `probs[i]` is the estimated probability that node i is
-accepted given that its parent was, `sources[i]` names who proposed it ("rest", "pld", or
+accepted given that its parent was, `sources[i]` names who proposed it ("rest", "pld", "learned", or
 several joined by "+" where sources agreed). The decoder uses this type as `Tree`; the service
 converts it 1:1 to the proto `Tree`. Flat arrays let the verifier build its mask and
 positions with no pointer chasing.
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 REST = "rest"
 PLD = "pld"
+LEARNED = "learned"
 
 # On the wire (proto enum redraft.v1.Source) each source is one bit, and a node that several
 # sources proposed carries their OR (REST | PLD = 3 is "pld+rest").
-SOURCE_BITS = {REST: 1, PLD: 2}
+SOURCE_BITS = {REST: 1, PLD: 2, LEARNED: 4}
 
 
 def source_bits(label: str) -> int:

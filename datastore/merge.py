@@ -7,13 +7,16 @@ prefixes are merged: a token two sources agree on is one node.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from redraft.datastore.draft import Draft, path_and_depth, take_top
 
 
+@functools.lru_cache(maxsize=256)
 def join_sources(a: str, b: str) -> str:
-    """The label of a node both `a` and `b` proposed, e.g. "pld+rest" (sorted, no repeats)."""
+    """The label of a node both `a` and `b` proposed, e.g. "pld+rest" (sorted, no repeats;
+    cached: there are few labels and merging asks for them once per shared node)."""
     if a == b:
         return a
     return "+".join(sorted(set(a.split("+")) | set(b.split("+"))))

@@ -22,7 +22,7 @@ import os
 import sys
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from pyroaring import BitMap
@@ -381,6 +381,20 @@ class Reader:
             if sh.first_doc <= doc_id < sh.first_doc + sh.n_docs:
                 return self.shard_names(sh.id)[doc_id - sh.first_doc]
         raise InvalidQuery(f"document id {doc_id} out of range [0, {self.n_docs_total})")
+
+    def documents(self, corpus: str, newest_first: bool = False
+                  ) -> Iterator[tuple[int, str, list[int]]]:
+        """(doc_id, name, token ids) of every live document of `corpus`, in id order or
+        newest first (e.g. to reload only the most recent ones)."""
+        shards = self._select([corpus])
+        for sh in reversed(shards) if newest_first else shards:
+            names = self.shard_names(sh.id)
+            local = range(sh.n_docs - 1, -1, -1) if newest_first else range(sh.n_docs)
+            for i in local:
+                if sh.first_doc + i in self.deleted:
+                    continue
+                start, end = int(sh.docs[i]), int(sh.docs[i + 1]) - 1  # minus the separator
+                yield sh.first_doc + i, names[i], sh.tokens[start:end].tolist()
 
     def _longest(self, arr: np.ndarray, key: bytes, shards: list[_Shard], min_len: int
                  ) -> tuple[int, list[tuple[_Shard, int, int]]]:

@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -482,7 +483,11 @@ def redraft_methods() -> dict[str, str]:
 
 
 def method_drafters(method: str) -> str | None:
-    """The drafter names of a redraft method, None for an unknown method."""
+    """The drafter names of a redraft method, None for an unknown method (`X-nolearn` is X
+    with learned drafts off)."""
+    from redraft.decoder.bench_samples import split_learning
+
+    method = split_learning(method)[0]
     known = redraft_methods()
     if method in known:
         return known[method]
@@ -512,9 +517,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run every question N times, interleaved; report each speed-up's "
                    "median and range over the runs")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
+    p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {', '.join([*HF_METHODS, *redraft_methods()])}"
-                   ", or redraft-A+B for any combination of drafters")
+                   ", or redraft-A+B for any combination of drafters; X-nolearn is X without "
+                   f"learned drafts (default {DEFAULT_METHODS}; with --samples "
+                   "redraft-default,redraft-default-nolearn)")
+    p.add_argument("--samples", type=int, default=1, metavar="N",
+                   help="answer each math and coding question N times with sampling at "
+                   "--temperature, methods interleaved; tokens per forward reported on sample "
+                   "1 and samples 2..N (default 1: greedy Spec-Bench)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature with --samples (default %(default)s)")
     rest = p.add_mutually_exclusive_group()
     rest.add_argument("--datastore", metavar="DIR", help="datastore for the rest drafters")
     rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
@@ -554,18 +567,26 @@ def parse_methods(spec: str, has_retrieval: bool) -> list[str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from redraft.decoder.bench_samples import drafter_options
     from redraft.decoder.generate import Generator
     from redraft.decoder.models import load_model
     from redraft.decoder.registry import build_drafter, options_from_args
     from tqdm import tqdm
 
+    if args.samples < 1:
+        raise BenchError(f"--samples must be at least 1, got {args.samples}")
+    if args.samples > 1:
+        from redraft.decoder import bench_samples
+
+        return bench_samples.run_command(args)
     if args.max_new_tokens <= 0:
         raise BenchError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.per_category < 0:
         raise BenchError(f"--per-category must be >= 0, got {args.per_category}")
     if args.repeat < 1:
         raise BenchError(f"--repeat must be >= 1, got {args.repeat}")
-    names = parse_methods(args.methods, bool(args.datastore or args.draft_service))
+    names = parse_methods(args.methods or DEFAULT_METHODS,
+                          bool(args.datastore or args.draft_service))
     questions = load_questions(args.questions, args.per_category or None)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -584,6 +605,7 @@ def run_command(args: argparse.Namespace) -> int:
                                    choose_kernels=not args.always_packed)
     methods: list[Method] = []
     drafters = []
+    run_id = uuid.uuid4().hex[:12]
     for name in names:
         if name in HF_METHODS:
             methods.append(HFMethod(name, model, tokenizer,
@@ -592,7 +614,7 @@ def run_command(args: argparse.Namespace) -> int:
         drafter = build_drafter(method_drafters(name), model=model, tokenizer=tokenizer,
                                 model_name=model_name,
                                 datastore=args.datastore, draft_service=args.draft_service,
-                                options=options_from_args(args))
+                                options=drafter_options(name, options_from_args(args), run_id))
         drafters.append(drafter)
         methods.append(RedraftMethod(name, Generator(
             model, tokenizer, drafter, model_name=model_name, cost=cost,

@@ -353,9 +353,10 @@ class Generator:
                 shown.append(stops.feed(text.push(new)))
                 if stops.stopped:
                     finish = "stop"
-                if drafter_ok and finish == "length" and len(out) < max_new:
+                if drafter_ok:  # the last step's tokens too: drafters that learn keep them
                     drafter_ok = self._safe(stats, drafter.update, new)
-                    if drafter_ok and acc.hidden is not None and len(new) == len(acc.tokens):
+                if drafter_ok and finish == "length" and len(out) < max_new:
+                    if acc.hidden is not None and len(new) == len(acc.tokens):
                         drafter_ok = self._safe(stats, drafter.observe_hidden, context,
                                                 acc.hidden)
                 if cost is not None:

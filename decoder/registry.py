@@ -91,8 +91,17 @@ REGISTRY: dict[str, DrafterSpec] = {
         DrafterSpec("pld", "prompt lookup in the prompt and the output so far",
                     "redraft.decoder.drafters.pld:make"),
         DrafterSpec("rest", "retrieval from a datastore (--datastore) or a draft service "
-                    "(--draft-service)", "redraft.decoder.drafters.rest:make",
-                    needs_retrieval=True),
+                    "(--draft-service), and outputs learned from earlier generations",
+                    "redraft.decoder.drafters.rest:make", needs_retrieval=True, options=(
+                        Option("learn", "also draft from earlier outputs: this process's "
+                               "(--datastore) or the draft service's (on or off)", "on",
+                               metavar="on|off"),
+                        Option("learn-max-tokens", "tokens of outputs kept for learned "
+                               "drafts in this process (--datastore)", 1_000_000, int, "N"),
+                        Option("tenant", "tenant whose outputs the draft service learns "
+                               "and drafts (without auth; with auth, a subdivision)", "",
+                               metavar="NAME"),
+                    )),
         DrafterSpec("recycle", "token recycling: the target's own earlier top-k per token",
                     "redraft.decoder.drafters.recycle:make"),
     )

@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19redraft/proto/draft.proto\x12\nredraft.v1\"\x94\x01\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12#\n\x07sources\x18\x03 \x03(\x0e\x32\x12.redraft.v1.Source\x12\x0f\n\x07\x63orpora\x18\x04 \x03(\t\x12\x15\n\rmin_match_len\x18\x05 \x01(\r\x12\x15\n\rmax_match_len\x18\x06 \x01(\r\"[\n\x04Tree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12#\n\x07sources\x18\x04 \x03(\x0e\x32\x12.redraft.v1.Source\"q\n\nDraftReply\x12\x1e\n\x04tree\x18\x01 \x01(\x0b\x32\x10.redraft.v1.Tree\x12\x11\n\tmatch_len\x18\x02 \x01(\r\x12\x19\n\x11\x65xpected_accepted\x18\x03 \x01(\x02\x12\x15\n\rpld_match_len\x18\x04 \x01(\r\"e\n\x0bSessionOpen\x12\x0e\n\x06prompt\x18\x01 \x03(\x05\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.redraft.v1.DraftParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\"/\n\x0bSessionStep\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\"j\n\x0eSessionRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.redraft.v1.SessionOpenH\x00\x12\'\n\x04step\x18\x02 \x01(\x0b\x32\x17.redraft.v1.SessionStepH\x00\x42\x06\n\x04kind\"^\n\x0cSessionReply\x12%\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x16.redraft.v1.DraftReply\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\x04\"i\n\x0eProposeRequest\x12\x0f\n\x07\x63ontext\x18\x01 \x03(\x05\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.redraft.v1.DraftParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\"\r\n\x0bInfoRequest\"8\n\x06\x43orpus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06n_docs\x18\x02 \x01(\x04\x12\x10\n\x08n_tokens\x18\x03 \x01(\x04\"~\n\x06Limits\x12\x17\n\x0fmax_context_len\x18\x01 \x01(\x04\x12\x12\n\nmax_budget\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x04 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x04\"\x82\x02\n\tInfoReply\x12\x1d\n\x15tokenizer_fingerprint\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08n_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06n_docs\x18\x05 \x01(\x04\x12\x10\n\x08n_shards\x18\x06 \x01(\r\x12#\n\x07\x63orpora\x18\x07 \x03(\x0b\x32\x12.redraft.v1.Corpus\x12\x16\n\x0e\x66ormat_version\x18\x08 \x01(\r\x12\x15\n\rmanifest_json\x18\t \x01(\t\x12\"\n\x06limits\x18\n \x01(\x0b\x32\x12.redraft.v1.Limits\"\x0e\n\x0cStatsRequest\"\xc4\x01\n\nStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x17\n\x0fsessions_active\x18\x03 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x16\n\x0elatency_p50_us\x18\x06 \x01(\x01\x12\x16\n\x0elatency_p99_us\x18\x07 \x01(\x01\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x12\n\nstats_json\x18\t \x01(\t*A\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSOURCE_REST\x10\x01\x12\x0e\n\nSOURCE_PLD\x10\x02\x32\x80\x02\n\x07\x44rafter\x12\x43\n\x07Session\x12\x1a.redraft.v1.SessionRequest\x1a\x18.redraft.v1.SessionReply(\x01\x30\x01\x12=\n\x07Propose\x12\x1a.redraft.v1.ProposeRequest\x1a\x16.redraft.v1.DraftReply\x12\x36\n\x04Info\x12\x17.redraft.v1.InfoRequest\x1a\x15.redraft.v1.InfoReply\x12\x39\n\x05Stats\x12\x18.redraft.v1.StatsRequest\x1a\x16.redraft.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19redraft/proto/draft.proto\x12\nredraft.v1\"\x94\x01\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12#\n\x07sources\x18\x03 \x03(\x0e\x32\x12.redraft.v1.Source\x12\x0f\n\x07\x63orpora\x18\x04 \x03(\t\x12\x15\n\rmin_match_len\x18\x05 \x01(\r\x12\x15\n\rmax_match_len\x18\x06 \x01(\r\"[\n\x04Tree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12#\n\x07sources\x18\x04 \x03(\x0e\x32\x12.redraft.v1.Source\"\x8c\x01\n\nDraftReply\x12\x1e\n\x04tree\x18\x01 \x01(\x0b\x32\x10.redraft.v1.Tree\x12\x11\n\tmatch_len\x18\x02 \x01(\r\x12\x19\n\x11\x65xpected_accepted\x18\x03 \x01(\x02\x12\x15\n\rpld_match_len\x18\x04 \x01(\r\x12\x19\n\x11learned_match_len\x18\x05 \x01(\r\"u\n\x0bSessionOpen\x12\x0e\n\x06prompt\x18\x01 \x03(\x05\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.redraft.v1.DraftParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\"/\n\x0bSessionStep\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\"j\n\x0eSessionRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.redraft.v1.SessionOpenH\x00\x12\'\n\x04step\x18\x02 \x01(\x0b\x32\x17.redraft.v1.SessionStepH\x00\x42\x06\n\x04kind\"^\n\x0cSessionReply\x12%\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x16.redraft.v1.DraftReply\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\x04\"y\n\x0eProposeRequest\x12\x0f\n\x07\x63ontext\x18\x01 \x03(\x05\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.redraft.v1.DraftParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\"\r\n\x0bInfoRequest\"8\n\x06\x43orpus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06n_docs\x18\x02 \x01(\x04\x12\x10\n\x08n_tokens\x18\x03 \x01(\x04\"~\n\x06Limits\x12\x17\n\x0fmax_context_len\x18\x01 \x01(\x04\x12\x12\n\nmax_budget\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x04 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x04\"\x91\x02\n\tInfoReply\x12\x1d\n\x15tokenizer_fingerprint\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08n_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06n_docs\x18\x05 \x01(\x04\x12\x10\n\x08n_shards\x18\x06 \x01(\r\x12#\n\x07\x63orpora\x18\x07 \x03(\x0b\x32\x12.redraft.v1.Corpus\x12\x16\n\x0e\x66ormat_version\x18\x08 \x01(\r\x12\x15\n\rmanifest_json\x18\t \x01(\t\x12\"\n\x06limits\x18\n \x01(\x0b\x32\x12.redraft.v1.Limits\x12\r\n\x05learn\x18\x0b \x01(\t\"\x0e\n\x0cStatsRequest\"\xc4\x01\n\nStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x17\n\x0fsessions_active\x18\x03 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x16\n\x0elatency_p50_us\x18\x06 \x01(\x01\x12\x16\n\x0elatency_p99_us\x18\x07 \x01(\x01\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x12\n\nstats_json\x18\t \x01(\t*U\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSOURCE_REST\x10\x01\x12\x0e\n\nSOURCE_PLD\x10\x02\x12\x12\n\x0eSOURCE_LEARNED\x10\x04\x32\x80\x02\n\x07\x44rafter\x12\x43\n\x07Session\x12\x1a.redraft.v1.SessionRequest\x1a\x18.redraft.v1.SessionReply(\x01\x30\x01\x12=\n\x07Propose\x12\x1a.redraft.v1.ProposeRequest\x1a\x16.redraft.v1.DraftReply\x12\x36\n\x04Info\x12\x17.redraft.v1.InfoRequest\x1a\x15.redraft.v1.InfoReply\x12\x39\n\x05Stats\x12\x18.redraft.v1.StatsRequest\x1a\x16.redraft.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'redraft.proto.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SOURCE']._serialized_start=1540
-  _globals['_SOURCE']._serialized_end=1605
+  _globals['_SOURCE']._serialized_start=1615
+  _globals['_SOURCE']._serialized_end=1700
   _globals['_DRAFTPARAMS']._serialized_start=42
   _globals['_DRAFTPARAMS']._serialized_end=190
   _globals['_TREE']._serialized_start=192
   _globals['_TREE']._serialized_end=283
-  _globals['_DRAFTREPLY']._serialized_start=285
-  _globals['_DRAFTREPLY']._serialized_end=398
-  _globals['_SESSIONOPEN']._serialized_start=400
-  _globals['_SESSIONOPEN']._serialized_end=501
-  _globals['_SESSIONSTEP']._serialized_start=503
-  _globals['_SESSIONSTEP']._serialized_end=550
-  _globals['_SESSIONREQUEST']._serialized_start=552
-  _globals['_SESSIONREQUEST']._serialized_end=658
-  _globals['_SESSIONREPLY']._serialized_start=660
-  _globals['_SESSIONREPLY']._serialized_end=754
-  _globals['_PROPOSEREQUEST']._serialized_start=756
-  _globals['_PROPOSEREQUEST']._serialized_end=861
-  _globals['_INFOREQUEST']._serialized_start=863
-  _globals['_INFOREQUEST']._serialized_end=876
-  _globals['_CORPUS']._serialized_start=878
-  _globals['_CORPUS']._serialized_end=934
-  _globals['_LIMITS']._serialized_start=936
-  _globals['_LIMITS']._serialized_end=1062
-  _globals['_INFOREPLY']._serialized_start=1065
-  _globals['_INFOREPLY']._serialized_end=1323
-  _globals['_STATSREQUEST']._serialized_start=1325
-  _globals['_STATSREQUEST']._serialized_end=1339
-  _globals['_STATSREPLY']._serialized_start=1342
-  _globals['_STATSREPLY']._serialized_end=1538
-  _globals['_DRAFTER']._serialized_start=1608
-  _globals['_DRAFTER']._serialized_end=1864
+  _globals['_DRAFTREPLY']._serialized_start=286
+  _globals['_DRAFTREPLY']._serialized_end=426
+  _globals['_SESSIONOPEN']._serialized_start=428
+  _globals['_SESSIONOPEN']._serialized_end=545
+  _globals['_SESSIONSTEP']._serialized_start=547
+  _globals['_SESSIONSTEP']._serialized_end=594
+  _globals['_SESSIONREQUEST']._serialized_start=596
+  _globals['_SESSIONREQUEST']._serialized_end=702
+  _globals['_SESSIONREPLY']._serialized_start=704
+  _globals['_SESSIONREPLY']._serialized_end=798
+  _globals['_PROPOSEREQUEST']._serialized_start=800
+  _globals['_PROPOSEREQUEST']._serialized_end=921
+  _globals['_INFOREQUEST']._serialized_start=923
+  _globals['_INFOREQUEST']._serialized_end=936
+  _globals['_CORPUS']._serialized_start=938
+  _globals['_CORPUS']._serialized_end=994
+  _globals['_LIMITS']._serialized_start=996
+  _globals['_LIMITS']._serialized_end=1122
+  _globals['_INFOREPLY']._serialized_start=1125
+  _globals['_INFOREPLY']._serialized_end=1398
+  _globals['_STATSREQUEST']._serialized_start=1400
+  _globals['_STATSREQUEST']._serialized_end=1414
+  _globals['_STATSREPLY']._serialized_start=1417
+  _globals['_STATSREPLY']._serialized_end=1613
+  _globals['_DRAFTER']._serialized_start=1703
+  _globals['_DRAFTER']._serialized_end=1959
 # @@protoc_insertion_point(module_scope)

@@ -12,9 +12,11 @@ class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SOURCE_UNSPECIFIED: _ClassVar[Source]
     SOURCE_REST: _ClassVar[Source]
     SOURCE_PLD: _ClassVar[Source]
+    SOURCE_LEARNED: _ClassVar[Source]
 SOURCE_UNSPECIFIED: Source
 SOURCE_REST: Source
 SOURCE_PLD: Source
+SOURCE_LEARNED: Source
 
 class DraftParams(_message.Message):
     __slots__ = ("budget", "max_depth", "sources", "corpora", "min_match_len", "max_match_len")
@@ -45,26 +47,30 @@ class Tree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., sources: _Optional[_Iterable[_Union[Source, str]]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("tree", "match_len", "expected_accepted", "pld_match_len")
+    __slots__ = ("tree", "match_len", "expected_accepted", "pld_match_len", "learned_match_len")
     TREE_FIELD_NUMBER: _ClassVar[int]
     MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     PLD_MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
     tree: Tree
     match_len: int
     expected_accepted: float
     pld_match_len: int
-    def __init__(self, tree: _Optional[_Union[Tree, _Mapping]] = ..., match_len: _Optional[int] = ..., expected_accepted: _Optional[float] = ..., pld_match_len: _Optional[int] = ...) -> None: ...
+    learned_match_len: int
+    def __init__(self, tree: _Optional[_Union[Tree, _Mapping]] = ..., match_len: _Optional[int] = ..., expected_accepted: _Optional[float] = ..., pld_match_len: _Optional[int] = ..., learned_match_len: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("prompt", "params", "tokenizer_fingerprint")
+    __slots__ = ("prompt", "params", "tokenizer_fingerprint", "tenant")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     prompt: _containers.RepeatedScalarFieldContainer[int]
     params: DraftParams
     tokenizer_fingerprint: str
-    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SessionStep(_message.Message):
     __slots__ = ("accepted", "budget")
@@ -93,14 +99,16 @@ class SessionReply(_message.Message):
     def __init__(self, draft: _Optional[_Union[DraftReply, _Mapping]] = ..., session_id: _Optional[str] = ..., context_len: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("context", "params", "tokenizer_fingerprint")
+    __slots__ = ("context", "params", "tokenizer_fingerprint", "tenant")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     params: DraftParams
     tokenizer_fingerprint: str
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -131,7 +139,7 @@ class Limits(_message.Message):
     def __init__(self, max_context_len: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("tokenizer_fingerprint", "tokenizer_name", "vocab_size", "n_tokens", "n_docs", "n_shards", "corpora", "format_version", "manifest_json", "limits")
+    __slots__ = ("tokenizer_fingerprint", "tokenizer_name", "vocab_size", "n_tokens", "n_docs", "n_shards", "corpora", "format_version", "manifest_json", "limits", "learn")
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +150,7 @@ class InfoReply(_message.Message):
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    LEARN_FIELD_NUMBER: _ClassVar[int]
     tokenizer_fingerprint: str
     tokenizer_name: str
     vocab_size: int
@@ -152,7 +161,8 @@ class InfoReply(_message.Message):
     format_version: int
     manifest_json: str
     limits: Limits
-    def __init__(self, tokenizer_fingerprint: _Optional[str] = ..., tokenizer_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_tokens: _Optional[int] = ..., n_docs: _Optional[int] = ..., n_shards: _Optional[int] = ..., corpora: _Optional[_Iterable[_Union[Corpus, _Mapping]]] = ..., format_version: _Optional[int] = ..., manifest_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    learn: str
+    def __init__(self, tokenizer_fingerprint: _Optional[str] = ..., tokenizer_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_tokens: _Optional[int] = ..., n_docs: _Optional[int] = ..., n_shards: _Optional[int] = ..., corpora: _Optional[_Iterable[_Union[Corpus, _Mapping]]] = ..., format_version: _Optional[int] = ..., manifest_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., learn: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -6,6 +6,11 @@ project's own sources, which are not in the standard-library datastore) as a dec
 would: open a session with a prompt, then send 1-4 "accepted" tokens per step.
 
     python tools/bench_service.py --datastore data/stdlib
+
+Learning is on as `redraft serve` has it (every session's accepted tokens are learned and
+drafted back, source `learned`), bounded by --learn-max-tokens and never persisted here.
+`--baseline` also starts a server with learning off and alternates the one-session phase's
+steps between the two, so the latency ratio is measured under the same load.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from redraft.datastore.client import DraftClient, DraftParams
+from redraft.datastore.service.client import DraftClient, DraftParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,24 +60,40 @@ def pct(values: list[float], q: float) -> float:
 def run_session(address: str, docs: list[list[int]], fp: str, params: DraftParams, seed: int,
                 until: float, max_steps: int, own: bool = False) -> dict:
     """Replay documents as one decoder would; returns step latencies (s) and tree sizes."""
+    return run_sessions([address], docs, fp, [params], seed, until, max_steps, own)[0]
+
+
+def run_sessions(addresses: list[str], docs: list[list[int]], fp: str,
+                 params: list[DraftParams], seed: int, until: float, max_steps: int,
+                 own: bool = False) -> list[dict]:
+    """The same replay on several servers at once, one step on each in turn (so they share
+    whatever load the machine has); per server: step latencies (s), tree sizes, hits."""
     rng = random.Random(seed)
-    lat: list[float] = []
-    nodes = hits = 0
-    with DraftClient(address, timeout=10, own_connection=own) as c:
-        while time.monotonic() < until and len(lat) < max_steps:
+    out = [{"lat": [], "nodes": 0, "hits": 0} for _ in addresses]
+    clients = [DraftClient(a, timeout=10, own_connection=own) for a in addresses]
+    try:
+        while time.monotonic() < until and len(out[0]["lat"]) < max_steps:
             doc = docs[rng.randrange(len(docs))]
             start = rng.randrange(0, len(doc) - 300)
             pos = start + 128
-            with c.session(doc[start:pos], params, fp) as s:
-                while pos < len(doc) - 4 and time.monotonic() < until and len(lat) < max_steps:
-                    k = rng.choice((1, 1, 2, 2, 3, 4))
+            sessions = [c.session(doc[start:pos], p, fp).__enter__()
+                        for c, p in zip(clients, params)]
+            while (pos < len(doc) - 4 and time.monotonic() < until
+                   and len(out[0]["lat"]) < max_steps):
+                k = rng.choice((1, 1, 2, 2, 3, 4))
+                for s, o in zip(sessions, out):
                     t0 = time.perf_counter()
                     d = s.step(doc[pos : pos + k])
-                    lat.append(time.perf_counter() - t0)
-                    nodes += len(d)
-                    hits += len(d) > 0
-                    pos += k
-    return {"lat": lat, "nodes": nodes, "hits": hits}
+                    o["lat"].append(time.perf_counter() - t0)
+                    o["nodes"] += len(d)
+                    o["hits"] += len(d) > 0
+                pos += k
+            for s in sessions:
+                s.close()
+    finally:
+        for c in clients:
+            c.close()
+    return out
 
 
 def _client_proc(args: tuple) -> dict:
@@ -112,6 +133,29 @@ def rss_mib(proc: psutil.Process) -> float:
     return total / 2**20
 
 
+def quarters(samples: list) -> list:
+    """The samples at the end of each quarter of the run."""
+    n = len(samples)
+    return [samples[min(n - 1, q * n // 4)] for q in range(1, 5)] if n else []
+
+
+def start_server(args, learn: str) -> tuple[subprocess.Popen, str]:
+    """`redraft serve` on a free port (learned outputs stay in memory: never persisted)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", args.datastore,
+         "--port", str(port), "--workers", str(args.workers), "--max-budget",
+         str(max(1024, args.budget)), "--learn", learn, "--learn-max-tokens",
+         str(args.learn_max_tokens), "--learn-persist-seconds", "0"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    for _ in range(args.workers):
+        if "listening" not in proc.stdout.readline():
+            proc.kill()
+            raise SystemExit("server did not start")
+    return proc, f"127.0.0.1:{port}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datastore", default=os.path.join(ROOT, "data", "stdlib"))
@@ -122,41 +166,45 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=15.0, help="concurrent phase length")
+    ap.add_argument("--learn", choices=("tenant", "global", "off"), default="tenant",
+                    help="the server's learning (sessions ask for learned drafts unless off)")
+    ap.add_argument("--learn-max-tokens", type=int, default=100_000,
+                    help="the learned-output bound (small enough to be reached in the run)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also serve with learning off; the one-session phase alternates")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", args.datastore,
-         "--port", str(port), "--workers", str(args.workers), "--max-budget",
-         str(max(1024, args.budget))],
-        stdout=subprocess.PIPE, text=True,
-    )
+    servers = [start_server(args, args.learn)]
+    if args.baseline:
+        servers.append(start_server(args, "off"))
+    server, address = servers[0]
     try:
-        for _ in range(args.workers):
-            if "listening" not in server.stdout.readline():
-                raise SystemExit("server did not start")
         client = DraftClient(address)
         info = client.info()
         docs = held_out_tokens(info.tokenizer_name)
-        params = DraftParams(budget=args.budget, max_depth=args.depth)
+        sources = ("rest", "pld") if args.learn == "off" else ("rest", "pld", "learned")
+        params = DraftParams(budget=args.budget, max_depth=args.depth, sources=sources)
         ps = psutil.Process(server.pid)
         report: dict = {"datastore_tokens": info.n_tokens, "workers": args.workers,
-                        "budget": args.budget, "depth": args.depth,
+                        "budget": args.budget, "depth": args.depth, "learn": args.learn,
+                        "learn_max_tokens": args.learn_max_tokens,
                         "held_out_tokens": sum(map(len, docs))}
 
-        # warm-up, then one session stepping as fast as it can
-        run_session(address, docs, info.tokenizer_fingerprint, params, 0, time.monotonic() + 2,
-                    300)
-        one = run_session(address, docs, info.tokenizer_fingerprint, params, 1,
-                          time.monotonic() + 120, args.steps)
-        lat_ms = [x * 1e3 for x in one["lat"]]
-        report["one_session"] = {
-            "steps": len(lat_ms), "median_ms": statistics.median(lat_ms),
-            "p90_ms": pct(lat_ms, 0.9), "p99_ms": pct(lat_ms, 0.99),
-            "mean_nodes": one["nodes"] / len(lat_ms), "hit_rate": one["hits"] / len(lat_ms),
-        }
+        # warm-up, then one session stepping as fast as it can (on each server in turn)
+        addresses = [a for _, a in servers]
+        all_params = [params, DraftParams(budget=args.budget, max_depth=args.depth)]
+        run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 0,
+                     time.monotonic() + 2, 300)
+        results = run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 1,
+                               time.monotonic() + 240, args.steps)
+        for name, one in zip(("one_session", "one_session_learning_off"), results):
+            lat_ms = [x * 1e3 for x in one["lat"]]
+            report[name] = {
+                "steps": len(lat_ms), "median_ms": statistics.median(lat_ms),
+                "p90_ms": pct(lat_ms, 0.9), "p99_ms": pct(lat_ms, 0.99),
+                "mean_nodes": one["nodes"] / len(lat_ms), "hit_rate": one["hits"] / len(lat_ms),
+            }
 
         # many sessions from several client processes; health probed meanwhile
         rss_before = rss_mib(ps)
@@ -166,6 +214,7 @@ def main() -> int:
         health_ms: list[float] = []
         health_fail = 0
         rss_samples: list[float] = []
+        learned_samples: list[int] = []
         ctx = mp.get_context("spawn")
         with ctx.Pool(args.client_procs) as pool:
             job = pool.map_async(_client_proc, [
@@ -182,6 +231,7 @@ def main() -> int:
                         health_fail += 1
                     health_ms.append((time.perf_counter() - t0) * 1e3)
                     rss_samples.append(rss_mib(ps))
+                    learned_samples.append(client.stats().get("learned_tokens", 0))
                     time.sleep(0.2)
             results = job.get()
         lat_ms = [x * 1e3 for r in results for x in r["lat"]]
@@ -196,17 +246,19 @@ def main() -> int:
             "server_private_mib_max": max(rss_samples) if rss_samples else None,
             "server_private_mib_after": rss_mib(ps),
             # RSS at each quarter of the run: flat once every session is open
-            "server_private_mib_quarters": [rss_samples[min(len(rss_samples) - 1,
-                                                        q * len(rss_samples) // 4)]
-                                        for q in range(1, 5)] if rss_samples else [],
+            "server_private_mib_quarters": quarters(rss_samples),
+            "learned_tokens_quarters": quarters(learned_samples),
         }
-        report["server_stats"] = {k: st[k] for k in ("requests", "hit_rate", "mean_nodes",
-                                                     "latency_p50_us", "latency_p99_us",
-                                                     "errors")}
+        report["server_stats"] = {k: st.get(k) for k in (
+            "requests", "hit_rate", "mean_nodes", "latency_p50_us", "latency_p99_us", "errors",
+            "learned_hits", "learned_tokens")}
         client.close()
     finally:
-        server.terminate()
-        code = server.wait(30)
+        codes = []
+        for proc, _ in servers:
+            proc.terminate()
+            codes.append(proc.wait(30))
+        code = max(codes, key=abs)
     report["server_exit_code"] = code
     if args.json:
         print(json.dumps(report, indent=2))
@@ -214,15 +266,22 @@ def main() -> int:
         o, c = report["one_session"], report["concurrent"]
         print(f"datastore {report['datastore_tokens']:,} tokens, server workers "
               f"{args.workers}, budget {args.budget}, depth {args.depth}")
-        print(f"one session: {o['steps']} steps, median {o['median_ms']:.3f} ms, "
-              f"p90 {o['p90_ms']:.3f} ms, p99 {o['p99_ms']:.3f} ms, "
+        print(f"one session (learn {args.learn}): {o['steps']} steps, median "
+              f"{o['median_ms']:.3f} ms, p90 {o['p90_ms']:.3f} ms, p99 {o['p99_ms']:.3f} ms, "
               f"{o['mean_nodes']:.1f} nodes/tree, hit rate {o['hit_rate']:.2f}")
+        b = report.get("one_session_learning_off")
+        if b:
+            print(f"  interleaved with learning off: median {b['median_ms']:.3f} ms, p99 "
+                  f"{b['p99_ms']:.3f} ms, {b['mean_nodes']:.1f} nodes/tree; median ratio "
+                  f"{o['median_ms'] / b['median_ms']:.3f}")
         print(f"{c['sessions']} sessions: {c['steps_per_s']:.0f} steps/s, median "
               f"{c['median_ms']:.2f} ms, p99 {c['p99_ms']:.2f} ms; health {c['health_checks']} "
               f"checks, {c['health_failures']} failed, max {c['health_max_ms']:.1f} ms")
-        quarters = " / ".join(f"{x:.0f}" for x in c["server_private_mib_quarters"])
-        print(f"server private memory {c['server_private_mib_before']:.0f} MiB before, {quarters} "
+        mib = " / ".join(f"{x:.0f}" for x in c["server_private_mib_quarters"])
+        print(f"server private memory {c['server_private_mib_before']:.0f} MiB before, {mib} "
               f"MiB at each quarter of the run, {c['server_private_mib_after']:.0f} MiB after")
+        learned = " / ".join(f"{x:,}" for x in c["learned_tokens_quarters"])
+        print(f"learned tokens at each quarter: {learned} (bound {args.learn_max_tokens:,})")
         print(f"server-side drafting: p50 {report['server_stats']['latency_p50_us']:.0f} us, "
               f"p99 {report['server_stats']['latency_p99_us']:.0f} us; exit {code}")
     return 0

@@ -1,10 +1,13 @@
-"""`rest`: retrieval from a datastore, opened in this process or asked over gRPC.
+"""`rest`: retrieval from a datastore, opened in this process or asked over gRPC, plus the
+outputs learned from earlier generations.
 
-`DatastoreDrafter` reads a datastore directory in process (`--datastore DIR`);
-`ServiceDrafter` asks the draft service (`--draft-service ADDR`), one streaming session per
-generation, and if the service cannot be reached or fails mid-generation it switches to
-local drafting for the rest of that generation. Output never changes: drafts only affect
-speed.
+`DatastoreDrafter` reads a datastore directory in process (`--datastore DIR`) through the
+same session drafter the draft service runs (`redraft.datastore.session`), so both paths
+draft with the same tunings; it learns from this process's generations. `ServiceDrafter`
+asks the draft service (`--draft-service ADDR`), one streaming session per generation,
+which learns from every session it serves; if the service cannot be reached or fails
+mid-generation it switches to local drafting for the rest of that generation. Output never
+changes: drafts only affect speed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from redraft.datastore.draft import LEARNED, REST
+from redraft.datastore.learned import LearnedIndex
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.tree import Tree
@@ -20,13 +25,19 @@ log = logging.getLogger("redraft.decoder")
 
 
 class DatastoreDrafter(Drafter):
-    """Retrieval from a datastore opened in this process (no server needed)."""
+    """Retrieval and learned outputs from a datastore opened in this process (no server).
+
+    `learned`: the index of earlier outputs to draft from and add to (shared across this
+    drafter's generations; pass one to share it further), None for retrieval only.
+    """
 
     name = "rest"
 
     def __init__(self, path: str, tokenizer=None, max_depth: int = DEFAULT_MAX_DEPTH,
-                 corpora: Sequence[str] | None = None) -> None:
+                 corpora: Sequence[str] | None = None,
+                 learned: LearnedIndex | None = None) -> None:
         from redraft.datastore.reader import Reader
+        from redraft.datastore.session import DraftSettings
 
         self.reader = Reader(path)
         if tokenizer is not None:
@@ -35,16 +46,39 @@ class DatastoreDrafter(Drafter):
             except BaseException:
                 self.reader.close()
                 raise
-        self.max_depth = max_depth
-        self.corpora = list(corpora) if corpora else None
+        self.learned = learned
+        sources = {REST, LEARNED} if learned is not None else {REST}
+        self.settings = DraftSettings(max_depth=max_depth, sources=frozenset(sources),
+                                      corpora=tuple(corpora) if corpora else None)
+        self._session = None
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        from redraft.datastore.session import SessionDrafter
+
+        self.end()
+        self._session = SessionDrafter(prompt, self.settings, self.reader, self.learned)
 
     def propose(self, context: Sequence[int], budget: int) -> Tree:
-        draft = self.reader.propose(
-            context, budget=budget, max_depth=self.max_depth, corpora=self.corpora
-        )
-        return draft
+        s = self._session
+        n = len(s.context) if s is not None else -1
+        if s is None or n > len(context) or (n and s.context[-1] != context[n - 1]):
+            self.begin(context)  # out of step with the caller (e.g. reused without begin)
+            s, n = self._session, len(context)
+        if n < len(context):
+            s.extend(context[n:])
+        return s.propose(budget)
+
+    def update(self, accepted: Sequence[int]) -> None:
+        if self._session is not None:  # learned now (the last step's tokens come only here)
+            self._session.extend(accepted)
+
+    def end(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
 
     def close(self) -> None:
+        self.end()
         self.reader.close()
 
 
@@ -67,29 +101,32 @@ class ServiceDrafter(Drafter):
         max_depth: int = DEFAULT_MAX_DEPTH,
         token: str | None = None,
         timeout: float = 1.0,
-        sources: Sequence[str] = ("rest",),
+        sources: Sequence[str] = (REST, LEARNED),
+        tenant: str = "",
     ) -> None:
-        from redraft.datastore.client import DraftClient
+        from redraft.datastore.service.client import DraftClient
 
         self.address = address
         self.fingerprint = fingerprint
         self.fallback = fallback
         self.max_depth = max_depth
         self.sources = tuple(sources)
+        self.tenant = tenant
         self.client = DraftClient(address, token=token, timeout=timeout)
         self.failures = 0
         self._session = None
         self._sent = 0
         self._first = None
         self._failed = False
+        self._unsent: list[int] = []  # accepted since the last step (the server learns them)
 
     def check(self) -> None:
         """Raise TokenizerMismatch now if the server's datastore uses another tokenizer.
 
         An unreachable server is not an error here: generation falls back to local drafts.
         """
-        from redraft.datastore.client import ServiceError
         from redraft.datastore.errors import TokenizerMismatch
+        from redraft.datastore.service.client import ServiceError
 
         try:
             info = self.client.info()
@@ -104,14 +141,16 @@ class ServiceDrafter(Drafter):
             )
 
     def begin(self, prompt: Sequence[int]) -> None:
-        from redraft.datastore.client import DraftParams
+        from redraft.datastore.service.client import DraftParams
 
         self._close_session()
         self._failed = False
         self._first = None
+        self._unsent = []
         try:
             params = DraftParams(max_depth=self.max_depth, sources=self.sources)
-            self._session = self.client.session(list(prompt), params, self.fingerprint)
+            self._session = self.client.session(list(prompt), params, self.fingerprint,
+                                                tenant=self.tenant)
             self._first = self._session.open()
             self._sent = len(prompt)
         except Exception as exc:  # any failure: local drafting for this generation
@@ -129,12 +168,22 @@ class ServiceDrafter(Drafter):
             self._first = None
             draft = self._session.step(list(context[self._sent :]), budget=budget)
             self._sent = len(context)
+            self._unsent = []
             return draft
         except Exception as exc:
             self._fail(exc, context)
             return self.fallback.propose(context, budget) if self.fallback else Tree()
 
+    def update(self, accepted: Sequence[int]) -> None:
+        self._unsent.extend(accepted)
+
     def end(self) -> None:
+        if self._unsent and self._session is not None and not self._failed:
+            try:  # the last step's tokens, so the server learns the whole output
+                self._session.step(self._unsent, budget=1)
+            except Exception:  # the generation is over: nothing depends on this step
+                pass
+        self._unsent = []
         self._close_session()
         if self._failed and self.fallback is not None:
             self.fallback.end()
@@ -163,17 +212,28 @@ class ServiceDrafter(Drafter):
 
 def make(ctx) -> Drafter:
     """In-process retrieval with a datastore, else the draft service; PLD is the service's
-    fallback unless the combination already runs PLD."""
+    fallback unless the combination already runs PLD. Learned drafts come with either
+    unless `--learn off`."""
     if ctx.datastore and ctx.draft_service:
         raise UnknownDrafter("give either a datastore or a draft service, not both")
+    learn = str(ctx.option("learn")).lower()
+    if learn not in ("on", "off"):
+        raise UnknownDrafter(f"--learn takes on or off, got {learn!r}")
     if ctx.datastore:
-        return DatastoreDrafter(ctx.datastore, ctx.tokenizer, max_depth=ctx.max_depth)
+        max_tokens = int(ctx.option("learn_max_tokens"))
+        if max_tokens <= 0:
+            raise UnknownDrafter(f"--learn-max-tokens must be positive, got {max_tokens}")
+        learned = LearnedIndex(max_tokens) if learn == "on" else None
+        return DatastoreDrafter(ctx.datastore, ctx.tokenizer, max_depth=ctx.max_depth,
+                                learned=learned)
     if ctx.draft_service:
         from redraft.datastore.tokenizer import tokenizer_fingerprint
 
         fallback = None if "pld" in ctx.names else PLDDrafter(max_depth=ctx.max_depth)
+        sources = (REST, LEARNED) if learn == "on" else (REST,)
         service = ServiceDrafter(ctx.draft_service, tokenizer_fingerprint(ctx.tokenizer),
-                                 fallback, max_depth=ctx.max_depth, token=ctx.token)
+                                 fallback, max_depth=ctx.max_depth, token=ctx.token,
+                                 sources=sources, tenant=str(ctx.option("tenant")))
         service.check()
         return service
     raise UnknownDrafter("drafter 'rest' needs a datastore (--datastore DIR) or a "

@@ -9,6 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
+from redraft.datastore import build_datastore
+from redraft.datastore.learned import LearnedIndex
 from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.acceptance import (
     SamplingParams,
@@ -19,6 +21,7 @@ from redraft.decoder.acceptance import (
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import Drafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
+from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
 from redraft.decoder.tree import Tree
 
@@ -149,6 +152,21 @@ def test_sampling_with_drafts_learned_from_earlier_samples_is_lossless():
     params = SamplingParams(temperature=1.0)
     counts, exact, per_step = sample_sequences(params, n, RecycleDrafter())
     assert per_step > 1.3, "recycled drafts must actually be accepted for this to mean anything"
+    stat, df = chi_square(counts, exact, n)
+    assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df}"
+
+
+def test_sampling_with_learned_drafts_is_lossless(tmp_path):
+    """Learned drafts copy what earlier samples of the same prompt continued with, so each
+    draft depends on earlier randomness: the distribution must still be the target's."""
+    path = tmp_path / "ds"
+    build_datastore(None, path, documents=[[0]], fingerprint="tiny", vocab_size=VOCAB)
+    drafter = DatastoreDrafter(str(path), learned=LearnedIndex())
+    n = 4000
+    counts, exact, per_step = sample_sequences(SamplingParams(temperature=1.0), n, drafter)
+    drafter.close()
+    assert drafter.learned.stats()["learned_docs"] == n  # every sample was learned
+    assert per_step > 1.3, "learned drafts must actually be accepted for this to mean anything"
     stat, df = chi_square(counts, exact, n)
     assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df}"
 

@@ -106,7 +106,7 @@ def test_prompts_file_with_turns_streams_text(capsys, default_model, tmp_path):
 
 def test_draft_service_with_another_tokenizer_is_refused(capsys, tmp_path):
     from redraft.datastore import Reader, build_datastore
-    from redraft.datastore.service import ServerThread
+    from redraft.datastore.service.server import ServerThread
 
     path = str(tmp_path / "other")
     build_datastore(None, path, documents=[[1, 2, 3]], fingerprint="sha256:other", vocab_size=9)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from redraft.datastore import Reader
-from redraft.datastore.service import ServerThread
+from redraft.datastore.service.server import ServerThread
 from redraft.datastore.tokenizer import tokenizer_fingerprint
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import MergedDrafter
@@ -107,6 +107,41 @@ def test_service_dying_mid_generation_falls_back_with_identical_output(
     finally:
         server.stop(grace=0)
         reader.close()
+
+
+@pytest.mark.parametrize("path", ["datastore", "service"])
+def test_learned_drafts_repeat_earlier_answers_losslessly(default_model, plain, code_datastore,
+                                                          path):
+    """Asked for `rest`, the decoder also drafts what it generated before (in this process,
+    or what the draft service learned from its sessions): answering the same prompts again
+    accepts mostly learned tokens, and every answer stays plain greedy's."""
+    model, tok = default_model
+    reader = server = None
+    if path == "service":
+        reader = Reader(code_datastore)
+        server = ServerThread(reader).start()
+        drafter = build_drafter("rest", tokenizer=tok, draft_service=server.address,
+                                options={"tenant": "learned-test"})
+    else:
+        drafter = build_drafter("rest", tokenizer=tok, datastore=code_datastore)
+    try:
+        gen = Generator(model, tok, drafter, cost=CostModel(*CPU_COST))
+        prompts = CODE_PROMPTS[:2]
+        rounds = [[gen.generate(p, max_new_tokens=NEW) for p in prompts] for _ in range(2)]
+        for results in rounds:
+            for p, r in zip(prompts, results):
+                assert_same_or_near_tie(model, r, plain[p])
+        again = rounds[1]
+        learned = sum(v for r in again for k, v in r.stats.accepted.items() if "learned" in k)
+        assert learned > 0.5 * sum(r.stats.new_tokens for r in again)
+        per_step = [sum(r.stats.new_tokens for r in rs) / sum(r.stats.steps for r in rs)
+                    for rs in rounds]
+        assert per_step[1] > 1.5 * per_step[0], per_step
+    finally:
+        drafter.close()
+        if server is not None:
+            server.stop(grace=0)
+            reader.close()
 
 
 def test_unreachable_service_is_not_a_failed_generation(default_model, plain):

@@ -1,4 +1,8 @@
-"""The gRPC draft service: REST and PLD candidate trees over streaming sessions.
+"""The gRPC draft service: REST, PLD and learned candidate trees over streaming sessions.
+
+Each session drafts through `redraft.datastore.session.SessionDrafter` (the decoder's
+in-process path runs the same class); the service adds the wire, limits, auth, tenants, the
+learned index shared by all sessions and its persistence.
 
 Why asyncio: a decoder keeps one `Session` stream open per generation and steps it hundreds
 of times a second; a thread-per-stream server would pin a thread to every idle session.
@@ -15,8 +19,11 @@ was wrong.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import hmac
 import json
+import logging
 import os
 import signal
 import threading
@@ -25,17 +32,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from redraft.datastore.draft import PLD, REST, Draft, source_bits
+from redraft.datastore.build import append_corpus
+from redraft.datastore.draft import LEARNED, PLD, REST, source_bits
 from redraft.datastore.errors import DatastoreError, RedraftError
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import PromptLookup
-from redraft.datastore.service_stats import ServiceStats
+from redraft.datastore.learned import LearnedIndex
+from redraft.datastore.service.stats import ServiceStats
+from redraft.datastore.session import LEARNED_CORPUS, DraftSettings, SessionDrafter
 from redraft.proto import draft_pb2, draft_pb2_grpc
 
+log = logging.getLogger("redraft.serve")
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
-_SOURCE_NAMES = {draft_pb2.SOURCE_REST: REST, draft_pb2.SOURCE_PLD: PLD}
+_SOURCE_NAMES = {draft_pb2.SOURCE_REST: REST, draft_pb2.SOURCE_PLD: PLD,
+                 draft_pb2.SOURCE_LEARNED: LEARNED}
 
 
 @dataclass
@@ -52,25 +63,26 @@ class ServiceConfig:
     max_message_bytes: int = 16 << 20
     default_budget: int = 64
     default_depth: int = 16
-    default_min_match: int = 2  # REST; PLD's own default is PromptLookup's
-    default_max_match: int = 16
     grace_s: float = 5.0  # how long in-flight calls may finish after SIGTERM
-    # Occurrences of the longest match the Reader samples: 64 drafts as well as its default
-    # 256 on held-out code (same accepted tokens per step) at ~70% of the lookup time.
-    rest_max_occurrences: int = 64
-    # REST probabilities p become scale * p**power (merge.REST_CALIBRATION; (1, 1) = raw)
-    rest_calibration: tuple[float, float] = REST_CALIBRATION
-    token: str | None = None  # shared secret expected as "authorization: Bearer <token>"
+    rest_max_occurrences: int = DraftSettings.rest_max_occurrences
+    rest_calibration: tuple[float, float] = DraftSettings.rest_calibration
+    # Shared secrets expected as "authorization: Bearer <token>"; each one is a tenant.
+    token: str | tuple[str, ...] | None = None
+    # Learning from served outputs: "tenant" (drafts only for the same tenant), "global"
+    # (shared by all) or "off"; at most learn_max_tokens tokens kept, oldest evicted first.
+    learn: str = "tenant"
+    learn_max_tokens: int = 1_000_000
+    # Append what was learned to the datastore (corpus "learned") this often and at
+    # shutdown; 0 = keep it in memory only.
+    learn_persist_s: float = 0.0
+    # Check every array's crc32 in the background once serving (opening stays O(1)); a
+    # damaged datastore turns health NOT_SERVING and drafting UNAVAILABLE.
+    verify_checksums: bool = True
 
 
-@dataclass
-class _Params:
-    budget: int
-    max_depth: int
-    sources: frozenset[str]
-    corpora: list[str] | None
-    min_match: int  # 0 = each source's default
-    max_match: int
+LEARN_MODES = ("tenant", "global", "off")
+LEARNED_NAME_PREFIX = "learned:"  # + tenant: the name of a persisted output
+_MAX_TENANT_LEN = 200
 
 
 class _Abort(Exception):
@@ -86,18 +98,46 @@ def _bad(message: str) -> _Abort:
     return _Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-class _Waiter:
-    """A session as the idle sweeper and shutdown see it: its task and when it last spoke."""
+class _Malformed:
+    """Stands for a request whose bytes do not parse, so the handler can refuse it with
+    INVALID_ARGUMENT (gRPC itself would end the call with UNKNOWN)."""
 
-    __slots__ = ("task", "since", "reason")
+    def __init__(self, what: str, error: Exception) -> None:
+        self.message = f"malformed {what}: {error}"
+
+
+def _lenient(message_type):
+    """A request deserializer that returns `_Malformed` instead of raising."""
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(message_type.DESCRIPTOR.name, exc)
+
+    return parse
+
+
+def _check_parsed(request) -> None:
+    if isinstance(request, _Malformed):
+        raise _bad(request.message)
+
+
+class _Waiter:
+    """A session as the idle sweeper and shutdown see it: its task, since when it has been
+    waiting, and whether for the client's next request or for the client to read a reply."""
+
+    __slots__ = ("task", "since", "writing", "reason")
 
     def __init__(self, task: asyncio.Task | None) -> None:
         self.task = task
         self.since = time.monotonic()
+        self.writing = False
         self.reason: tuple[grpc.StatusCode, str] | None = None
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
-        """Interrupt the session's wait for a request; it then ends with this status."""
+        """Interrupt the session's wait (for a request, or for its reply to be read); it then
+        ends with this status."""
         if self.reason is None and self.task is not None:
             self.reason = (code, message)
             self.task.cancel()
@@ -112,22 +152,33 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.stats = stats
         self.vocab_size = int(reader.vocab_size)
         self.fingerprint = str(reader.tokenizer_fingerprint)
-        self.corpora = set(getattr(reader, "corpora", {}) or {})
+        self.corpora = set(getattr(reader, "corpora", {}) or {}) - {LEARNED_CORPUS}
+        self.learned = (None if config.learn == "off" else
+                        LearnedIndex(config.learn_max_tokens, shared=config.learn == "global"))
+        tokens = config.token if isinstance(config.token, tuple) else (config.token,)
+        self._tokens = [f"Bearer {t}".encode() for t in tokens if t]
         self.stopping = False
+        self.damage: str | None = None  # why the datastore failed verification, if it did
+        self._verifying: asyncio.Future | None = None
+        self._loading: asyncio.Future | None = None  # persisted learned outputs, on a thread
+        self._persisting: asyncio.Future | None = None  # the periodic persisting loop
         self._waiting: dict[int, _Waiter] = {}  # sessions now waiting for a request
         self._sweeper: asyncio.Future | None = None
         self._next_id = 0
 
     # ---- validation -------------------------------------------------------------------
-    def _auth(self, context: grpc.aio.ServicerContext) -> None:
-        token = self.config.token
-        if not token:
-            return
+    def _auth(self, context: grpc.aio.ServicerContext) -> str:
+        """Check the bearer token; returns the tenant it stands for ("" without auth)."""
+        if not self._tokens:
+            return ""
         for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and hmac.compare_digest(
-                str(value).encode(), f"Bearer {token}".encode()
-            ):
-                return
+            if key != "authorization":
+                continue
+            sent = str(value).encode()
+            for expected in self._tokens:
+                if hmac.compare_digest(sent, expected):
+                    # a digest, not the secret itself: tenants are persisted as names
+                    return "token-" + hashlib.sha256(expected).hexdigest()[:16]
         raise _Abort(
             grpc.StatusCode.UNAUTHENTICATED,
             "missing or wrong token: send metadata 'authorization: Bearer <token>'",
@@ -157,11 +208,26 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 f"{self.fingerprint} (built with {getattr(self.reader, 'tokenizer_name', '?')})",
             )
 
+    def _check_serving(self) -> None:
+        if self.stopping:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if self.damage is not None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {self.damage}")
+
+    def _tenant(self, authenticated: str, declared: str) -> str:
+        """Whose outputs a session learns from: the token's tenant, else the declared one
+        (with a token, a declared tenant subdivides it)."""
+        if len(declared) > _MAX_TENANT_LEN or not declared.isprintable():
+            raise _bad(f"tenant must be at most {_MAX_TENANT_LEN} printable characters")
+        if authenticated and declared:
+            return f"{authenticated}/{declared}"
+        return authenticated or declared
+
     def _check_budget(self, budget: int, what: str) -> None:
         if budget > self.config.max_budget:
             raise _bad(f"{what} {budget} exceeds the server's max_budget {self.config.max_budget}")
 
-    def _params(self, p: draft_pb2.DraftParams) -> _Params:
+    def _params(self, p: draft_pb2.DraftParams) -> DraftSettings:
         c = self.config
         self._check_budget(p.budget, "budget")
         if p.max_depth > c.max_depth:
@@ -169,9 +235,13 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         sources = set()
         for s in p.sources:
             if s not in _SOURCE_NAMES:
-                raise _bad(f"unknown source {s} (use SOURCE_REST={draft_pb2.SOURCE_REST} or "
-                           f"SOURCE_PLD={draft_pb2.SOURCE_PLD})")
+                raise _bad(f"unknown source {s} (use SOURCE_REST={draft_pb2.SOURCE_REST}, "
+                           f"SOURCE_PLD={draft_pb2.SOURCE_PLD} or "
+                           f"SOURCE_LEARNED={draft_pb2.SOURCE_LEARNED})")
             sources.add(_SOURCE_NAMES[s])
+        if LEARNED_CORPUS in p.corpora:
+            raise _bad(f"corpus {LEARNED_CORPUS!r} is drafted through SOURCE_LEARNED (which "
+                       "keeps tenants apart), not through retrieval")
         unknown = [name for name in p.corpora if name not in self.corpora]
         if unknown:
             known = ", ".join(sorted(self.corpora)) or "none"
@@ -180,59 +250,38 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             raise _bad(f"min_match_len {p.min_match_len} > max_match_len {p.max_match_len}")
         if max(p.min_match_len, p.max_match_len) > 1024:
             raise _bad("min_match_len and max_match_len must be at most 1024")
-        return _Params(
+        return DraftSettings(
             budget=p.budget or c.default_budget,
             max_depth=p.max_depth or c.default_depth,
             sources=frozenset(sources or (REST, PLD)),
-            corpora=list(p.corpora) or None,
+            corpora=tuple(p.corpora) or None,
             min_match=p.min_match_len,
             max_match=p.max_match_len,
+            rest_max_occurrences=c.rest_max_occurrences,
+            rest_calibration=c.rest_calibration,
         )
 
-    def _new_pld(self, p: _Params) -> PromptLookup:
-        max_ngram = p.max_match or 8
-        min_ngram = min(p.min_match or 1, max_ngram)
-        return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
-
     # ---- drafting ----------------------------------------------------------------------
-    def _draft(self, context: Sequence[int], pld: PromptLookup | None, p: _Params,
-               budget: int, out: draft_pb2.DraftReply, kind: str | None) -> None:
-        """Draft from the requested sources, merge under the budget, count, fill `out`."""
+    def _draft(self, drafter: SessionDrafter, budget: int, out: draft_pb2.DraftReply,
+               kind: str | None) -> None:
+        """Draft from the session's sources under the budget, count, fill `out`."""
         t0 = time.perf_counter()
-        drafts: list[Draft] = []
-        rest_match = pld_match = 0
-        if REST in p.sources and context:
-            max_match = p.max_match or self.config.default_max_match
-            min_match = min(p.min_match or self.config.default_min_match, max_match)
-            try:
-                rest = self.reader.propose(
-                    list(context[-max_match:]),
-                    budget=budget,
-                    max_depth=p.max_depth,
-                    max_match_len=max_match,
-                    min_match_len=min_match,
-                    max_occurrences=self.config.rest_max_occurrences,
-                    corpora=p.corpora,
-                )
-            except DatastoreError as exc:
-                raise _bad(str(exc)) from exc
-            rest_match = rest.match_len
-            drafts.append(calibrate(rest, *self.config.rest_calibration))
-        if pld is not None:
-            d = pld.propose(budget=budget, max_depth=p.max_depth)
-            pld_match = d.match_len
-            drafts.append(d)
-        tree = merge_drafts(drafts, budget)
+        try:
+            tree = drafter.propose(budget)
+        except DatastoreError as exc:
+            raise _bad(str(exc)) from exc
         expected = tree.expected_accepted
         t = out.tree
         t.tokens.extend(tree.tokens)
         t.parents.extend(tree.parents)
         t.probs.extend(tree.probs)
         t.sources.extend([source_bits(s) for s in tree.sources])
-        out.match_len = rest_match
+        out.match_len = drafter.rest_match_len
         out.expected_accepted = expected
-        out.pld_match_len = pld_match
-        self.stats.record(time.perf_counter() - t0, len(tree), expected, set(tree.sources), kind)
+        out.pld_match_len = drafter.pld_match_len
+        out.learned_match_len = drafter.learned_match_len
+        sources = {name for label in set(tree.sources) for name in label.split("+")}
+        self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
 
     # ---- RPCs --------------------------------------------------------------------------
     async def _fail(self, context: grpc.aio.ServicerContext, exc: _Abort) -> None:
@@ -241,11 +290,12 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
 
     async def Propose(self, request, context):
         try:
-            self._auth(context)
-            if self.stopping:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            tenant = self._auth(context)
+            _check_parsed(request)
+            self._check_serving()
             self._check_fingerprint(request.tokenizer_fingerprint, required=False)
             p = self._params(request.params)
+            tenant = self._tenant(tenant, request.tenant)
             if len(request.context) > self.config.max_context_len:
                 raise _Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -253,57 +303,73 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                     f"{self.config.max_context_len}",
                 )
             self._check_tokens(request.context, "context")
-            pld = None
-            if PLD in p.sources:
-                pld = self._new_pld(p)
-                pld.extend(request.context)
+            try:  # learns nothing: no tokens are accepted in a one-off call
+                drafter = SessionDrafter(request.context, p, self.reader, self.learned, tenant)
+            except DatastoreError as exc:
+                raise _bad(str(exc)) from exc
             reply = draft_pb2.DraftReply()
-            self._draft(request.context, pld, p, p.budget, reply, "propose_calls")
+            self._draft(drafter, p.budget, reply, "propose_calls")
             return reply
         except _Abort as exc:
             await self._fail(context, exc)
 
     async def Session(self, request_iterator, context):
         try:
-            self._auth(context)
-            await self._session(context)
+            tenant = self._auth(context)
+            await self._session(context, tenant)
         except _Abort as exc:
             await self._fail(context, exc)
 
-    async def _read(self, context, waiter: _Waiter):
-        """Next request, or None at the client's end of stream.
+    async def _wait(self, waiter: _Waiter, io, writing: bool = False):
+        """Await a read or a write of the session's stream, visible to the sweeper meanwhile.
 
         While it waits, the session is visible to the idle sweeper and to shutdown, which
-        end it with a status (RESOURCE_EXHAUSTED / UNAVAILABLE) by cancelling the wait;
-        a plain await keeps the per-step cost of the hot path at one read.
+        end it with a status (RESOURCE_EXHAUSTED / UNAVAILABLE) by cancelling the wait.
+        Writes count too: a client that stops reading its replies blocks the write (HTTP/2
+        flow control), and without a deadline there it would hold its session slot forever.
+        A plain await keeps the per-step cost of the hot path at one read and one write.
         """
         waiter.since = time.monotonic()
+        waiter.writing = writing
         self._waiting[id(waiter)] = waiter
         try:
-            req = await context.read()
+            return await io
         except asyncio.CancelledError:
             if waiter.reason is None:
                 raise  # the call itself was cancelled (client gone)
             raise _Abort(*waiter.reason) from None
         finally:
             self._waiting.pop(id(waiter), None)
-        return None if req is grpc.aio.EOF else req
+
+    async def _read(self, context, waiter: _Waiter):
+        """Next request, or None at the client's end of stream."""
+        req = await self._wait(waiter, context.read())
+        if req is grpc.aio.EOF:
+            return None
+        _check_parsed(req)
+        return req
 
     async def _sweep(self) -> None:
-        """End sessions that wait longer than the idle timeout."""
+        """End sessions that wait longer than the idle timeout, for a request or for the
+        client to read a reply."""
         idle = self.config.idle_timeout_s
         while True:
             await asyncio.sleep(min(1.0, idle / 4))
             now = time.monotonic()
             for w in list(self._waiting.values()):
-                if now - w.since > idle and w.reason is None:
+                if now - w.since <= idle or w.reason is not None:
+                    continue
+                if w.writing:
+                    self.stats.add(sessions_unread_closed=1)
+                    w.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"replies not read for more than {idle:g} s; session closed")
+                else:
                     self.stats.add(sessions_idle_closed=1)
                     w.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"session idle for more than {idle:g} s; closed")
 
-    async def _session(self, context) -> None:
-        if self.stopping:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+    async def _session(self, context, tenant: str) -> None:
+        self._check_serving()
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())
         waiter = _Waiter(asyncio.current_task())
@@ -316,6 +382,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         opening = first.open
         self._check_fingerprint(opening.tokenizer_fingerprint, required=True)
         p = self._params(opening.params)
+        tenant = self._tenant(tenant, opening.tenant)
         if len(opening.prompt) > self.config.max_context_len:
             raise _Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -323,6 +390,10 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 f"{self.config.max_context_len}",
             )
         self._check_tokens(opening.prompt, "open.prompt")
+        try:
+            drafter = SessionDrafter(opening.prompt, p, self.reader, self.learned, tenant)
+        except DatastoreError as exc:
+            raise _bad(str(exc)) from exc
         if not self.stats.try_open_session(self.config.max_sessions):
             raise _Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -331,14 +402,14 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self._next_id += 1
         session_id = f"{id(self):x}-{self._next_id}"
         try:
-            ctx: list[int] = list(opening.prompt)
-            pld = None
-            if PLD in p.sources:
-                pld = self._new_pld(p)
-                pld.extend(ctx)
+            # Headers go out on their own first: gRPC marks them sent only when a write
+            # completes, so ending a session whose first write was interrupted (by the
+            # sweeper or shutdown) would otherwise send them twice and fail.
+            await context.send_initial_metadata(())
+            ctx = drafter.context
             msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
-            self._draft(ctx, pld, p, p.budget, msg.draft, None)
-            await context.write(msg)
+            self._draft(drafter, p.budget, msg.draft, None)
+            await self._wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
                 req = await self._read(context, waiter)
                 if req is None:
@@ -354,19 +425,19 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                         f"session context would reach {len(ctx) + len(step.accepted)} tokens, "
                         f"over max_context_len {self.config.max_context_len}",
                     )
-                ctx.extend(step.accepted)
-                if pld is not None:
-                    pld.extend(step.accepted)
+                drafter.extend(step.accepted)  # learned at once, for every session
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
-                self._draft(ctx, pld, p, step.budget or p.budget, msg.draft, "session_steps")
-                await context.write(msg)
+                self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
+                await self._wait(waiter, context.write(msg), writing=True)
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
+            drafter.close()
             self.stats.close_session()
 
     async def Info(self, request, context):
         try:
             self._auth(context)
+            _check_parsed(request)
         except _Abort as exc:
             await self._fail(context, exc)
         return self.info_reply()
@@ -387,8 +458,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                                  n_tokens=int(v.get("n_tokens", 0)))
                 for name, v in sorted((getattr(r, "corpora", {}) or {}).items())
             ],
-            format_version=int(manifest.get("format_version", 0) or 0),
+            format_version=int(manifest.get("version", 0) or 0),
             manifest_json=json.dumps(manifest, default=str, sort_keys=True),
+            learn=self.config.learn,
             limits=draft_pb2.Limits(
                 max_context_len=c.max_context_len,
                 max_budget=c.max_budget,
@@ -401,6 +473,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def Stats(self, request, context):
         try:
             self._auth(context)
+            _check_parsed(request)
         except _Abort as exc:
             await self._fail(context, exc)
         s = self.stats
@@ -414,20 +487,138 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             latency_p50_us=s.percentile_us(0.5),
             latency_p99_us=s.percentile_us(0.99),
             uptime_s=time.time() - s.started,
-            stats_json=s.to_json({"limits": limits, "datastore_tokens": int(
-                getattr(self.reader, "n_tokens", 0) or 0)}),
+            stats_json=s.to_json({
+                "limits": limits, "datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
+                "checksums": self.verification, "learn": self.config.learn,
+                **(self.learned.stats() if self.learned is not None else {})}),
         )
 
+    @property
+    def verification(self) -> str:
+        """skipped, running, passed, or failed: <why>."""
+        if self._verifying is None:
+            return "skipped"
+        if not self._verifying.done():
+            return "running"
+        return "passed" if self.damage is None else f"failed: {self.damage}"
+
+    def start_background(self, health_servicer: health.aio.HealthServicer) -> None:
+        """Work that must not delay serving: verifying the datastore's checksums, reloading
+        persisted learned outputs, persisting new ones periodically."""
+        if self.config.verify_checksums and self._verifying is None:
+            self._verifying = asyncio.ensure_future(self._verify(health_servicer))
+        if self.learned is None:
+            return
+        if LEARNED_CORPUS in (getattr(self.reader, "corpora", None) or {}):
+            self._loading = asyncio.ensure_future(self._run_in_thread(self._load_learned))
+        if self.config.learn_persist_s > 0:
+            self._persisting = asyncio.ensure_future(self._persist_every(
+                self.config.learn_persist_s))
+
+    @staticmethod
+    async def _run_in_thread(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def _load_learned(self) -> None:
+        """Reload the newest persisted outputs that fit the bound (on a thread, in batches,
+        so sessions keep drafting meanwhile)."""
+        newest: list[tuple[str, list[int]]] = []
+        total = 0
+        for _, name, tokens in self.reader.documents(LEARNED_CORPUS, newest_first=True):
+            if total + len(tokens) > self.learned.max_tokens:
+                break
+            tenant = name[len(LEARNED_NAME_PREFIX):] if name.startswith(
+                LEARNED_NAME_PREFIX) else name
+            newest.append((tenant, tokens))
+            total += len(tokens)
+        newest.reverse()
+        for i in range(0, len(newest), 64):
+            self.learned.load(newest[i:i + 64])
+
+    async def _persist_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            await self._persist(include_open=False)
+
+    async def _persist(self, include_open: bool) -> None:
+        """Append learned outputs not yet persisted to the datastore as corpus `learned`
+        (the datastore's own append path: a new file published atomically; this server keeps
+        reading the snapshot it opened)."""
+        path = getattr(self.reader, "path", None)
+        if self.learned is None or path is None or self.damage is not None:
+            return
+        docs = self.learned.take_unpersisted(include_open)
+        if not docs:
+            return
+        documents = [(LEARNED_NAME_PREFIX + tenant, tokens) for tenant, tokens in docs]
+        try:
+            await self._run_in_thread(functools.partial(
+                append_corpus, None, path, documents=documents, fingerprint=self.fingerprint,
+                corpus=LEARNED_CORPUS))
+        except Exception as exc:  # the server keeps serving; what failed stays in memory
+            log.error("redraft serve: could not persist %d learned outputs: %s",
+                      len(documents), exc)
+        else:
+            self.stats.add(learned_persisted=len(documents))
+
+    async def _verify(self, health_servicer: health.aio.HealthServicer) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.reader.verify)
+        except Exception as exc:  # whatever stops verification, the data is not trusted
+            self.damage = str(exc) or repr(exc)
+            log.error("redraft serve: %s; health is NOT_SERVING", exc)
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def shutdown(self) -> None:
-        """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE."""
+        """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE.
+
+        A checksum verification still running is awaited: its thread reads the Reader's
+        map, which the caller may close once the server has stopped.
+        """
         self.stopping = True
         for w in list(self._waiting.values()):
             w.end(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._verifying is not None:
+            await self._verifying
+
+    async def finish(self) -> None:
+        """After the server stopped: persist what was learned. A reload still running is
+        awaited (its thread reads the Reader, which the caller may close next)."""
+        if self._persisting is not None:
+            self._persisting.cancel()
+        if self._loading is not None:
+            await asyncio.gather(self._loading, return_exceptions=True)
+        if self.config.learn_persist_s > 0:
+            await self._persist(include_open=True)
 
 
 # ---- server assembly --------------------------------------------------------------------
+
+def add_drafter_service(service: DrafterService, server: grpc.aio.Server) -> None:
+    """Register the Drafter methods as the generated stubs do, but with lenient request
+    parsing: undecodable bytes reach the handler, which answers INVALID_ARGUMENT."""
+    pb = draft_pb2
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            service.Session, request_deserializer=_lenient(pb.SessionRequest),
+            response_serializer=pb.SessionReply.SerializeToString),
+        "Propose": grpc.unary_unary_rpc_method_handler(
+            service.Propose, request_deserializer=_lenient(pb.ProposeRequest),
+            response_serializer=pb.DraftReply.SerializeToString),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            service.Info, request_deserializer=_lenient(pb.InfoRequest),
+            response_serializer=pb.InfoReply.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats, request_deserializer=_lenient(pb.StatsRequest),
+            response_serializer=pb.StatsReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
 
 @dataclass
 class TLSFiles:
@@ -457,7 +648,7 @@ async def start_server(
     stats = stats or ServiceStats()
     server = grpc.aio.server(options=server_options(config, reuse_port))
     service = DrafterService(reader, config, stats)
-    draft_pb2_grpc.add_DrafterServicer_to_server(service, server)
+    add_drafter_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -481,6 +672,7 @@ async def start_server(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service.start_background(health_servicer)
     return server, service, health_servicer, bound
 
 
@@ -510,6 +702,7 @@ async def serve_forever(reader, host: str, port: int, config: ServiceConfig,
     await health_servicer.enter_graceful_shutdown()
     await service.shutdown()
     await server.stop(config.grace_s)
+    await service.finish()
     announce("redraft serve: stopped")
 
 
@@ -587,6 +780,7 @@ class ServerThread:
             await self._health.enter_graceful_shutdown()
             await self.service.shutdown()
             await self._server.stop(self.config.grace_s if grace is None else grace)
+            await self.service.finish()
             self._stopped.set()
 
         try:

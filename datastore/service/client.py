@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from redraft.datastore.draft import PLD, REST, Draft, source_label
+from redraft.datastore.draft import LEARNED, PLD, REST, Draft, source_label
 from redraft.datastore.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto import draft_pb2, draft_pb2_grpc
 
-_SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD}
+_SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD,
+                LEARNED: draft_pb2.SOURCE_LEARNED}
 
 
 class ServiceError(RedraftError):
@@ -101,7 +102,8 @@ class DraftParams:
                 raise InvalidRequest(f"{name} must be a non-negative integer, got {value!r}")
         unknown = [s for s in self.sources if s not in _SOURCE_ENUM]
         if unknown:
-            raise InvalidRequest(f"unknown draft sources {unknown} (use 'rest', 'pld')")
+            raise InvalidRequest(f"unknown draft sources {unknown} (use 'rest', 'pld', "
+                                 "'learned')")
         return draft_pb2.DraftParams(
             budget=self.budget,
             max_depth=self.max_depth,
@@ -123,6 +125,7 @@ class ServiceInfo:
     n_docs: int
     n_shards: int
     format_version: int
+    learn: str = "off"  # the server's learning: "tenant", "global" or "off"
     corpora: dict[str, dict[str, int]] = field(default_factory=dict)
     limits: dict[str, int] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
@@ -191,8 +194,12 @@ class DraftClient:
         if tls:
             roots = None
             if isinstance(tls, str):
-                with open(tls, "rb") as f:
-                    roots = f.read()
+                try:
+                    with open(tls, "rb") as f:
+                        roots = f.read()
+                except OSError as exc:
+                    raise ServiceError(f"cannot read TLS certificates {tls}: "
+                                       f"{exc.strerror or exc}") from None
             creds = grpc.ssl_channel_credentials(root_certificates=roots)
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:
@@ -222,6 +229,7 @@ class DraftClient:
             n_docs=r.n_docs,
             n_shards=r.n_shards,
             format_version=r.format_version,
+            learn=r.learn or "off",
             corpora={c.name: {"n_docs": c.n_docs, "n_tokens": c.n_tokens} for c in r.corpora},
             limits={
                 "max_context_len": lim.max_context_len,
@@ -234,12 +242,14 @@ class DraftClient:
         )
 
     def propose(self, context: Sequence[int], params: DraftParams | None = None,
-                tokenizer_fingerprint: str = "", timeout: float | None = None) -> Draft:
-        """One-off draft for a full context (no server-side state)."""
+                tokenizer_fingerprint: str = "", timeout: float | None = None,
+                tenant: str = "") -> Draft:
+        """One-off draft for a full context (no server-side state; nothing is learned)."""
         req = draft_pb2.ProposeRequest(
             context=_check_ids(context, "context"),
             params=(params or DraftParams()).to_proto(),
             tokenizer_fingerprint=tokenizer_fingerprint,
+            tenant=tenant,
         )
         return draft_from_proto(self._unary(self._stub.Propose, req, timeout))
 
@@ -249,10 +259,16 @@ class DraftClient:
         return json.loads(r.stats_json)
 
     def session(self, prompt: Sequence[int], params: DraftParams | None = None,
-                tokenizer_fingerprint: str = "", timeout: float | None = None) -> DraftSession:
-        """A drafting session; use as a context manager (it opens on enter)."""
+                tokenizer_fingerprint: str = "", timeout: float | None = None,
+                tenant: str = "") -> DraftSession:
+        """A drafting session; use as a context manager (it opens on enter).
+
+        The server learns the tokens each step reports as accepted, for `tenant` (with
+        auth, the token's tenant, subdivided by this one), and drafts them for the same
+        tenant when `params.sources` include "learned".
+        """
         return DraftSession(self, prompt, params or DraftParams(), tokenizer_fingerprint,
-                            timeout or self.timeout)
+                            timeout or self.timeout, tenant)
 
     def close(self) -> None:
         self._closed.set()
@@ -293,10 +309,11 @@ class DraftSession:
     """One streaming session: the server keeps the context, each step sends only new tokens."""
 
     def __init__(self, client: DraftClient, prompt: Sequence[int], params: DraftParams,
-                 tokenizer_fingerprint: str, timeout: float) -> None:
+                 tokenizer_fingerprint: str, timeout: float, tenant: str = "") -> None:
         self.client = client
         self.params = params
         self.fingerprint = tokenizer_fingerprint
+        self.tenant = tenant
         self.timeout = timeout
         self.context: list[int] = _check_ids(prompt, "prompt")
         self._proto_params = params.to_proto()
@@ -304,6 +321,7 @@ class DraftSession:
         self.session_id = ""
         self.context_len = 0
         self.pld_match_len = 0
+        self.learned_match_len = 0
         self.expected_accepted = 0.0
         self.reconnects = 0
         self._call = None
@@ -336,7 +354,8 @@ class DraftSession:
         self.client._watch(self)
         opening = draft_pb2.SessionRequest(
             open=draft_pb2.SessionOpen(prompt=self.context, params=self._proto_params,
-                                       tokenizer_fingerprint=self.fingerprint)
+                                       tokenizer_fingerprint=self.fingerprint,
+                                       tenant=self.tenant)
         )
         return self._exchange(opening)
 
@@ -417,6 +436,7 @@ class DraftSession:
         self.session_id = reply.session_id
         self.context_len = int(reply.context_len)
         self.pld_match_len = int(reply.draft.pld_match_len)
+        self.learned_match_len = int(reply.draft.learned_match_len)
         self.expected_accepted = float(reply.draft.expected_accepted)
         self.draft = draft_from_proto(reply.draft)
         return self.draft

@@ -15,17 +15,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from redraft.datastore import Reader, build_datastore
-from redraft.datastore.client import (
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
+from redraft.datastore.pld import PromptLookup, prompt_lookup
+from redraft.datastore.service.client import (
     AuthenticationFailed,
     DraftClient,
     DraftParams,
     IncompatibleTokenizer,
     InvalidRequest,
     LimitExceeded,
+    ServiceUnavailable,
 )
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import PromptLookup, prompt_lookup
-from redraft.datastore.service import ServerThread, ServiceConfig, TLSFiles
+from redraft.datastore.service.server import ServerThread, ServiceConfig, TLSFiles
 from redraft.proto import draft_pb2, draft_pb2_grpc
 
 FP = "sha256:service-test"
@@ -77,6 +78,14 @@ def client(server):
         yield c
 
 
+def wait_until(condition, timeout: float = 60.0) -> None:
+    """Poll until `condition()` holds; a generous deadline, so a loaded machine only waits."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
 def same_tree(got, want) -> None:
     assert got.tokens == want.tokens
     assert got.parents == want.parents
@@ -111,6 +120,7 @@ def test_info_reports_the_manifest(client, reader):
     assert info.corpora["b"]["n_docs"] == len(DOCS_B)
     assert info.limits["max_budget"] == ServiceConfig().max_budget
     assert info.manifest["n_tokens"] == reader.n_tokens
+    assert info.format_version == reader.manifest["version"] > 0
 
 
 def test_propose_equals_in_process_reader(client, reader):
@@ -317,9 +327,7 @@ def test_limits(reader):
         with pytest.raises(LimitExceeded, match="max_sessions=2"):
             c.session([1], None, FP).__enter__()
         b.close()
-        deadline = time.monotonic() + 5
-        while c.stats()["sessions_active"] > 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: c.stats()["sessions_active"] == 1)
         c.session([1], None, FP).__enter__().close()  # the freed slot is usable again
         with pytest.raises(LimitExceeded, match="would reach 53 tokens"):
             a.step([5] * 50)
@@ -337,9 +345,7 @@ def test_idle_sessions_are_closed(reader):
             DraftClient(srv.address, reconnect=False) as c:
         idle = c.session([1, 2], None, FP).__enter__()
         idle.step([3])
-        deadline = time.monotonic() + 30  # the sweeper runs every 0.1 s; a busy machine lags
-        while c.stats()["sessions_idle_closed"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: c.stats()["sessions_idle_closed"] == 1)
         with pytest.raises(LimitExceeded, match="idle"):
             idle.step([4])
         st = c.stats()
@@ -348,7 +354,7 @@ def test_idle_sessions_are_closed(reader):
 
 KILLED_CLIENT = """
 import sys, time
-from redraft.datastore.client import DraftClient
+from redraft.datastore.service.client import DraftClient
 c = DraftClient(sys.argv[1])
 s = c.session([1, 2, 3], None, sys.argv[2]).__enter__()
 s.step([4])
@@ -366,11 +372,89 @@ def test_killed_client_session_is_reclaimed(server, client):
         assert client.stats()["sessions_active"] == before + 1
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        deadline = time.monotonic() + 10
-        while client.stats()["sessions_active"] > before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.stats()["sessions_active"] == before
+        wait_until(lambda: client.stats()["sessions_active"] == before)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sessions_whose_replies_are_not_read_are_closed(reader):
+    """Clients that send steps and never read block the server's writes (HTTP/2 flow
+    control); the write waits no longer than the idle timeout, then the slot is freed."""
+    config = ServiceConfig(max_sessions=2, idle_timeout_s=2)
+    prompt = DOCS_A[0] * 3  # repetitive: prompt lookup drafts big trees, big replies
+
+    def requests():
+        yield opening(prompt=prompt, budget=1024, max_depth=128)
+        for i in range(4000):
+            yield stepping([DOCS_A[0][i % len(DOCS_A[0])]])
+
+    with ServerThread(reader, config=config) as srv, DraftClient(srv.address) as c:
+        channels = [grpc.insecure_channel(srv.address) for _ in range(2)]
+        calls = [draft_pb2_grpc.DrafterStub(ch).Session(requests()) for ch in channels]
+        try:
+            wait_until(lambda: c.stats()["sessions_opened"] == 2)
+            wait_until(lambda: c.stats()["sessions_unread_closed"] == 2)
+            wait_until(lambda: c.stats()["sessions_active"] == 0)
+            assert c.stats()["requests"] < 2 * 4001  # the writes did block
+            with c.session(DOCS_A[1][:30], DraftParams(budget=16), FP) as s:
+                assert len(s.step(DOCS_A[1][30:33])) > 0
+        finally:
+            for call, ch in zip(calls, channels):
+                call.cancel()
+                ch.close()
+
+
+@pytest.mark.parametrize("method", ["Propose", "Info", "Stats", "Session"])
+def test_malformed_protobuf_is_invalid_argument(server, client, method):
+    garbage = b"\xff\xff\xff\xff"
+    with grpc.insecure_channel(server.address) as ch:
+        path = f"/redraft.v1.Drafter/{method}"
+        with pytest.raises(grpc.RpcError) as err:
+            if method == "Session":
+                list(ch.stream_stream(path)(iter([garbage]), timeout=5))
+            else:
+                ch.unary_unary(path)(garbage, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed" in err.value.details()
+    assert len(client.propose(DOCS_A[1][:30])) > 0  # still serving
+
+
+def flip_byte_in_tokens(path: str) -> None:
+    """Damage a token array where opening does not look (opening checks sizes, not crc32)."""
+    with Reader(path) as r:
+        data_file = r.file
+    with open(data_file, "rb") as f:  # the first document, as stored: big-endian uint16
+        offset = f.read().index(b"".join(t.to_bytes(2, "big") for t in DOCS_A[0][:8])) + 10
+    with open(data_file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def health_status(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="redraft.v1.Drafter"), timeout=5).status
+
+
+def test_damaged_datastore_turns_health_not_serving(tmp_path, caplog):
+    path = str(tmp_path / "ds")
+    build_datastore(None, path, documents=DOCS_A, fingerprint=FP, vocab_size=VOCAB)
+    with Reader(path) as intact, ServerThread(intact) as srv, DraftClient(srv.address) as c:
+        wait_until(lambda: c.stats()["checksums"] != "running")
+        assert c.stats()["checksums"] == "passed"
+        assert health_status(srv.address) == health_pb2.HealthCheckResponse.SERVING
+    flip_byte_in_tokens(path)
+    caplog.set_level("ERROR", logger="redraft.serve")
+    with Reader(path) as damaged, ServerThread(damaged) as srv, DraftClient(srv.address) as c:
+        wait_until(lambda: c.stats()["checksums"] != "running")
+        assert c.stats()["checksums"].startswith("failed: ")
+        assert health_status(srv.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(ServiceUnavailable, match="damaged.*checksum mismatch"):
+            c.propose(DOCS_A[1][:30])
+        assert c.info().vocab_size == VOCAB  # Info still answers, for tools
+    lines = [r.getMessage() for r in caplog.records if r.name == "redraft.serve"]
+    assert len(lines) == 1 and "checksum mismatch" in lines[0] and "NOT_SERVING" in lines[0]

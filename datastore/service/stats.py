@@ -23,10 +23,13 @@ FIELDS = (
     "sessions_opened",
     "sessions_active",
     "sessions_idle_closed",
+    "sessions_unread_closed",
     "errors",
     "hits",
     "rest_hits",
     "pld_hits",
+    "learned_hits",
+    "learned_persisted",
     "nodes",
     "expected_accepted_x1000",
     "refused_sessions",
@@ -90,6 +93,8 @@ class ServiceStats:
                     a[_SLOT["rest_hits"]] += 1
                 if "pld" in sources:
                     a[_SLOT["pld_hits"]] += 1
+                if "learned" in sources:
+                    a[_SLOT["learned_hits"]] += 1
             a[_HIST0 + b] += 1
 
     def percentile_us(self, q: float) -> float:
