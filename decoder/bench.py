@@ -434,17 +434,21 @@ def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
     plt.close(fig)
 
 
-def kernel_report(records: Sequence[Record], kernels) -> dict:
-    """Per method, how many target forwards really ran on packed weights; packing's cost."""
+def kernel_report(records: Sequence[Record], kernels, choose: bool = True) -> dict:
+    """Per method, how many target forwards really ran on packed weights; packing's cost and
+    (with the per-size choice) which kind each forward size prefers by the end."""
     forwards: dict[str, dict[str, int]] = {}
     for r in records:
         f = forwards.setdefault(r.method, {"forwards": 0, "packed": 0})
         f["forwards"] += r.forwards
         f["packed"] += r.packed_forwards
-    out = {"redraft": "stock" if kernels is None else "packed", "forwards": forwards}
+    kind = "stock" if kernels is None else "chosen per size" if choose else "packed"
+    out = {"redraft": kind, "forwards": forwards}
     if kernels is not None:
         out.update(pack_seconds=round(kernels.pack_seconds, 3), repacked=kernels.repacked,
-                   packed_layers=len(kernels.forwards), preferred=kernels.choice.summary())
+                   packed_layers=len(kernels.forwards))
+        if choose:
+            out["preferred"] = kernels.choice.summary()
     return out
 
 
@@ -529,8 +533,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
     p.add_argument("--out", default="bench-out/spec_bench", help="output directory")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--stock-kernels", action="store_true",
-                   help="redraft's methods on PyTorch's stock CPU kernels, like Hugging Face's")
+    kernels = p.add_mutually_exclusive_group()
+    kernels.add_argument("--stock-kernels", action="store_true",
+                         help="redraft's methods on PyTorch's stock CPU kernels, like Hugging "
+                         "Face's")
+    kernels.add_argument("--always-packed", action="store_true",
+                         help="redraft's methods on packed kernels for every forward, without "
+                         "the per-size choice of the faster kind")
     from redraft.decoder.registry import add_options
 
     add_options(p)
@@ -592,7 +601,8 @@ def run_command(args: argparse.Namespace) -> int:
     # before any answer is timed; the methods' timed forwards keep correcting it.
     cost = None
     if any(method_drafters(n) not in (None, "none") for n in names):
-        cost = CostModel.for_model(model, model_name, packed_kernels=kernels is not None)
+        cost = CostModel.for_model(model, model_name, packed_kernels=kernels is not None,
+                                   choose_kernels=not args.always_packed)
     methods: list[Method] = []
     drafters = []
     run_id = uuid.uuid4().hex[:12]
@@ -608,7 +618,7 @@ def run_command(args: argparse.Namespace) -> int:
         drafters.append(drafter)
         methods.append(RedraftMethod(name, Generator(
             model, tokenizer, drafter, model_name=model_name, cost=cost,
-            packed_kernels=not args.stock_kernels)))
+            packed_kernels=not args.stock_kernels, choose_kernels=not args.always_packed)))
     warm_up(methods)
     total = len(questions) * len(methods) * args.repeat
     try:
@@ -626,7 +636,7 @@ def run_command(args: argparse.Namespace) -> int:
             "draft_service": args.draft_service, "device": str(model.device),
             "machine_start": machine_start, "machine_end": machine_state(),
             # redraft's forwards run on packed oneDNN weights on a CPU; HF's on stock kernels
-            "kernels": kernel_report(records, kernels),
+            "kernels": kernel_report(records, kernels, not args.always_packed),
             "cost_curve": cost.describe() if cost is not None else None}
     out = Path(args.out)
     write_outputs(out, records, summary, names, meta)

@@ -211,9 +211,7 @@ class CostModel:
         """
         from redraft.decoder.verify import TreeVerifier
 
-        verifier = TreeVerifier(model, packed_kernels=packed_kernels)
-        if not choose_kernels:
-            verifier.choice = None
+        verifier = TreeVerifier(model, packed_kernels, choose_kernels)
         vocab = int(model.config.vocab_size)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).tolist()
@@ -229,12 +227,15 @@ class CostModel:
 
     @classmethod
     def for_model(
-        cls, model, name: str, directory: Path | None = None, packed_kernels: bool = True
+        cls, model, name: str, directory: Path | None = None, packed_kernels: bool = True,
+        choose_kernels: bool = True,
     ) -> CostModel:
         """The cached curve for this model on this device and kernels, measured on first use."""
         from redraft.decoder.kernels import packed_linears
 
-        kernels = "packed" if packed_kernels and packed_linears(model) is not None else "stock"
+        kernels = "stock"
+        if packed_kernels and packed_linears(model) is not None:
+            kernels = "chosen per size" if choose_kernels else "packed"
         p = next(model.parameters())
         cfg = model.config
         key_src = json.dumps(
@@ -250,7 +251,8 @@ class CostModel:
             curve.source = "cached"
         except (OSError, ValueError, KeyError, TypeError):
             start = time.perf_counter()
-            curve = cls.measure(model, packed_kernels=packed_kernels)
+            curve = cls.measure(model, packed_kernels=packed_kernels,
+                                choose_kernels=choose_kernels)
             curve.source, curve.measure_seconds = "measured", time.perf_counter() - start
             _write_json(path, curve.to_json())
         curve.path = path

@@ -155,6 +155,7 @@ class Generator:
         max_depth: int = DEFAULT_MAX_DEPTH,
         persist_calibration: bool = False,
         packed_kernels: bool = True,
+        choose_kernels: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -177,7 +178,7 @@ class Generator:
         if persist_calibration and drafter is not None:
             self._calibration_file = calibration_path(model_name, drafter.name)
             self.calibrator.load(self._calibration_file)
-        self.verifier = TreeVerifier(model, packed_kernels=packed_kernels)
+        self.verifier = TreeVerifier(model, packed_kernels, choose_kernels)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
 
@@ -185,7 +186,8 @@ class Generator:
     def cost(self) -> CostModel:
         if self._cost is None:
             self._cost = CostModel.for_model(
-                self.model, self.model_name, packed_kernels=self.verifier.kernels is not None
+                self.model, self.model_name, packed_kernels=self.verifier.kernels is not None,
+                choose_kernels=self.verifier.choice is not None,
             )
         return self._cost
 

@@ -86,16 +86,16 @@ class TreeVerifier:
 
     `packed_kernels` lets the model's linear layers run on pre-packed oneDNN weights where
     that applies (float32 on a CPU, see `kernels`), for the forward sizes where they are the
-    faster kind on this machine now (`choice`; None = packed for every forward); elsewhere it
-    changes nothing. It counts the forwards that really ran on packed weights, and times
-    each tree forward, on the wall clock (the decoding loop learns its own overhead from it)
-    and on `cost_clock` (what corrects the cost curve).
+    faster kind on this machine now (`choose_kernels`, see `kernels.KernelChoice`; without
+    it, packed for every forward); elsewhere it changes nothing. It counts the forwards that
+    really ran on packed weights, and times each tree forward, on the wall clock (the decoding
+    loop learns its own overhead from it) and on `cost_clock` (what corrects the cost curve).
     """
 
-    def __init__(self, model, packed_kernels: bool = True) -> None:
+    def __init__(self, model, packed_kernels: bool = True, choose_kernels: bool = True) -> None:
         self.model = model
         self.kernels = packed_linears(model) if packed_kernels else None
-        self.choice = self.kernels.choice if self.kernels is not None else None
+        self.choice = self.kernels.choice if self.kernels is not None and choose_kernels else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._split = _split_model(model)

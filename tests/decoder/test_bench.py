@@ -148,3 +148,21 @@ def test_bench_on_the_default_model_is_token_identical(default_model, tmp_path):
             assert 0 <= r.packed_forwards <= r.forwards == r.steps + 1
     if packed_linears(model) is not None:
         assert sum(r.packed_forwards for r in recs) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeat", "0"], "--repeat must be >= 1"),
+    (["--always-packed", "--stock-kernels"], "not allowed with argument"),
+])
+def test_bad_bench_arguments_are_one_line_errors(capsys, tmp_path, argv, message):
+    from redraft.decoder.cli import main
+
+    path = tmp_path / "q.jsonl"
+    _write_questions(path, per_cat=1)
+    try:
+        rc = main(["bench", "--questions", str(path), "--methods", "redraft-none", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        rc = exc.code
+    _, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]  # argparse prints its usage line first
+    assert rc == 2 and last.startswith("redraft bench: error:") and message in last

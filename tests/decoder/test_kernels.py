@@ -49,9 +49,8 @@ def test_verifier_tree_logits_match_with_and_without_packing():
     tree = Tree([5, 6, 7, 8], [-1, 0, 0, 2], [0.5] * 4)
     logits = []
     for packed in (True, False):
-        v = TreeVerifier(model, packed_kernels=packed)
+        v = TreeVerifier(model, packed_kernels=packed, choose_kernels=False)  # every forward
         assert (v.kernels is not None) == packed
-        v.choice = None  # packed for every forward
         v.prefill([3, 4, 9, 10])
         logits.append(v.tree_forward(11, tree).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
@@ -59,8 +58,8 @@ def test_verifier_tree_logits_match_with_and_without_packing():
 
 def test_verifier_counts_the_forwards_that_really_ran_packed():
     model = tiny_model("llama", layers=2)
-    packed, stock = TreeVerifier(model), TreeVerifier(model, packed_kernels=False)
-    packed.choice = None
+    packed = TreeVerifier(model, choose_kernels=False)
+    stock = TreeVerifier(model, packed_kernels=False)
     for v in (packed, stock):
         before = packed_calls()
         v.prefill([3, 4, 9])
