@@ -1,8 +1,8 @@
 """The `redraft` command: one entry point, subcommands registered by each package.
 
 The datastore side registers `index`, `query`, `stats` and `serve`; the decoder side
-`generate` and `bench`. Errors a user can cause are printed as one line (exit 2), never a
-traceback.
+`generate`, `bench` and `train-medusa`. Errors a user can cause are printed as one line
+(exit 2), never a traceback.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the decoder's subcommands (generate, bench) to the `redraft` parser."""
-    from redraft.decoder import bench, commands
+    """Add the decoder's subcommands (generate, bench, train-medusa) to the `redraft` parser."""
+    from redraft.decoder import bench, commands, medusa_command
 
     commands.register(sub)
     bench.register(sub)
+    medusa_command.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
