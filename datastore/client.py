@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from redraft.datastore.draft import PLD, REST, Draft
+from redraft.datastore.draft import PLD, REST, Draft, source_label
 from redraft.datastore.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto import draft_pb2, draft_pb2_grpc
 
 _SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD}
-_SOURCE_NAME = {v: k for k, v in _SOURCE_ENUM.items()}
 
 
 class ServiceError(RedraftError):
@@ -130,15 +129,24 @@ class ServiceInfo:
 
 
 def draft_from_proto(reply: draft_pb2.DraftReply) -> Draft:
-    """Proto DraftReply -> datastore Draft (sources as 'rest'/'pld'), 1:1."""
+    """Proto DraftReply -> Draft (sources as 'rest', 'pld', 'pld+rest'), 1:1.
+
+    A reply whose tree is not a valid tree (arrays of different lengths, a missing
+    probability, a parent after its child) is a server error, never filled in.
+    """
     t = reply.tree
-    return Draft(
+    draft = Draft(
         tokens=list(t.tokens),
         parents=list(t.parents),
         probs=list(t.probs),
-        sources=[_SOURCE_NAME.get(s, "") for s in t.sources],
+        sources=[source_label(s) for s in t.sources],
         match_len=int(reply.match_len),
     )
+    try:
+        draft.validate()
+    except ValueError as exc:
+        raise ServiceError(f"the draft service sent a malformed tree: {exc}") from None
+    return draft
 
 
 def _check_ids(tokens: Sequence[int], what: str) -> list[int]:

@@ -1,77 +1,42 @@
-"""Merging candidate trees from several drafters (REST, PLD) into one tree under a budget.
+"""Merging candidate trees from several drafters into one tree under a budget, and calibration.
 
 Why: the decoder verifies one tree per forward, and its cost grows with the node count, so
 the nodes must be the ones most likely to be accepted, whoever proposed them. Shared
-prefixes are merged (a token two sources agree on is one node), and each node keeps the
-source that gave it the higher probability.
+prefixes are merged: a token two sources agree on is one node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from redraft.datastore.draft import Draft, path_and_depth
+from redraft.datastore.draft import Draft, path_and_depth, take_top
 
 
-def select_top(draft: Draft, budget: int) -> Draft:
-    """Keep the `budget` nodes with the highest path probability, best first, as a tree.
-
-    A path probability never exceeds its parent's (probs are <= 1), so ordering by
-    (path probability desc, depth asc) puts every parent before its children: the kept
-    nodes form a tree, and so does any prefix of them (a caller may truncate further).
-    """
-    if budget <= 0 or not draft.tokens:
-        return Draft(match_len=draft.match_len)
-    path, depth = path_and_depth(draft.probs, draft.parents)
-    return take_top(draft.tokens, draft.parents, draft.probs, draft.sources, path, depth, budget,
-                    draft.match_len)
+def join_sources(a: str, b: str) -> str:
+    """The label of a node both `a` and `b` proposed, e.g. "pld+rest" (sorted, no repeats)."""
+    if a == b:
+        return a
+    return "+".join(sorted(set(a.split("+")) | set(b.split("+"))))
 
 
-def take_top(tokens: list[int], parents: list[int], probs: list[float], sources: list[str],
-             path: list[float], depth: list[int], budget: int, match_len: int) -> Draft:
-    """The `budget` best nodes of a tree given as arrays with path probs and depths.
+def merge_drafts(drafts: Sequence[Draft], budget: int | None = None) -> Draft:
+    """One tree from several: shared prefixes merged, best path probabilities first.
 
-    Order: path probability descending, then depth, then index. Two sorts of plain indices
-    by one key each (the second stable, `reverse` keeps ties in order) give that order
-    without building a tuple per node. `path` and `depth` may have extra trailing entries.
-    """
-    n = len(tokens)
-    order = sorted(range(n), key=depth.__getitem__)
-    order.sort(key=path.__getitem__, reverse=True)
-    new_id = [-2] * n + [-1]  # new_id[-1] == -1: a root's parent stays -1
-    kept: list[int] = []
-    kept_parents: list[int] = []
-    for i in order[:budget]:
-        parent = new_id[parents[i]]
-        if parent == -2:  # a prob > 1 put a child before its parent: drop the orphan
-            continue
-        new_id[i] = len(kept)
-        kept.append(i)
-        kept_parents.append(parent)
-    return Draft(
-        tokens=[tokens[i] for i in kept],
-        parents=kept_parents,
-        probs=[float(probs[i]) for i in kept],
-        sources=[sources[i] for i in kept],
-        match_len=match_len,
-    )
-
-
-def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
-    """One tree from several: shared prefixes merged, best expected acceptance first.
-
-    Where two drafts propose the same token after the same path, the node takes the higher
-    of their probabilities (and that draft's source): the estimates are of one event, and
-    taking the larger one keeps each source's calibration instead of inventing a combined one.
-    `match_len` of the result is the longest of the inputs'. A single non-empty input within
-    the budget comes back as it is: drafters (Reader, PLD) already order nodes best first.
+    Where two drafts propose the same token after the same path, the node keeps the higher of
+    their probabilities and is labelled with both sources ("pld+rest"): two independent
+    sources agreeing is a different, usually much better, bet than either alone, and the
+    decoder calibrates each label separately from what the target accepts. `match_len` of the
+    result is the longest of the inputs'. A single non-empty input within the budget comes
+    back as it is (drafters already order nodes best first). `budget=None`: keep every node.
     """
     match_len = max((d.match_len for d in drafts), default=0)
     full = [d for d in drafts if len(d)]
+    if budget is None:
+        budget = sum(len(d) for d in full)
     if len(full) == 1 and len(full[0]) <= budget:
         d = full[0]
         return Draft(d.tokens, d.parents, d.probs, d.sources, match_len=match_len)
-    if not full:
+    if not full or budget <= 0:
         return Draft(match_len=match_len)
     first = full[0]
     tokens = list(first.tokens)
@@ -93,12 +58,11 @@ def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
                 parents.append(mp)
                 probs.append(prob)
                 sources.append(src)
-            elif prob > probs[node]:
-                probs[node] = prob
-                sources[node] = src
+            else:
+                if prob > probs[node]:
+                    probs[node] = prob
+                sources[node] = join_sources(sources[node], src)
             remap[j] = node
-    if budget <= 0 or not tokens:
-        return Draft(match_len=match_len)
     path, depth = path_and_depth(probs, parents)
     return take_top(tokens, parents, probs, sources, path, depth, budget, match_len)
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from redraft.datastore.draft import PLD, Draft
-from redraft.datastore.merge import take_top
+from redraft.datastore.draft import PLD, Draft, take_top
 
 
 def _key(toks: list[int], end: int, n: int) -> int:

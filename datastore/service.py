@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from redraft.datastore.draft import PLD, REST, Draft
+from redraft.datastore.draft import PLD, REST, Draft, source_bits
 from redraft.datastore.errors import DatastoreError, RedraftError
 from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
 from redraft.datastore.pld import PromptLookup
@@ -36,7 +36,6 @@ from redraft.proto import draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 _SOURCE_NAMES = {draft_pb2.SOURCE_REST: REST, draft_pb2.SOURCE_PLD: PLD}
-_SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD}
 
 
 @dataclass
@@ -229,7 +228,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         t.tokens.extend(tree.tokens)
         t.parents.extend(tree.parents)
         t.probs.extend(tree.probs)
-        t.sources.extend([_SOURCE_ENUM[s] for s in tree.sources])
+        t.sources.extend([source_bits(s) for s in tree.sources])
         out.match_len = rest_match
         out.expected_accepted = expected
         out.pld_match_len = pld_match

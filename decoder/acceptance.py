@@ -52,6 +52,8 @@ class Acceptance:
     tokens: list[int] = field(default_factory=list)  # accepted draft tokens + the bonus token
     # the target's top-k (ids, probs) after root and each node, when the loop asked for them
     candidates: tuple | None = None
+    # the final hidden state of the last accepted row, when the loop asked for it
+    hidden: object | None = None
 
     @property
     def bonus(self) -> int:

@@ -333,14 +333,31 @@ def write_outputs(out: Path, records: Sequence[Record], summary: dict, methods: 
 # -- command line ----------------------------------------------------------------------------
 
 HF_METHODS = ("hf-greedy", "hf-pld")
-REDRAFT_METHODS = {  # method name -> drafter names for build_drafter
-    "redraft-none": "none",
-    "redraft-pld": "pld",
-    "redraft-rest": "rest",
-    "redraft-recycle": "recycle",
-    "redraft-pld-rest": "pld,rest",
-    "redraft-default": "pld,rest,recycle",
-}
+
+
+def redraft_methods() -> dict[str, str]:
+    """Method name -> drafter names for build_drafter: `redraft-NAME` for every registered
+    drafter, plus plain decoding, PLD + retrieval, and the default drafters. Any other
+    combination is `redraft-` + names joined by `+` (e.g. `redraft-pld+medusa`)."""
+    from redraft.decoder.registry import NONE, REGISTRY, default_drafters
+
+    out = {f"redraft-{NONE}": NONE}
+    out.update({f"redraft-{name}": name for name in REGISTRY})
+    out["redraft-pld-rest"] = "pld,rest"
+    out["redraft-default"] = default_drafters(True)
+    return out
+
+
+def method_drafters(method: str) -> str | None:
+    """The drafter names of a redraft method, None for an unknown method."""
+    known = redraft_methods()
+    if method in known:
+        return known[method]
+    if method.startswith("redraft-") and "+" in method:
+        return method[len("redraft-"):].replace("+", ",")
+    return None
+
+
 DEFAULT_METHODS = ("hf-greedy,hf-pld,redraft-pld,redraft-rest,redraft-recycle,redraft-pld-rest,"
                    "redraft-default")
 
@@ -360,7 +377,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="questions per category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated, from {', '.join([*HF_METHODS, *REDRAFT_METHODS])}")
+                   help=f"comma-separated, from {', '.join([*HF_METHODS, *redraft_methods()])}"
+                   ", or redraft-A+B for any combination of drafters")
     rest = p.add_mutually_exclusive_group()
     rest.add_argument("--datastore", metavar="DIR", help="datastore for the rest drafters")
     rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
@@ -368,27 +386,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--stock-kernels", action="store_true",
                    help="redraft's methods on PyTorch's stock CPU kernels, like Hugging Face's")
+    from redraft.decoder.registry import add_options
+
+    add_options(p)
     p.set_defaults(func=run_command)
 
 
 def parse_methods(spec: str, has_retrieval: bool) -> list[str]:
+    from redraft.decoder.registry import REGISTRY, parse_names
+
     names = [m.strip() for m in spec.split(",") if m.strip()]
-    known = [*HF_METHODS, *REDRAFT_METHODS]
-    unknown = [m for m in names if m not in known]
-    if unknown:
-        raise BenchError(f"unknown method {unknown[0]!r} (known: {', '.join(known)})")
+    for m in names:
+        if m in HF_METHODS:
+            continue
+        drafters = method_drafters(m)
+        if drafters is None:
+            known = ", ".join([*HF_METHODS, *redraft_methods()])
+            raise BenchError(f"unknown method {m!r} (known: {known}, or redraft-A+B)")
+        needs = [n for n in parse_names(drafters) if n in REGISTRY
+                 and REGISTRY[n].needs_retrieval]
+        if needs and not has_retrieval:
+            raise BenchError(f"{m} needs --datastore DIR or --draft-service ADDR")
     if "hf-greedy" not in names:
         names.insert(0, "hf-greedy")
-    needs_rest = [m for m in names if "rest" in REDRAFT_METHODS.get(m, "")]
-    if needs_rest and not has_retrieval:
-        raise BenchError(f"{needs_rest[0]} needs --datastore DIR or --draft-service ADDR")
     return list(dict.fromkeys(names))
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from redraft.decoder.drafters import build_drafter
     from redraft.decoder.generate import Generator
     from redraft.decoder.models import load_model
+    from redraft.decoder.registry import build_drafter, options_from_args
     from tqdm import tqdm
 
     if args.max_new_tokens <= 0:
@@ -409,8 +436,10 @@ def run_command(args: argparse.Namespace) -> int:
             methods.append(HFMethod(name, model, tokenizer,
                                     10 if name == "hf-pld" else None))
             continue
-        drafter = build_drafter(REDRAFT_METHODS[name], tokenizer=tokenizer,
-                                datastore=args.datastore, draft_service=args.draft_service)
+        drafter = build_drafter(method_drafters(name), model=model, tokenizer=tokenizer,
+                                model_name=args.model or "smollm2-135m",
+                                datastore=args.datastore, draft_service=args.draft_service,
+                                options=options_from_args(args))
         drafters.append(drafter)
         methods.append(RedraftMethod(name, Generator(
             model, tokenizer, drafter, model_name=args.model or "smollm2-135m",

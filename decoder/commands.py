@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from redraft.decoder.generate import GenerationError, GenerationResult, GenerationStats
+from redraft.decoder.registry import add_options, default_drafters, known_names, parse_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,9 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=None,
-                   help="none, pld, rest, recycle, or a comma-separated combination such as "
-                   "pld,rest (default: pld,rest,recycle with a datastore or draft service, "
-                   "else pld,recycle)")
+                   help=f"{known_names()}, or a comma-separated combination such as "
+                   f"pld,rest (default: {default_drafters(True)} with a datastore or draft "
+                   f"service, else {default_drafters(False)})")
     ds = p.add_mutually_exclusive_group()
     ds.add_argument("--draft-service", metavar="ADDR", help="draft service address (host:port)")
     ds.add_argument("--datastore", metavar="DIR", help="datastore opened in this process")
@@ -60,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the target on PyTorch's stock CPU kernels instead of packed oneDNN "
                         "weights (to isolate what drafting alone gains)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_options(p)
     p.set_defaults(func=run_generate)
 
 
@@ -113,7 +115,7 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
 
 def run_generate(args: argparse.Namespace) -> int:
     from redraft.datastore.tokenizer import load_tokenizer, resolve_model
-    from redraft.decoder.drafters import build_drafter, default_drafters, parse_names
+    from redraft.decoder.registry import build_drafter, options_from_args
 
     logging.basicConfig(level=logging.WARNING, format="redraft: %(message)s")
     prompts = check_args(args)
@@ -122,26 +124,33 @@ def run_generate(args: argparse.Namespace) -> int:
     parse_names(args.drafters)  # unknown names fail before anything is loaded
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
-    drafter = build_drafter(args.drafters, tokenizer=tokenizer, datastore=args.datastore,
-                            draft_service=args.draft_service, token=args.token)
+    name = args.model or "smollm2-135m"
+
+    def load():
+        from redraft.decoder.models import load_model
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        return load_model(args.model, device=args.device, dtype=args.dtype)[0]
+
+    # Drafters that need no model are built (and their inputs checked) before it loads.
+    drafter = build_drafter(args.drafters, model_loader=load, tokenizer=tokenizer,
+                            model_name=name,
+                            datastore=args.datastore, draft_service=args.draft_service,
+                            token=args.token, options=options_from_args(args))
     try:
-        return _generate_all(args, prompts, drafter)
+        return _generate_all(args, prompts, drafter, load(), tokenizer, name)
     finally:
         if drafter is not None:
             drafter.close()
 
 
-def _generate_all(args, prompts: list[list[str]], drafter) -> int:
+def _generate_all(args, prompts: list[list[str]], drafter, model, tokenizer, name: str) -> int:
     from redraft.decoder.generate import Generator
-    from redraft.decoder.models import load_model
     from redraft.decoder.recycle import table_path
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    name = args.model or "smollm2-135m"
     packed = not args.stock_kernels
     gen = Generator(model, tokenizer, drafter, model_name=name, max_nodes=args.max_nodes,
                     persist_calibration=True, packed_kernels=packed)
@@ -166,7 +175,7 @@ def _generate_all(args, prompts: list[list[str]], drafter) -> int:
 
 
 def _recycler(drafter):
-    from redraft.decoder.drafters import RecycleDrafter
+    from redraft.decoder.drafters.recycle import RecycleDrafter
 
     members = getattr(drafter, "drafters", [drafter])
     return next((d for d in members if isinstance(d, RecycleDrafter)), None)

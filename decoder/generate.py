@@ -17,7 +17,7 @@ import torch
 from redraft.datastore.errors import RedraftError
 from redraft.decoder.acceptance import Acceptance, SamplingParams, accept
 from redraft.decoder.budget import Calibrator, CostModel, calibration_path
-from redraft.decoder.drafters import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
+from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
 from redraft.decoder.recycle import top_candidates
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
@@ -86,17 +86,21 @@ def speculative_decode(
     params: SamplingParams,
     generator: torch.Generator,
     candidates: int = 0,
+    hidden: bool = False,
 ) -> Acceptance:
     """One target forward over root + tree, acceptance, and cache compaction.
 
     `candidates` > 0 also returns the target's top-k next tokens after root and every node
-    (what token recycling keeps of the forward instead of throwing it away).
+    (what token recycling keeps of the forward instead of throwing it away); `hidden` the
+    final hidden state of the last accepted row (what Medusa heads draft from).
     """
-    logits = verifier.tree_forward(root, tree)
-    acc = accept(logits, tree, params, generator)
+    out = verifier.tree_forward(root, tree)
+    acc = accept(out.logits, tree, params, generator)
     verifier.commit(acc.nodes)
     if candidates:
-        acc.candidates = top_candidates(logits, candidates)
+        acc.candidates = top_candidates(out.logits, candidates)
+    if hidden and out.hidden is not None:
+        acc.hidden = out.hidden[acc.nodes[-1] + 1 if acc.nodes else 0]
     return acc
 
 
@@ -309,7 +313,9 @@ class Generator:
                     keep = cost.select(calibrated, self.max_nodes, self.step_overhead)
                     raw, tree = raw.subset(keep), calibrated.subset(keep)
                 want = drafter.candidates_wanted if drafter_ok else 0
-                acc = speculative_decode(self.verifier, root, tree, params, generator, want)
+                want_hidden = drafter_ok and drafter.hidden_wanted
+                acc = speculative_decode(self.verifier, root, tree, params, generator, want,
+                                         want_hidden)
                 if acc.candidates is not None:
                     drafter_ok = self._safe(stats, drafter.observe, context, tree,
                                             *acc.candidates)
@@ -334,6 +340,9 @@ class Generator:
                         finish = "stop"
                 if drafter_ok and finish == "length" and len(out) < max_new:
                     drafter_ok = self._safe(stats, drafter.update, new)
+                    if drafter_ok and acc.hidden is not None and len(new) == len(acc.tokens):
+                        drafter_ok = self._safe(stats, drafter.observe_hidden, context,
+                                                acc.hidden)
                 if cost is not None:
                     self._learn_overhead(cost, len(tree), time.perf_counter() - step_start)
                 yield new

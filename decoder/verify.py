@@ -2,7 +2,10 @@
 
 One decoding step feeds the *root* (the last token, not yet in the cache) followed by the
 draft tree's nodes. Row 0 of the returned logits predicts the first new token; row i + 1
-predicts the token after node i. Each row may attend to the cached prefix, the root, and its
+predicts the token after node i. The forward also returns each row's final (post-norm)
+hidden state, which learned drafters (Medusa heads) read instead of running a forward of
+their own: the verifier runs the model's body and applies its LM head itself, so the hidden
+states cost nothing extra. Each row may attend to the cached prefix, the root, and its
 own ancestors only, which is expressed as a 4-D additive float mask `[1, 1, N, L + N]` in the
 model's dtype, with `position_ids = L + depth` (transformers 5.x: a bool mask is silently
 misread under eager attention, and the cache is passed as `cache=`).
@@ -14,7 +17,9 @@ have built.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from dataclasses import dataclass
 
 import torch
 from redraft.datastore.errors import RedraftError
@@ -24,6 +29,31 @@ from redraft.decoder.tree import Tree
 
 class UnsupportedModel(RedraftError):
     """A model whose cache layout the verifier cannot compact (e.g. sliding-window layers)."""
+
+
+@dataclass
+class ForwardOutput:
+    """What one verification forward gives the loop: rows are root, then tree nodes."""
+
+    logits: torch.Tensor  # [N + 1, V] float32
+    hidden: torch.Tensor | None  # [N + 1, H] final hidden states (model dtype); None if the
+    # model's logits are not its LM head applied to its body's output (see `_split_model`)
+
+
+def _split_model(model):
+    """(body, lm_head) such that model(x).logits == lm_head(body(x).last_hidden_state), or None.
+
+    True of the usual causal LMs (Llama, Qwen2, GPT-2, ...). Models that post-process their
+    logits (soft-capping, scaling) fail the check at construction and run whole instead.
+    """
+    body = getattr(model, "base_model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if body is None or body is model or head is None:
+        return None
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None
+    return body, head
 
 
 def _make_cache(model):
@@ -61,7 +91,8 @@ class TreeVerifier:
         self.kernels = packed_linears(model) if packed_kernels else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._cache_kw = _cache_kwarg(model)
+        self._split = _split_model(model)
+        self._cache_kw = _cache_kwarg(self._split[0] if self._split else model)
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache = None
         self._pending = 0  # tree rows in the cache that `commit` has not resolved yet
@@ -87,13 +118,18 @@ class TreeVerifier:
             return
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
+        # The vocabulary projection of a long prompt is waste: only the cache is wanted.
+        if self._split is not None:
+            with self._kernels():
+                self._split[0](input_ids=x, **kwargs)
+            return
         if self._keep_kw:
-            kwargs["logits_to_keep"] = 1  # the vocabulary projection of a long prompt is waste
+            kwargs["logits_to_keep"] = 1
         self._forward(x, kwargs)
 
     @torch.inference_mode()
-    def tree_forward(self, root: int, tree: Tree) -> torch.Tensor:
-        """One target forward over root + tree; returns float32 logits of shape [N + 1, V]."""
+    def tree_forward(self, root: int, tree: Tree) -> ForwardOutput:
+        """One target forward over root + tree: float32 logits [N + 1, V] and hidden states."""
         if self.cache is None:
             self.reset()
         if self._pending:
@@ -115,13 +151,18 @@ class TreeVerifier:
         # A single token needs no mask: it may see everything, as in plain decoding.
         out = self._forward(ids, kwargs)
         self._pending = n
-        return out.logits[0].float()
+        return out
 
-    def _forward(self, ids: torch.Tensor, kwargs: dict):
-        if self.kernels is None:
-            return self.model(input_ids=ids, **kwargs)
-        with self.kernels.active():
-            return self.model(input_ids=ids, **kwargs)
+    def _forward(self, ids: torch.Tensor, kwargs: dict) -> ForwardOutput:
+        with self._kernels():
+            if self._split is None:
+                return ForwardOutput(self.model(input_ids=ids, **kwargs).logits[0].float(), None)
+            body, head = self._split
+            hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
+            return ForwardOutput(head(hidden).float(), hidden)
+
+    def _kernels(self):
+        return self.kernels.active() if self.kernels is not None else contextlib.nullcontext()
 
     def commit(self, accepted: list[int]) -> None:
         """Keep the root and the accepted nodes (tree indices along one path), drop the rest."""

@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
 
-    from redraft.decoder.drafters import build_drafter
     from redraft.decoder.generate import Generator
     from redraft.decoder.models import load_model
+    from redraft.decoder.registry import build_drafter
 
     torch.set_num_threads(args.threads)
     name = args.model or "smollm2-135m"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from redraft.datastore.draft import PLD, REST, Draft
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts, select_top
+from redraft.datastore.draft import PLD, REST, Draft, source_bits, source_label
+from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
 
 
 def paths(draft):
@@ -21,15 +21,23 @@ REST_D = Draft([1, 2, 3, 9], [-1, 0, 1, -1], [0.9, 0.8, 0.5, 0.1], [REST] * 4, m
 PLD_D = Draft([1, 2, 4, 5], [-1, 0, 1, -1], [0.6, 0.9, 0.7, 0.3], [PLD] * 4, match_len=3)
 
 
-def test_shared_prefixes_merge_and_keep_the_better_source():
+def test_shared_prefixes_merge_keep_the_higher_prob_and_name_both_sources():
     m = merge_drafts([REST_D, PLD_D], budget=100)
     m.validate()
     got = by_path(m)
     assert set(got) == {(1,), (1, 2), (1, 2, 3), (1, 2, 4), (9,), (5,)}
-    assert got[(1,)] == (0.9, REST)
-    assert got[(1, 2)] == (0.9, PLD)
+    assert got[(1,)] == (0.9, "pld+rest")
+    assert got[(1, 2)] == (0.9, "pld+rest")
     assert got[(1, 2, 3)][1] == REST and got[(1, 2, 4)][1] == PLD
     assert m.match_len == 6
+    assert merge_drafts([REST_D, PLD_D]) == merge_drafts([REST_D, PLD_D], budget=100)
+
+
+def test_source_labels_round_trip_the_wire_bits():
+    for label in (REST, PLD, "pld+rest"):
+        assert source_label(source_bits(label)) == label
+    assert source_bits("pld+rest") == source_bits(REST) | source_bits(PLD)
+    assert source_label(0) == "unknown"
 
 
 def test_budget_keeps_highest_path_probabilities():
@@ -47,9 +55,9 @@ def test_parents_precede_children_and_empty_inputs():
     assert len(merge_drafts([REST_D], 0)) == 0
 
 
-def test_select_top_is_a_closed_tree_under_ties():
+def test_prune_is_a_closed_tree_under_ties():
     d = Draft([1, 2, 3, 4], [-1, 0, 1, 2], [1.0, 1.0, 1.0, 1.0], [REST] * 4)
-    s = select_top(d, 2)
+    s = d.prune(2)
     assert paths(s) == [(1,), (1, 2)]
 
 

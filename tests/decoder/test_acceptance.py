@@ -17,7 +17,8 @@ from redraft.decoder.acceptance import (
     target_probs,
 )
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafters import Drafter, RecycleDrafter
+from redraft.decoder.drafters import Drafter
+from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.generate import Generator
 from redraft.decoder.tree import Tree
 

@@ -87,8 +87,8 @@ def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
 
 @pytest.mark.slow
 def test_bench_on_the_default_model_is_token_identical(default_model, tmp_path):
-    from redraft.decoder.drafters import build_drafter
     from redraft.decoder.generate import Generator
+    from redraft.decoder.registry import build_drafter
 
     model, tok = default_model
     path = tmp_path / "q.jsonl"

@@ -111,7 +111,7 @@ def test_a_per_step_overhead_makes_bigger_trees_worth_it():
 
 def test_generator_learns_the_loops_overhead_per_step():
     from redraft.datastore.tokenizer import load_tokenizer
-    from redraft.decoder.drafters import PLDDrafter
+    from redraft.decoder.drafters.pld import PLDDrafter
     from redraft.decoder.generate import Generator
 
     # a curve claiming forwards take a microsecond: every step's real time is overhead

@@ -23,7 +23,6 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         (["--prompt", "  "], "empty prompt"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
         (["--prompt", "hi", "--drafters", "pld,ngram"], "unknown drafter 'ngram'"),
-        (["--prompt", "hi", "--drafters", "medusa"], "'medusa' is not available"),
         (["--prompt", "hi", "--drafters", "none,pld"], "cannot be combined"),
         (["--prompt", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--prompt", "hi", "--drafters", "rest"], "needs a datastore"),

@@ -11,14 +11,11 @@ from redraft.datastore import Reader
 from redraft.datastore.service import ServerThread
 from redraft.datastore.tokenizer import tokenizer_fingerprint
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafters import (
-    DatastoreDrafter,
-    MergedDrafter,
-    PLDDrafter,
-    ServiceDrafter,
-    build_drafter,
-)
+from redraft.decoder.drafters import MergedDrafter
+from redraft.decoder.drafters.pld import PLDDrafter
+from redraft.decoder.drafters.rest import DatastoreDrafter, ServiceDrafter
 from redraft.decoder.generate import GenerationError, Generator
+from redraft.decoder.registry import build_drafter
 
 from .conftest import CODE_PROMPTS, CPU_COST
 

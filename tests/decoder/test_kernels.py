@@ -50,7 +50,7 @@ def test_verifier_tree_logits_match_with_and_without_packing():
         v = TreeVerifier(model, packed_kernels=packed)
         assert (v.kernels is not None) == packed
         v.prefill([3, 4, 9, 10])
-        logits.append(v.tree_forward(11, tree))
+        logits.append(v.tree_forward(11, tree).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
 
 
@@ -63,7 +63,7 @@ def test_weights_changed_after_packing_are_repacked_at_the_next_generation():
         model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
             torch.randn_like(model.model.layers[0].mlp.down_proj.weight))  # replaced
     verifier.prefill([3, 4, 5])
-    fast = verifier.tree_forward(6, Tree())
+    fast = verifier.tree_forward(6, Tree()).logits
     with torch.inference_mode():
         stock = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits[0, -1:]
     torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,9 @@ import numpy as np
 import torch
 from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafters import MergedDrafter, PLDDrafter, RecycleDrafter
+from redraft.decoder.drafters import MergedDrafter
+from redraft.decoder.drafters.pld import PLDDrafter
+from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.generate import Generator
 from redraft.decoder.recycle import CandidateTable, top_candidates
 

@@ -25,6 +25,12 @@ def sequential_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, -1].float()
 
 
+def sequential_hidden(model, ids: list[int]) -> torch.Tensor:
+    """The final (post-norm) hidden state of the last position, from a plain forward."""
+    with torch.no_grad():
+        return model.base_model(torch.tensor([ids])).last_hidden_state[0, -1]
+
+
 def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
     parents = [rng.randrange(-1, i) for i in range(n)]
     return Tree([rng.randrange(vocab) for _ in range(n)], parents, [0.5] * n, ["pld"] * n)
@@ -45,13 +51,18 @@ def test_tree_logits_equal_sequential_on_tiny_models(kind, attn):
     verifier.prefill(context[:-1])
     for step in range(3):  # several steps: compaction must leave a correct cache each time
         tree = random_tree(rng, rng.randrange(1, 14), 64)
-        logits = verifier.tree_forward(context[-1], tree)
+        out = verifier.tree_forward(context[-1], tree)
+        logits = out.logits
         assert logits.shape == (len(tree) + 1, 64)
-        worst = 0.0
+        assert out.hidden is not None and out.hidden.shape == (len(tree) + 1, 32)
+        worst = worst_hidden = 0.0
         for row, path in enumerate([[], *node_paths(tree)]):
             ref = sequential_logits(model, context + path)
             worst = max(worst, float((ref - logits[row]).abs().max()))
+            ref_hidden = sequential_hidden(model, context + path)
+            worst_hidden = max(worst_hidden, float((ref_hidden - out.hidden[row]).abs().max()))
         assert worst < 1e-4, f"step {step}: tree logits differ from sequential by {worst}"
+        assert worst_hidden < 1e-4, f"step {step}: hidden states differ by {worst_hidden}"
         # accept a random root-to-node path (not necessarily the first nodes) and continue
         node = rng.randrange(len(tree))
         path_nodes = []
@@ -72,7 +83,7 @@ def test_rejecting_everything_restores_the_cache():
     verifier.tree_forward(context[-1], Tree([7, 8, 9], [-1, 0, -1], [0.5] * 3, ["pld"] * 3))
     verifier.commit([])
     assert verifier.cached_len == len(context)
-    logits = verifier.tree_forward(11, Tree())
+    logits = verifier.tree_forward(11, Tree()).logits
     assert torch.allclose(logits[0], sequential_logits(model, context + [11]), atol=1e-5)
 
 
@@ -86,7 +97,7 @@ def test_tree_logits_equal_sequential_on_the_default_model(default_model):
     tree = Tree(a + ret[:1] + [a[0]], [-1, 0, 1, 2, -1, 4], [0.5] * 6, ["pld"] * 6)
     verifier = TreeVerifier(model)
     verifier.prefill(context[:-1])
-    logits = verifier.tree_forward(context[-1], tree)
+    logits = verifier.tree_forward(context[-1], tree).logits
     worst = 0.0
     for row, path in enumerate([[], *node_paths(tree)]):
         ref = sequential_logits(model, context + path)

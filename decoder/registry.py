@@ -1,0 +1,187 @@
+"""The drafter registry: every drafter by name, with its factory and its options.
+
+A new drafter is one module under `redraft.decoder.drafters` with a `make(ctx)` factory plus
+one `DrafterSpec` below. `--drafters`, the options of `redraft generate` / `redraft bench`
+(each spec's options become command-line flags), `build_drafter` and the README's list all
+read this table, so nothing else needs to learn a new name. Factories are imported only when
+a drafter is built: naming a drafter never loads another's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redraft.decoder.drafters.base import (
+    DEFAULT_MAX_DEPTH,
+    Drafter,
+    MergedDrafter,
+    UnknownDrafter,
+)
+
+NONE = "none"  # plain decoding through the same loop (the baseline); not a drafter
+
+
+@dataclass(frozen=True)
+class Option:
+    """A drafter setting; `--NAME` on the command line, `options["NAME_WITH_UNDERSCORES"]`."""
+
+    name: str
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] = str
+    metavar: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str
+    summary: str
+    factory: str  # "module:function" taking a DrafterContext
+    options: tuple[Option, ...] = ()
+    needs_retrieval: bool = False  # needs a datastore or a draft service
+
+
+@dataclass
+class DrafterContext:
+    """Everything a factory may use; a factory takes what it needs and ignores the rest.
+
+    The model may come as `model_loader`, called on first use of `ctx.model`: drafters that
+    need no model are then built (and their inputs checked) before the model is loaded.
+    """
+
+    tokenizer: Any = None
+    model_name: str = ""
+    datastore: str | None = None
+    draft_service: str | None = None
+    token: str | None = None
+    max_depth: int = DEFAULT_MAX_DEPTH
+    names: tuple[str, ...] = ()  # the whole combination being built
+    options: dict[str, Any] = field(default_factory=dict)
+    model_loader: Callable[[], Any] | None = None
+    _model: Any = None
+
+    @property
+    def model(self) -> Any:
+        if self._model is None and self.model_loader is not None:
+            self._model = self.model_loader()
+        return self._model
+
+    def option(self, key: str) -> Any:
+        """An option's value, its spec's default when not given."""
+        if key in self.options and self.options[key] is not None:
+            return self.options[key]
+        for spec in REGISTRY.values():
+            for opt in spec.options:
+                if opt.key == key:
+                    return opt.default
+        raise KeyError(key)
+
+
+REGISTRY: dict[str, DrafterSpec] = {
+    spec.name: spec
+    for spec in (
+        DrafterSpec("pld", "prompt lookup in the prompt and the output so far",
+                    "redraft.decoder.drafters.pld:make"),
+        DrafterSpec("rest", "retrieval from a datastore (--datastore) or a draft service "
+                    "(--draft-service)", "redraft.decoder.drafters.rest:make",
+                    needs_retrieval=True),
+        DrafterSpec("recycle", "token recycling: the target's own earlier top-k per token",
+                    "redraft.decoder.drafters.recycle:make"),
+    )
+}
+
+
+def known_names() -> str:
+    return ", ".join([NONE, *REGISTRY])
+
+
+def default_drafters(retrieval: bool) -> str:
+    """What runs when no drafter is named: every drafter that needs nothing more than what
+    was given (recycling and prompt lookup need no corpus; rest needs a datastore or service).
+    """
+    return "pld,rest,recycle" if retrieval else "pld,recycle"
+
+
+def parse_names(names: str | Sequence[str] | None) -> list[str]:
+    """Validate a drafter name or comma-separated combination; default `pld,recycle`."""
+    if names is None:
+        names = default_drafters(False)
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.lower() for n in names))
+    if not names:
+        raise UnknownDrafter(f"no drafter named (use {known_names()} or a combination)")
+    for n in names:
+        if n != NONE and n not in REGISTRY:
+            raise UnknownDrafter(f"unknown drafter {n!r} (known: {known_names()}; "
+                                 "combine with commas, e.g. pld,rest)")
+    if NONE in names and len(names) > 1:
+        raise UnknownDrafter(f"'{NONE}' cannot be combined with other drafters")
+    return names
+
+
+def build_drafter(
+    names: str | Sequence[str] | None,
+    *,
+    model=None,
+    model_loader: Callable[[], Any] | None = None,
+    tokenizer=None,
+    model_name: str = "",
+    datastore: str | None = None,
+    draft_service: str | None = None,
+    token: str | None = None,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    options: dict[str, Any] | None = None,
+) -> Drafter | None:
+    """A drafter from a name or a comma-separated combination; None for `none`.
+
+    Members are built in registry order (the order their trees are merged in); several are
+    merged into one tree per step by `MergedDrafter`.
+    """
+    names = parse_names(names)
+    if names == [NONE]:
+        return None
+    ctx = DrafterContext(tokenizer, model_name, datastore, draft_service, token, max_depth,
+                         tuple(names), dict(options or {}), model_loader, model)
+    drafters: list[Drafter] = []
+    try:
+        for name in REGISTRY:
+            if name in names:
+                module, func = REGISTRY[name].factory.split(":")
+                drafters.append(getattr(importlib.import_module(module), func)(ctx))
+    except BaseException:
+        for d in drafters:
+            d.close()
+        raise
+    return drafters[0] if len(drafters) == 1 else MergedDrafter(drafters)
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """Every registered drafter's options as command-line flags, in one argument group."""
+    group = None
+    for spec in REGISTRY.values():
+        for opt in spec.options:
+            if group is None:
+                group = parser.add_argument_group("drafter options")
+            group.add_argument(f"--{opt.name}", dest=opt.key, type=opt.type, default=None,
+                               metavar=opt.metavar,
+                               help=f"[{spec.name}] {opt.help} (default: {opt.default})")
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The drafter options given on the command line (absent ones left to their defaults)."""
+    out = {}
+    for spec in REGISTRY.values():
+        for opt in spec.options:
+            value = getattr(args, opt.key, None)
+            if value is not None:
+                out[opt.key] = value
+    return out
