@@ -234,14 +234,16 @@ class HeadsPredictor:
             weight = weight.index_select(0, self.ids).contiguous()
             bias = None if bias is None else bias.index_select(0, self.ids)
         self.heads = heads.to(device=weight.device, dtype=weight.dtype)
+        self.device, self.dtype = weight.device, weight.dtype
         self.projection = projection
+        self.width = int(weight.shape[0])  # projection rows: guesses available per head
         self._linear = _linear_for(weight, bias)
 
     @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids [K, k] (full-vocabulary ids) and their softmax probabilities [K, k]."""
-        states = self.heads(hidden.reshape(1, -1).to(self.heads.vocab_subset.device))[0]
-        logits = self._linear(states.to(next(self.heads.parameters()).dtype)).float()
+        states = self.heads(hidden.reshape(1, -1).to(self.device, self.dtype))[0]
+        logits = self._linear(states).float()
         values, idx = torch.topk(logits, k, dim=-1)
         probs = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True))
         if self.ids is not None:

@@ -447,7 +447,7 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
     coverage = float(np.isin(held_pos.next_tokens, subset.numpy()).mean())
     meta = {
         "model": name, "model_fingerprint": fingerprint, "vocab_size": vocab,
-        "projection": "full",
+        "projection": choose_projection(accuracy),
         "accuracy": accuracy,
         "training": {
             "data": [Path(p).name for p in data], "data_digest": digest,
@@ -465,6 +465,24 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
     (cache / "checkpoint.pt").unlink(missing_ok=True)
     log(summary_table(accuracy))
     return meta
+
+
+def expected_accepted(cumulative: Sequence[Sequence[float]], nodes: int = 16) -> float:
+    """Expected accepted tokens of the drafter's best `nodes`-node tree for these accuracies."""
+    from redraft.decoder.drafters.medusa import sparse_tree
+    from redraft.decoder.tree import Tree
+
+    shape = sparse_tree(cumulative, nodes)
+    return Tree([0] * len(shape), shape.parents, shape.probs, ["medusa"] * len(shape)
+                ).expected_accepted
+
+
+def choose_projection(accuracy: dict, tolerance: float = 0.01) -> str:
+    """The subset projection (several times cheaper per step) unless its tree is expected to
+    get more than `tolerance` (relative) fewer tokens accepted than the full one's."""
+    full = expected_accepted(accuracy["full"]["topk"])
+    subset = expected_accepted(accuracy["subset"]["topk"])
+    return "subset" if subset >= (1 - tolerance) * full else "full"
 
 
 def summary_table(accuracy: dict) -> str:
