@@ -132,6 +132,7 @@ def save_heads(heads: MedusaHeads, path: str | Path, meta: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata={"redraft": json.dumps(meta, sort_keys=True)})
+    tmp.chmod(0o644)  # a shareable file like any other output, not the writer's private one
     tmp.replace(path)
     heads.meta = meta
 

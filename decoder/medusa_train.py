@@ -23,6 +23,7 @@ will accept. Three stages, each resumable:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -429,9 +430,12 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
     held_cache = HiddenCache(cache / f"held-{str(model.dtype).split('.')[-1]}", held_docs,
                              hidden_size)
     held_cache.fill(model, "hidden states (held-out)")
-    fast_model = model if fast == model.dtype else load_model(model_name, device=dev.type,
-                                                              dtype=fast)[0]
-    train_cache.fill(fast_model, "hidden states (train)")
+    if train_cache.done < len(train_docs):
+        # A converted copy, not a second load: a GGUF file loaded in bfloat16 keeps its
+        # weights quantized and casts around every matmul, several times slower.
+        fast_model = model if fast == model.dtype else copy.deepcopy(model).to(fast)
+        train_cache.fill(fast_model, "hidden states (train)")
+        del fast_model
     cache_seconds = time.perf_counter() - t0
 
     train_pos, held_pos = Positions.of(train_docs), Positions.of(held_docs)

@@ -133,13 +133,13 @@ def make(ctx) -> MedusaDrafter:
     another model are refused once it has."""
     from redraft.decoder.medusa import default_heads_path, load_heads, read_meta
 
+    projection = ctx.option("medusa_projection")
+    if projection not in (None, *PROJECTIONS):
+        raise HeadsError(f"--medusa-projection must be full or subset, got {projection!r}")
     path = ctx.option("medusa_heads") or default_heads_path(ctx.model_name)
     if path is None:
         raise HeadsError(f"no Medusa heads for model {ctx.model_name!r}: train them with "
                          "`redraft train-medusa` and pass --medusa-heads FILE")
-    projection = ctx.option("medusa_projection")
-    if projection not in (None, *PROJECTIONS):
-        raise HeadsError(f"--medusa-projection must be full or subset, got {projection!r}")
     read_meta(path)
     model = ctx.model
     return MedusaDrafter(load_heads(path, model), model, projection, max_depth=ctx.max_depth)

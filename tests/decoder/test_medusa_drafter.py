@@ -165,3 +165,40 @@ def test_fallback_and_hybrid_are_lossless_on_greedy():
             b = gen.generate(prompt, max_new_tokens=30, eos=False)
             assert a.tokens == b.tokens
             assert b.stats.steps < a.stats.steps
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def _generate(capsys, *argv):
+    from redraft.decoder.cli import main
+
+    rc = main(["generate", "--prompt", "hi", "--max-new-tokens", "4", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--drafters", "medusa", "--medusa-heads", "/nonexistent/h.safetensors"],
+     "heads file not found"),
+    (["--drafters", "medusa", "--medusa-projection", "tiny"], "must be full or subset"),
+    (["--drafters", "hybrid,pld"], "'hybrid' already combines drafters"),
+])
+def test_bad_medusa_options_are_one_line_errors(capsys, argv, message):
+    rc, out, err = _generate(capsys, *argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("redraft generate: error:") and message in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["medusa", "fallback"])
+def test_heads_for_another_model_are_refused_by_the_cli(capsys, tmp_path, default_model, which):
+    from redraft.decoder.medusa import model_fingerprint, save_heads
+
+    tiny = tiny_model()
+    path = tmp_path / "tiny.safetensors"
+    save_heads(tiny_heads(tiny), path, {"model": "tiny", "vocab_size": 64,
+                                        "model_fingerprint": model_fingerprint(tiny)})
+    rc, out, err = _generate(capsys, "--drafters", which, "--medusa-heads", str(path))
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "heads for hidden size 32" in err
