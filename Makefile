@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint proto demo bench bench-samples bench-datastore stdlib-datastore \
-	default-datastore clean
+	default-datastore heads clean
 
 install: $(STAMP)
 
@@ -78,6 +78,14 @@ $(DEFAULT_DS)/datastore.lmdb: $(CHAT_CORPORA) | $(STAMP)
 		--exclude '*/site-packages/*' --exclude '*/dist-packages/*' --skip-bad --quiet \
 		"$$STDLIB/**/*.py"
 	$(VENV)/bin/redraft index --append --out $(DEFAULT_DS) --corpus chat --quiet $(CHAT_CORPORA)
+
+# The default model's Medusa heads (committed; this rebuilds them): hidden states of the
+# self-distilled corpus are cached under ~/.cache/redraft/medusa, so a rerun only retrains.
+HEADS := decoder/heads/smollm2-135m.safetensors
+HEADS_EPOCHS ?= 2
+heads: install
+	$(VENV)/bin/redraft train-medusa --model smollm2-135m --data tools/corpora/self_distill.jsonl \
+		--out $(HEADS) --epochs $(HEADS_EPOCHS) --threads 1
 
 # Spec-Bench side by side with Hugging Face (about an hour on 2 CPU cores).
 SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl

@@ -1,9 +1,9 @@
 """The `redraft` command: one entry point, subcommands registered by each package.
 
 The datastore side registers `index`, `query`, `stats` and `serve`; the decoder side
-`generate` and `bench`. Only the subcommands that could parse the command line are
-registered: the decoder's modules import torch and `serve`'s imports gRPC, neither of which
-`redraft stats DIR` needs at start. Errors a user can cause are printed as one line
+`generate`, `bench` and `train-medusa`. Only the subcommands that could parse the command
+line are registered: the decoder's modules import torch and `serve`'s imports gRPC, neither of
+which `redraft stats DIR` needs at start. Errors a user can cause are printed as one line
 (exit 2), never a traceback.
 """
 
@@ -32,11 +32,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the decoder's subcommands (generate, bench) to the `redraft` parser."""
-    from redraft.decoder import bench, commands
+    """Add the decoder's subcommands (generate, bench, train-medusa) to the `redraft` parser."""
+    from redraft.decoder import bench, commands, medusa_command
 
     commands.register(sub)
     bench.register(sub)
+    medusa_command.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,6 +104,19 @@ REGISTRY: dict[str, DrafterSpec] = {
                     )),
         DrafterSpec("recycle", "token recycling: the target's own earlier top-k per token",
                     "redraft.decoder.drafters.recycle:make"),
+        DrafterSpec("medusa", "Medusa heads on the target's last hidden state (a sparse tree "
+                    "of their top-k guesses)", "redraft.decoder.drafters.medusa:make",
+                    options=(
+                        Option("medusa-heads", "heads file (default: the committed heads of "
+                               "the model)", metavar="FILE"),
+                        Option("medusa-projection", "LM projection of the heads: full or "
+                               "subset (default: the one the heads file names)",
+                               metavar="NAME"),
+                    )),
+        DrafterSpec("hybrid", "pld, rest (with a datastore or service), recycle and medusa "
+                    "merged into one tree", "redraft.decoder.drafters.hybrid:make"),
+        DrafterSpec("fallback", "the copying drafters' tree, or the Medusa heads' when the "
+                    "retrieval hit rate is low", "redraft.decoder.drafters.fallback:make"),
     )
 }
 

@@ -19,7 +19,9 @@ from redraft.decoder.acceptance import (
     target_probs,
 )
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafters import Drafter
+from redraft.decoder.drafters import Drafter, MergedDrafter
+from redraft.decoder.drafters.fallback import FallbackDrafter
+from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
@@ -167,6 +169,35 @@ def test_sampling_with_learned_drafts_is_lossless(tmp_path):
     drafter.close()
     assert drafter.learned.stats()["learned_docs"] == n  # every sample was learned
     assert per_step > 1.3, "learned drafts must actually be accepted for this to mean anything"
+    stat, df = chi_square(counts, exact, n)
+    assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df}"
+
+
+def _medusa(model):
+    from redraft.decoder.drafters.medusa import MedusaDrafter
+
+    from .test_medusa_drafter import tiny_heads
+
+    return MedusaDrafter(tiny_heads(model, accuracy=[[0.5, 0.8, 1.0]] * 3), model)
+
+
+MEDUSA_DRAFTERS = {
+    "medusa": _medusa,
+    "hybrid": lambda model: MergedDrafter([PLDDrafter(), RecycleDrafter(), _medusa(model)]),
+    "fallback": lambda model: FallbackDrafter(MergedDrafter([PLDDrafter(), RecycleDrafter()]),
+                                              _medusa(model)),
+}
+
+
+@pytest.mark.parametrize("which", sorted(MEDUSA_DRAFTERS))
+def test_sampling_with_medusa_drafts_is_lossless(which):
+    """Drafts from heads on the hidden state of the last accepted row (which depends on the
+    earlier samples), alone and merged with or switched against the copying drafters."""
+    n = 4000
+    params = SamplingParams(temperature=1.0)
+    drafter = MEDUSA_DRAFTERS[which](tiny_model("llama", vocab=VOCAB, init=0.3))
+    counts, exact, per_step = sample_sequences(params, n, drafter)
+    assert per_step > 1.3, "the heads' drafts must actually be accepted for this to mean anything"
     stat, df = chi_square(counts, exact, n)
     assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df}"
 

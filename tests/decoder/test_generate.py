@@ -57,10 +57,12 @@ def test_plain_decoding_matches_hf_generate(default_model, plain, prompt):
     assert_same_or_near_tie(model, ours, hf)
 
 
-@pytest.mark.parametrize("which", ["pld", "rest", "pld,rest", "recycle", "pld,rest,recycle"])
+@pytest.mark.parametrize("which", ["pld", "rest", "pld,rest", "recycle", "pld,rest,recycle",
+                                   "medusa", "hybrid", "fallback"])
 def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_datastore, which):
     model, tok = default_model
-    drafter = build_drafter(which, tokenizer=tok, datastore=code_datastore)
+    drafter = build_drafter(which, model=model, tokenizer=tok, model_name="smollm2-135m",
+                            datastore=code_datastore)
     gen = Generator(model, tok, drafter, cost=CostModel(*CPU_COST))
     steps = tokens = 0
     for prompt in CODE_PROMPTS:

@@ -1,0 +1,90 @@
+"""What Medusa heads cost per decoding step, relative to a one-token forward of the target.
+
+One process, interleaved rounds: a one-token verification forward over a cached prefix (the
+verifier's own packed kernels), then the heads on one hidden state with the full shared
+projection, then with the vocabulary-subset projection (each: K blocks, one projection
+matmul, top-k). Reports the median and the fastest of the rounds, and the ratios, plus the
+held-out accuracies recorded in the heads file.
+
+    .venv/bin/python tools/bench_medusa.py --threads 1 [--heads FILE] [--rounds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from redraft.decoder.medusa import HeadsPredictor, default_heads_path, load_heads
+from redraft.decoder.medusa_train import summary_table
+from redraft.decoder.models import load_model
+from redraft.decoder.tree import Tree
+from redraft.decoder.verify import TreeVerifier
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--heads", default=None, help="heads file (default: the committed one)")
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each forward")
+    ap.add_argument("--topk", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model)
+    path = args.heads or default_heads_path(args.model)
+    if path is None:
+        raise SystemExit("no heads file: pass --heads")
+    heads = load_heads(path, model)
+    predictors = {p: HeadsPredictor(heads, model, p) for p in ("full", "subset")}
+    verifier = TreeVerifier(model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, int(model.config.vocab_size), (args.prefix + 1,), generator=gen)
+    verifier.prefill(ids[:-1].tolist())
+    hidden = torch.randn(int(model.config.hidden_size), generator=gen).to(model.dtype)
+
+    def forward() -> None:
+        verifier.tree_forward(int(ids[-1]), Tree())
+        verifier.commit([])
+
+    jobs = {"forward": forward}
+    for name, pred in predictors.items():
+        jobs[f"heads_{name}"] = lambda pred=pred: pred.topk(hidden, args.topk)
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    for rnd in range(args.rounds + 3):
+        for name, job in jobs.items():
+            t0 = time.perf_counter()
+            job()
+            if rnd >= 3:  # the first rounds warm up allocations and kernels
+                times[name].append(time.perf_counter() - t0)
+    out = {"threads": torch.get_num_threads(), "rounds": args.rounds,
+           "heads": heads.num_heads, "subset": len(heads.vocab_subset)}
+    for name, ts in times.items():
+        out[name] = {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3}
+    for name in predictors:
+        key = f"heads_{name}"
+        out[key]["ratio_median"] = out[key]["median_ms"] / out["forward"]["median_ms"]
+        out[key]["ratio_min"] = out[key]["min_ms"] / out["forward"]["min_ms"]
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"threads {out['threads']}, {args.rounds} interleaved rounds, K={heads.num_heads}, "
+          f"subset {out['subset']} ids")
+    print("| step part | median ms | fastest ms | median / forward | fastest / forward |")
+    print("|---|---|---|---|---|")
+    for name in jobs:
+        r = out[name]
+        ratio = (f"{r['ratio_median']:.3f} | {r['ratio_min']:.3f}" if name != "forward"
+                 else "1 | 1")
+        print(f"| {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {ratio} |")
+    if heads.meta.get("accuracy"):
+        print(summary_table(heads.meta["accuracy"]))
+
+
+if __name__ == "__main__":
+    main()
