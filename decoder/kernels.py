@@ -26,6 +26,9 @@ import torch
 # The row count oneDNN tunes the packed layout for; measured flat from 2 to 64 here.
 _PACK_ROWS = 8
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per layer, so that models sharing layers (a draft model made of the target's first layers)
+# share one packed copy: layer -> (stamp of what was packed, packed forward).
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _packed_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -45,6 +48,14 @@ def _stamp(module: torch.nn.Linear) -> tuple:
     return (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
 
 
+def _packed(module: torch.nn.Linear, stamp: tuple) -> functools.partial:
+    """The layer's packed forward, packed again only if its weights changed since."""
+    hit = _LAYERS.get(module)
+    if hit is None or hit[0] != stamp:
+        hit = _LAYERS[module] = (stamp, _pack(module))
+    return hit[1]
+
+
 def _available(model) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
@@ -60,8 +71,9 @@ class PackedLinears:
         self._stamps: list[tuple] = []  # what each packed copy was made from
         for module in model.modules():
             if type(module) is torch.nn.Linear:
-                self.forwards.append((module, _pack(module)))
-                self._stamps.append(_stamp(module))
+                stamp = _stamp(module)
+                self.forwards.append((module, _packed(module, stamp)))
+                self._stamps.append(stamp)
 
     def refresh(self) -> None:
         """Re-pack any layer whose weights were replaced or changed in place since packing.
@@ -73,7 +85,7 @@ class PackedLinears:
         for i, (module, _) in enumerate(self.forwards):
             stamp = _stamp(module)
             if stamp != self._stamps[i]:
-                self.forwards[i] = (module, _pack(module))
+                self.forwards[i] = (module, _packed(module, stamp))
                 self._stamps[i] = stamp
 
     @contextlib.contextmanager

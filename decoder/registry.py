@@ -95,6 +95,24 @@ REGISTRY: dict[str, DrafterSpec] = {
                     needs_retrieval=True),
         DrafterSpec("recycle", "token recycling: the target's own earlier top-k per token",
                     "redraft.decoder.drafters.recycle:make"),
+        DrafterSpec("draft-model", "an independent draft model (--draft-model) drafting "
+                    "autoregressively", "redraft.decoder.drafters.draft_model:make", (
+                        Option("draft-model", "int8 (the target quantized to int8), skip:L "
+                               "(the target's first L layers) or a model name sharing the "
+                               "target's tokenizer", "int8", metavar="NAME"),
+                        Option("draft-top-k", "the draft model's top-k drafted at each "
+                               "branching depth (1 = a chain)", 2, int, "K"),
+                        Option("draft-branch-steps", "depths that branch into the top-k",
+                               1, int, "S"),
+                    )),
+        DrafterSpec("lookahead", "Lookahead decoding: n-grams from Jacobi iterations run "
+                    "inside each verification forward", "redraft.decoder.drafters.lookahead:make", (
+                        Option("lookahead-window", "W: Jacobi guesses per level", 4, int, "W"),
+                        Option("lookahead-ngram", "N: n-gram size (N - 1 levels of guesses)",
+                               3, int, "N"),
+                        Option("lookahead-guesses", "G: pool n-grams verified per step at most",
+                               4, int, "G"),
+                    )),
     )
 }
 

@@ -114,6 +114,15 @@ class TreeVerifier:
         self.reset()
         if self.kernels is not None:
             self.kernels.refresh()  # weights may have changed since the last generation
+        self.extend(ids)
+
+    @torch.inference_mode()
+    def extend(self, ids: list[int]) -> None:
+        """Append `ids` to the cache: a causal forward that computes no logits."""
+        if self._pending:
+            raise RuntimeError("extend during a pending tree_forward")
+        if self.cache is None:
+            self.reset()
         if not ids:
             return
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -190,6 +199,13 @@ class TreeVerifier:
             layer.values = torch.cat(
                 [values[..., : base + 1, :], values.index_select(-2, i)], dim=-2
             )
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (a draft model rolling back its drafts)."""
+        if self._pending:
+            raise RuntimeError("truncate during a pending tree_forward")
+        if self.cached_len > length:
+            self._crop(self.cached_len - length)
 
     def _crop(self, count: int) -> None:
         for layer in self.cache.layers:
