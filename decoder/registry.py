@@ -104,6 +104,8 @@ REGISTRY: dict[str, DrafterSpec] = {
                                "branching depth (1 = a chain)", 2, int, "K"),
                         Option("draft-branch-steps", "depths that branch into the top-k",
                                1, int, "S"),
+                        Option("draft-depth", "draft exactly D tokens deep each step (0 = "
+                               "as deep as pays, from measured costs)", 0, int, "D"),
                     )),
         DrafterSpec("lookahead", "Lookahead decoding: n-grams from Jacobi iterations run "
                     "inside each verification forward", "redraft.decoder.drafters.lookahead:make", (

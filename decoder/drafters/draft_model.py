@@ -44,8 +44,9 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model, max_depth: int = DEFAULT_MAX_DEPTH, top_k: int = 2,
                  branch_steps: int = 1, vocab_size: int | None = None,
-                 min_prob: float = 0.02, packed_kernels: bool = True) -> None:
+                 min_prob: float = 0.02, depth: int = 0, packed_kernels: bool = True) -> None:
         self.model = model
+        self.depth = depth  # > 0: always draft this deep instead of choosing from costs
         self.verifier = TreeVerifier(model, packed_kernels=packed_kernels)
         self.max_depth = max_depth
         self.top_k = max(1, top_k)
@@ -77,7 +78,9 @@ class DraftModelDrafter(Drafter):
             return COLD_VALUE
         return self._step_tokens / self._step_seconds * self._forward_seconds
 
-    def _worth(self, expected_tokens: float) -> bool:
+    def _worth(self, expected_tokens: float, depth: int = 0) -> bool:
+        if self.depth:
+            return depth < self.depth
         return expected_tokens * self.trust >= self.forward_value()
 
     # -- drafting --------------------------------------------------------------------------
@@ -95,7 +98,7 @@ class DraftModelDrafter(Drafter):
         tree = Tree()
         if budget <= 0:
             return tree
-        if self._first_prob is not None and not self._worth(self._first_prob):
+        if self._first_prob is not None and not self._worth(self._first_prob, 0):
             self._idle += 1
             if self._idle % PROBE_EVERY:
                 return tree
@@ -117,7 +120,7 @@ class DraftModelDrafter(Drafter):
             self._paths.append(path)
             if len(tree) >= budget or depth == self.max_depth:
                 break
-            if not self._worth(path * probs[0]):  # the next token's chance, roughly
+            if not self._worth(path * probs[0], depth):  # the next token's chance, roughly
                 break
             logits = self._forward([ids[0]])
             parent = node
@@ -212,11 +215,13 @@ def make(ctx) -> DraftModelDrafter:
     from redraft.decoder.draft_models import draft_model
 
     top_k, steps = int(ctx.option("draft_top_k")), int(ctx.option("draft_branch_steps"))
-    if top_k < 1 or steps < 0:
-        raise UnknownDrafter("--draft-top-k must be >= 1 and --draft-branch-steps >= 0")
+    depth = int(ctx.option("draft_depth"))
+    if top_k < 1 or steps < 0 or depth < 0:
+        raise UnknownDrafter("--draft-top-k must be >= 1, --draft-branch-steps and "
+                             "--draft-depth >= 0")
     if ctx.tokenizer is None:
         raise UnknownDrafter("the draft-model drafter needs the target's tokenizer")
     model = draft_model(str(ctx.option("draft_model")), lambda: ctx.model, ctx.tokenizer)
     vocab = min(int(model.config.vocab_size), int(ctx.model.config.vocab_size))
     return DraftModelDrafter(model, max_depth=ctx.max_depth, top_k=top_k, branch_steps=steps,
-                             vocab_size=vocab)
+                             vocab_size=vocab, depth=depth)

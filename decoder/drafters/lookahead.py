@@ -15,9 +15,9 @@ per past iteration). Every verification forward also computes the window as side
 - the *verification branch* is the draft tree: the pool's n-grams that start with the root
   token, the G most recent, merged into a trie.
 
-The pool outlives a generation (what the model says after a token in one answer is a fair
-guess in the next), so one drafter should serve one model. Guesses for the first level come
-from the prompt.
+The pool and the window outlive a generation (what the model says after a token in one
+answer is a fair guess in the next, and a warm window is as good a guess as a cold one), so
+one drafter should serve one model. The very first level's guesses come from the prompt.
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ class LookaheadDrafter(Drafter):
         self.pool: dict[int, OrderedDict[tuple[int, ...], int]] = {}
 
     def begin(self, prompt: Sequence[int]) -> None:
-        rng = random.Random(self.seed + len(prompt))
-        self.levels = [[int(rng.choice(prompt)) for _ in range(self.window)]]
+        if not self.levels:  # later generations go on from the last one's window
+            rng = random.Random(self.seed + len(prompt))
+            self.levels = [[int(rng.choice(prompt)) for _ in range(self.window)]]
 
     def side_rows(self, context: Sequence[int]) -> Tree:
         """The window as a tree under the root: level 0 a chain, each column's later levels
         a chain under its level-0 guess."""
-        if not self.levels:
-            self.begin(context)
+        self.begin(context)
         w = self.window
         tokens, parents = [], []
         for level, row in enumerate(self.levels):
