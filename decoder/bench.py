@@ -58,6 +58,9 @@ class TurnResult:
     text: str
     steps: int  # target forwards that produced new tokens
     seconds: float  # wall clock of the whole call, prefill included, for every method alike
+    draft_seconds: float = 0.0  # of which inside the drafter (redraft's methods)
+    accepted: dict[str, int] = field(default_factory=dict)  # draft tokens accepted per source
+    tried: dict[str, int] = field(default_factory=dict)  # verified with their parent accepted
 
 
 @dataclass
@@ -73,6 +76,9 @@ class Record:
     first_diff: int | None = None
     logit_gap: float | None = None
     tokens: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    accepted: dict[str, int] = field(default_factory=dict)
+    tried: dict[str, int] = field(default_factory=dict)
 
 
 def load_questions(path: str | Path, per_category: int | None) -> list[Question]:
@@ -163,7 +169,9 @@ class RedraftMethod(Method):
         t0 = time.perf_counter()
         res = self.generator.generate(messages, max_new_tokens=max_new_tokens)
         seconds = time.perf_counter() - t0
-        return TurnResult(res.tokens, res.text, res.stats.steps, seconds)
+        s = res.stats
+        return TurnResult(res.tokens, res.text, s.steps, seconds, s.draft_seconds,
+                          dict(s.accepted), dict(s.tried))
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -243,12 +251,15 @@ def run_bench(
                 )
                 records.append(Record(q.question_id, q.category, method.name, t,
                                       len(res.tokens), res.steps, res.seconds,
-                                      identical, pos, gap, res.tokens))
+                                      identical, pos, gap, res.tokens, res.draft_seconds,
+                                      res.accepted, res.tried))
     return records
 
 
 def summarize(records: Sequence[Record]) -> dict:
-    """Per method × category (and overall): tokens/forward, tokens/s, speed-up, identity."""
+    """Per method × category (and overall): tokens/forward, tokens/s, speed-up, identity,
+    drafting time per step, and each draft source's acceptance (accepted / verified nodes
+    whose parent was accepted)."""
     by: dict[tuple[str, str], list[Record]] = defaultdict(list)
     for r in records:
         by[(r.method, r.category)].append(r)
@@ -268,8 +279,22 @@ def summarize(records: Sequence[Record]) -> dict:
             "identical": f"{len(rs) - len(diffs)}/{len(rs)}",
             "max_gap_at_diff": max((r.logit_gap or 0.0 for r in diffs), default=None),
             "median_seconds_per_turn": round(statistics.median(r.seconds for r in rs), 3),
+            "draft_ms_per_step": round(
+                1000 * sum(r.draft_seconds for r in rs) / max(1, sum(r.steps for r in rs)), 2
+            ),
+            "acceptance": _acceptance(rs),
         })
     return {"rows": rows}
+
+
+def _acceptance(rs: Sequence[Record]) -> dict[str, float]:
+    tried: dict[str, int] = defaultdict(int)
+    accepted: dict[str, int] = defaultdict(int)
+    for r in rs:
+        for src, n in r.tried.items():
+            tried[src] += n
+            accepted[src] += r.accepted.get(src, 0)
+    return {src: round(accepted[src] / n, 3) for src, n in sorted(tried.items()) if n}
 
 
 def _tps(rs: Sequence[Record]) -> float:
@@ -279,8 +304,9 @@ def _tps(rs: Sequence[Record]) -> float:
 
 def markdown_table(summary: dict, methods: Sequence[str]) -> str:
     lines = [
-        "| category | method | tokens/forward | tokens/s | speed-up vs hf-greedy | identical |",
-        "|---|---|---:|---:|---:|---:|",
+        "| category | method | tokens/forward | tokens/s | speed-up vs hf-greedy | draft ms/step "
+        "| identical |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     cats = [c for c in [*CATEGORIES, "overall"] if any(r["category"] == c for r in summary["rows"])]
     index = {(r["method"], r["category"]): r for r in summary["rows"]}
@@ -289,8 +315,9 @@ def markdown_table(summary: dict, methods: Sequence[str]) -> str:
             r = index.get((m, cat))
             if r:
                 sp = f"{r['speedup']:.2f}×" if r["speedup"] is not None else "–"
+                dr = f"{r['draft_ms_per_step']:.1f}" if m.startswith("redraft-") else "–"
                 lines.append(f"| {cat} | {m} | {r['tokens_per_forward']:.2f} | "
-                             f"{r['tokens_per_second']:.1f} | {sp} | {r['identical']} |")
+                             f"{r['tokens_per_second']:.1f} | {sp} | {dr} | {r['identical']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -333,6 +360,11 @@ def write_outputs(out: Path, records: Sequence[Record], summary: dict, methods: 
 # -- command line ----------------------------------------------------------------------------
 
 HF_METHODS = ("hf-greedy", "hf-pld")
+# Named variants: a drafter with some of its options set (they win over the command line's).
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "redraft-draft-model-int8": ("draft-model", {"draft_model": "int8"}),
+    "redraft-draft-model-skip24": ("draft-model", {"draft_model": "skip:24"}),
+}
 
 
 def redraft_methods() -> dict[str, str]:
@@ -345,6 +377,7 @@ def redraft_methods() -> dict[str, str]:
     out.update({f"redraft-{name}": name for name in REGISTRY})
     out["redraft-pld-rest"] = "pld,rest"
     out["redraft-default"] = default_drafters(True)
+    out.update({name: drafters for name, (drafters, _) in VARIANTS.items()})
     return out
 
 
@@ -436,10 +469,11 @@ def run_command(args: argparse.Namespace) -> int:
             methods.append(HFMethod(name, model, tokenizer,
                                     10 if name == "hf-pld" else None))
             continue
+        options = {**options_from_args(args), **VARIANTS.get(name, ("", {}))[1]}
         drafter = build_drafter(method_drafters(name), model=model, tokenizer=tokenizer,
                                 model_name=args.model or "smollm2-135m",
                                 datastore=args.datastore, draft_service=args.draft_service,
-                                options=options_from_args(args))
+                                options=options)
         drafters.append(drafter)
         methods.append(RedraftMethod(name, Generator(
             model, tokenizer, drafter, model_name=args.model or "smollm2-135m",

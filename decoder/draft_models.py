@@ -110,6 +110,10 @@ def quantized_int8(target):
         raise UnknownDrafter("--draft-model int8 uses PyTorch's quantized CPU kernels: "
                              "it needs a target on the CPU")
     shared = {id(t): t for t in [*target.parameters(), *target.buffers()]}
+    for module in target.modules():  # hooks on the target (e.g. a forward counter) stay there
+        for key, value in vars(module).items():
+            if "hook" in key and isinstance(value, dict):
+                shared[id(value)] = type(value)()
     model = copy.deepcopy(target, shared)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -34,7 +34,8 @@ def test_window_rows_see_what_the_lookahead_mask_allows():
         for j in range(4):
             node = level * 4 + j
             seen = sorted(tokens[r] for r in rows[node + 1])
-            expected = [0, *range(10, 10 + j + 1), *(10 * (lv + 1) + j for lv in range(1, level + 1))]
+            column = [10 * (lv + 1) + j for lv in range(1, level + 1)]
+            expected = [0, *range(10, 10 + j + 1), *column]
             assert seen == sorted(expected), (level, j)
             assert side.depths()[node] == j + level + 1
 
