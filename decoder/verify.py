@@ -137,8 +137,9 @@ class TreeVerifier:
         self._forward(x, kwargs)
 
     @torch.inference_mode()
-    def tree_forward(self, root: int, tree: Tree) -> ForwardOutput:
-        """One target forward over root + tree: float32 logits [N + 1, V] and hidden states."""
+    def tree_forward(self, root: int, tree: Tree, last: int = 0) -> ForwardOutput:
+        """One target forward over root + tree: float32 logits [N + 1, V] and hidden states
+        (with `last` > 0, of the last `last` rows only: a draft model reads one row)."""
         if self.cache is None:
             self.reset()
         if self._pending:
@@ -158,16 +159,17 @@ class TreeVerifier:
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
             kwargs["attention_mask"] = mask
         # A single token needs no mask: it may see everything, as in plain decoding.
-        out = self._forward(ids, kwargs)
+        out = self._forward(ids, kwargs, last)
         self._pending = n
         return out
 
-    def _forward(self, ids: torch.Tensor, kwargs: dict) -> ForwardOutput:
+    def _forward(self, ids: torch.Tensor, kwargs: dict, last: int = 0) -> ForwardOutput:
         with self._kernels():
             if self._split is None:
-                return ForwardOutput(self.model(input_ids=ids, **kwargs).logits[0].float(), None)
+                logits = self.model(input_ids=ids, **kwargs).logits[0, -last:]
+                return ForwardOutput(logits.float(), None)
             body, head = self._split
-            hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
+            hidden = body(input_ids=ids, **kwargs).last_hidden_state[0, -last:]
             return ForwardOutput(head(hidden).float(), hidden)
 
     def _kernels(self):

@@ -193,7 +193,7 @@ class DraftModelDrafter(Drafter):
     def _forward(self, tokens: list[int]) -> torch.Tensor:
         """Feed tokens (appended to the cache); the logits after the last one."""
         t0 = time.perf_counter()
-        out = self.verifier.tree_forward(tokens[0], Tree.chain(tokens[1:]))
+        out = self.verifier.tree_forward(tokens[0], Tree.chain(tokens[1:]), last=1)
         self.verifier.commit(list(range(len(tokens) - 1)))
         self._cached.extend(tokens)
         logits = out.logits[-1]
