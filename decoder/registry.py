@@ -109,11 +109,11 @@ REGISTRY: dict[str, DrafterSpec] = {
                     )),
         DrafterSpec("lookahead", "Lookahead decoding: n-grams from Jacobi iterations run "
                     "inside each verification forward", "redraft.decoder.drafters.lookahead:make", (
-                        Option("lookahead-window", "W: Jacobi guesses per level", 4, int, "W"),
+                        Option("lookahead-window", "W: Jacobi guesses per level", 3, int, "W"),
                         Option("lookahead-ngram", "N: n-gram size (N - 1 levels of guesses)",
-                               3, int, "N"),
+                               4, int, "N"),
                         Option("lookahead-guesses", "G: pool n-grams verified per step at most",
-                               4, int, "G"),
+                               6, int, "G"),
                     )),
     )
 }

@@ -38,7 +38,7 @@ class LookaheadDrafter(Drafter):
 
     name = "lookahead"
 
-    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 4,
+    def __init__(self, window: int = 3, ngram: int = 4, guesses: int = 6,
                  max_depth: int = DEFAULT_MAX_DEPTH, seed: int = 0) -> None:
         if window < 1 or ngram < 2 or guesses < 1:
             raise UnknownDrafter(f"lookahead needs W >= 1, N >= 2, G >= 1 "
