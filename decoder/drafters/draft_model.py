@@ -63,7 +63,6 @@ class DraftModelDrafter(Drafter):
         self._chain: list[int] = []
         self._paths: list[float] = []
         self._idle = 0
-        self.forwards = 0  # draft forwards run (for tests and reports)
 
     # -- the value of a draft forward --------------------------------------------------
 
@@ -199,16 +198,9 @@ class DraftModelDrafter(Drafter):
         logits = out.logits[-1]
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
-        self.forwards += 1
-        self._time_forward(time.perf_counter() - t0)
+        # Averaged like the step time it is weighed against: load inflates both alike.
+        self._forward_seconds = _ema(self._forward_seconds, time.perf_counter() - t0)
         return logits
-
-    def _time_forward(self, seconds: float) -> None:
-        # The fastest recent forwards are the honest cost (load only ever adds time).
-        if self._forward_seconds is None or seconds < self._forward_seconds:
-            self._forward_seconds = seconds
-        else:
-            self._forward_seconds = _ema(self._forward_seconds, seconds)
 
 
 def make(ctx) -> DraftModelDrafter:
