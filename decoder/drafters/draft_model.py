@@ -30,7 +30,7 @@ ALT_SOURCE = "draft-model-alt"  # the top-k siblings: calibrated apart, they hit
 DECAY = 0.9  # weight of the past in the running estimates (a few dozen steps of memory)
 PROBE_EVERY = 8  # steps between drafts when drafting does not pay, to notice a change
 COLD_VALUE = 0.3  # tokens a draft forward's time is worth before any step was measured
-CHUNK = 16  # rows per call when the draft model catches up with a long context
+CHUNK = 64  # rows per call when the draft model catches up with a long context
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -86,7 +86,7 @@ def test_cache_follows_the_context_as_a_fresh_drafter_would():
     target = tiny_model("llama", init=0.3)
     used = DraftModelDrafter(tiny_model("llama", init=0.3, seed=3), top_k=2, branch_steps=2)
     contexts = [PROMPT, PROMPT + [1, 2], PROMPT + [1, 2, 40, 41, 42], PROMPT[:3] + [8],
-                list(range(2, 40))]  # the last one is long: caught up in chunks
+                [2 + i % 60 for i in range(150)]]  # the last one is long: fed in chunks
     for context in contexts:
         fresh = DraftModelDrafter(tiny_model("llama", init=0.3, seed=3), top_k=2,
                                   branch_steps=2)
