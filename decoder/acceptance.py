@@ -54,6 +54,8 @@ class Acceptance:
     candidates: tuple | None = None
     # the final hidden state of the last accepted row, when the loop asked for it
     hidden: object | None = None
+    # the target's top-k (ids, probs) after each side row, when the forward had side rows
+    side: tuple | None = None
 
     @property
     def bonus(self) -> int:

@@ -72,6 +72,9 @@ class TurnResult:
     # this process's CPU time for the call: with one torch thread it leaves out the time other
     # processes held the core, so it is the steadier clock on a shared machine
     cpu_seconds: float = 0.0
+    draft_seconds: float = 0.0  # of which inside the drafter (redraft's methods)
+    accepted: dict[str, int] = field(default_factory=dict)  # draft tokens accepted per source
+    tried: dict[str, int] = field(default_factory=dict)  # verified with their parent accepted
 
 
 @dataclass
@@ -92,6 +95,9 @@ class Record:
     forwards: int = 0
     packed_forwards: int = 0
     cpu_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    accepted: dict[str, int] = field(default_factory=dict)
+    tried: dict[str, int] = field(default_factory=dict)
 
 
 def load_questions(path: str | Path, per_category: int | None) -> list[Question]:
@@ -191,8 +197,10 @@ class RedraftMethod(Method):
         t0, c0 = time.perf_counter(), time.process_time()
         res = self.generator.generate(ids, max_new_tokens=max_new_tokens)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return TurnResult(res.tokens, res.text, res.stats.steps, seconds,
-                          verifier.forwards - forwards, verifier.packed_forwards - packed, cpu)
+        s = res.stats
+        return TurnResult(res.tokens, res.text, s.steps, seconds,
+                          verifier.forwards - forwards, verifier.packed_forwards - packed, cpu,
+                          s.draft_seconds, dict(s.accepted), dict(s.tried))
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -286,13 +294,16 @@ def run_bench(
                 records.append(Record(q.question_id, q.category, method.name, t,
                                       len(res.tokens), res.steps, res.seconds,
                                       identical, pos, gap, res.tokens, rep, len(prompt),
-                                      res.forwards, res.packed_forwards, res.cpu_seconds))
+                                      res.forwards, res.packed_forwards, res.cpu_seconds,
+                                      res.draft_seconds, res.accepted, res.tried))
     return records
 
 
 def summarize(records: Sequence[Record]) -> dict:
     """Per method × category (and overall): tokens/forward, tokens/s, speed-up, identity, the
-    kernels the forwards ran on, and the speed-up's median and range over repetitions."""
+    kernels the forwards ran on, the speed-up's median and range over repetitions, drafting
+    time per step, and each draft source's acceptance (accepted / verified nodes whose parent
+    was accepted)."""
     by: dict[tuple[str, str], list[Record]] = defaultdict(list)
     for r in records:
         by[(r.method, r.category)].append(r)
@@ -318,6 +329,10 @@ def summarize(records: Sequence[Record]) -> dict:
             "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in rs), 1),
             "forwards": sum(r.forwards for r in rs),
             "packed_forwards": sum(r.packed_forwards for r in rs),
+            "draft_ms_per_step": round(
+                1000 * sum(r.draft_seconds for r in rs) / max(1, sum(r.steps for r in rs)), 2
+            ),
+            "acceptance": _acceptance(rs),
         }
         row.update(_spread(rs, by[("hf-greedy", cat)]))
         rows.append(row)
@@ -347,6 +362,16 @@ def _spread(rs: Sequence[Record], reference: Sequence[Record]) -> dict:
     return out
 
 
+def _acceptance(rs: Sequence[Record]) -> dict[str, float]:
+    tried: dict[str, int] = defaultdict(int)
+    accepted: dict[str, int] = defaultdict(int)
+    for r in rs:
+        for src, n in r.tried.items():
+            tried[src] += n
+            accepted[src] += r.accepted.get(src, 0)
+    return {src: round(accepted[src] / n, 3) for src, n in sorted(tried.items()) if n}
+
+
 def _tps(rs: Sequence[Record], cpu: bool = False) -> float:
     """Tokens per second of the records, by the wall clock or by this process's CPU time."""
     secs = sum(r.cpu_seconds if cpu else r.seconds for r in rs)
@@ -359,8 +384,8 @@ def markdown_table(summary: dict, methods: Sequence[str]) -> str:
     spread = f" median (min–max) of {runs} runs |" if runs > 1 else ""
     lines = [
         "| category | method | tokens/forward | tokens/s | speed-up vs hf-greedy |"
-        f"{spread} in CPU time | identical |",
-        "|---|---|---:|---:|---:|" + ("---:|" if runs > 1 else "") + "---:|---:|",
+        f"{spread} in CPU time | draft ms/step | identical |",
+        "|---|---|---:|---:|---:|" + ("---:|" if runs > 1 else "") + "---:|---:|---:|",
     ]
     rows = summary["rows"]
     cats = _categories(rows)
@@ -375,8 +400,9 @@ def markdown_table(summary: dict, methods: Sequence[str]) -> str:
                            f"{r['speedup_max']:.2f})" if "speedup_median" in r else " | –")
                 cpu = r.get("cpu_speedup")
                 sp += f" | {cpu:.2f}×" if cpu is not None else " | –"
+                dr = f"{r['draft_ms_per_step']:.1f}" if m.startswith("redraft-") else "–"
                 lines.append(f"| {cat} | {m} | {r['tokens_per_forward']:.2f} | "
-                             f"{r['tokens_per_second']:.1f} | {sp} | {r['identical']} |")
+                             f"{r['tokens_per_second']:.1f} | {sp} | {dr} | {r['identical']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -467,6 +493,11 @@ def write_outputs(out: Path, records: Sequence[Record], summary: dict, methods: 
 # -- command line ----------------------------------------------------------------------------
 
 HF_METHODS = ("hf-greedy", "hf-pld")
+# Named variants: a drafter with some of its options set (they win over the command line's).
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "redraft-draft-model-int8": ("draft-model", {"draft_model": "int8"}),
+    "redraft-draft-model-skip24": ("draft-model", {"draft_model": "skip:24"}),
+}
 
 
 def redraft_methods() -> dict[str, str]:
@@ -479,6 +510,7 @@ def redraft_methods() -> dict[str, str]:
     out.update({f"redraft-{name}": name for name in REGISTRY})
     out["redraft-pld-rest"] = "pld,rest"
     out["redraft-default"] = default_drafters(True)
+    out.update({name: drafters for name, (drafters, _) in VARIANTS.items()})
     return out
 
 
@@ -611,10 +643,11 @@ def run_command(args: argparse.Namespace) -> int:
             methods.append(HFMethod(name, model, tokenizer,
                                     10 if name == "hf-pld" else None))
             continue
+        options = {**options_from_args(args), **VARIANTS.get(name, ("", {}))[1]}
         drafter = build_drafter(method_drafters(name), model=model, tokenizer=tokenizer,
                                 model_name=model_name,
                                 datastore=args.datastore, draft_service=args.draft_service,
-                                options=drafter_options(name, options_from_args(args), run_id))
+                                options=drafter_options(name, options, run_id))
         drafters.append(drafter)
         methods.append(RedraftMethod(name, Generator(
             model, tokenizer, drafter, model_name=model_name, cost=cost,

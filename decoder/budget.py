@@ -103,33 +103,37 @@ class CostModel:
         """Largest tree the curve covers (tree nodes, the root excluded)."""
         return self.sizes[-1] - 1
 
-    def select(self, tree: Tree, max_nodes: int | None = None, overhead: float = 0.0
-               ) -> list[int]:
+    def select(self, tree: Tree, max_nodes: int | None = None, overhead: float = 0.0,
+               fixed: int = 0) -> list[int]:
         """Indices of the best-node prefix that maximises expected tokens per second.
 
         `overhead` is the decoding loop's own time per step (drafting, acceptance, cache
         compaction), paid whatever the tree's size: it makes a step dearer than its
-        forward alone, and so makes a bigger tree relatively cheaper.
+        forward alone, and so makes a bigger tree relatively cheaper. `fixed` rows (a
+        drafter's side rows) are in the forward whatever is kept: they count in its cost and
+        in `max_nodes`, never in the expected tokens.
         """
         if not len(tree):
             return []
-        limit = min(len(tree), self.max_nodes if max_nodes is None else max_nodes)
+        cap = (self.max_nodes if max_nodes is None else max_nodes) - fixed
+        limit = max(0, min(len(tree), cap))
         order = tree.best_nodes()[:limit]
         pp = tree.path_probs()
-        plain = self.cost(1) + overhead
+        plain = self.cost(1 + fixed) + overhead
         best_k, best_rate, expected = 0, 1.0 / plain, 0.0
         for k, node in enumerate(order, start=1):
             expected += pp[node]
-            rate = (1.0 + expected) / (self.cost(k + 1) + overhead)
+            rate = (1.0 + expected) / (self.cost(1 + fixed + k) + overhead)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_rate * plain < 1.0 + self.min_gain:
             return []
         return sorted(order[:best_k])
 
-    def choose(self, tree: Tree, max_nodes: int | None = None, overhead: float = 0.0) -> Tree:
+    def choose(self, tree: Tree, max_nodes: int | None = None, overhead: float = 0.0,
+               fixed: int = 0) -> Tree:
         """The sub-tree `select` picks."""
-        keep = self.select(tree, max_nodes, overhead)
+        keep = self.select(tree, max_nodes, overhead, fixed)
         return tree if len(keep) == len(tree) else tree.subset(keep)
 
     # -- keeping it honest ------------------------------------------------------------------

@@ -20,7 +20,7 @@ from redraft.decoder.budget import Calibrator, CostModel, calibration_path
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
 from redraft.decoder.recycle import top_candidates
 from redraft.decoder.text import IncrementalText, StopStrings
-from redraft.decoder.tree import Tree
+from redraft.decoder.tree import Tree, join
 from redraft.decoder.verify import TreeVerifier
 
 log = logging.getLogger("redraft.decoder")
@@ -42,7 +42,10 @@ class GenerationStats:
     forward_seconds: float = 0.0  # of `seconds`, the time inside the target's forwards
     packed_forwards: int = 0  # target forwards (prefill included) that ran on packed kernels
     drafted: int = 0  # tree nodes verified
+    draft_seconds: float = 0.0  # time inside the drafter's calls (propose and hooks)
     accepted: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per source
+    # verified nodes whose parent was accepted, per source: accepted / tried is its acceptance
+    tried: dict[str, int] = field(default_factory=dict)
     drafter_errors: int = 0
 
     @property
@@ -90,18 +93,26 @@ def speculative_decode(
     generator: torch.Generator,
     candidates: int = 0,
     hidden: bool = False,
+    side: Tree | None = None,
 ) -> Acceptance:
     """One target forward over root + tree, acceptance, and cache compaction.
 
     `candidates` > 0 also returns the target's top-k next tokens after root and every node
     (what token recycling keeps of the forward instead of throwing it away); `hidden` the
-    final hidden state of the last accepted row (what Medusa heads draft from).
+    final hidden state of the last accepted row (what Medusa heads draft from). `side` rows
+    (a drafter's own, see `Drafter.side_rows`) join the forward after the tree, are never
+    accepted, leave the cache with the rejected nodes, and their top-k comes back in
+    `acc.side` (at least the top 1).
     """
-    out = verifier.tree_forward(root, tree)
-    acc = accept(out.logits, tree, params, generator)
+    n = len(tree) + 1
+    out = verifier.tree_forward(root, join(tree, side) if side else tree)
+    logits = out.logits[:n]
+    acc = accept(logits, tree, params, generator)
     verifier.commit(acc.nodes)
     if candidates:
-        acc.candidates = top_candidates(out.logits, candidates)
+        acc.candidates = top_candidates(logits, candidates)
+    if side:
+        acc.side = top_candidates(out.logits[n:], max(1, candidates))
     if hidden and out.hidden is not None:
         acc.hidden = out.hidden[acc.nodes[-1] + 1 if acc.nodes else 0]
     return acc
@@ -307,34 +318,45 @@ class Generator:
             while len(out) < max_new:
                 step_start = time.perf_counter()
                 remaining = max_new - len(out)
-                raw = Tree()
+                raw = side = Tree()
                 budget = 0
                 if drafter_ok and remaining > 1:
                     budget = cost.max_nodes
                     if self.max_nodes is not None:
                         budget = min(budget, self.max_nodes)
                 if budget > 0:
+                    t0_draft = time.perf_counter()
                     try:
-                        raw = drafter.propose(context, budget)
-                        raw.validate(int(self.model.config.vocab_size))
+                        vocab = int(self.model.config.vocab_size)
+                        side = drafter.side_rows(context)
+                        side.validate(vocab)
+                        if len(side) > budget:  # a forward capped below the drafter's rows
+                            side = Tree()
+                        raw = drafter.propose(context, budget - len(side))
+                        raw.validate(vocab)
                     except Exception as exc:  # drafts are optional: never fail a generation
                         self._drafter_failed(stats, exc)
-                        drafter_ok, raw = False, Tree()
+                        drafter_ok, raw, side = False, Tree(), Tree()
+                    stats.draft_seconds += time.perf_counter() - t0_draft
                     raw = raw.limit_depth(min(self.max_depth, remaining - 1))
                 tree = raw
                 if len(raw):
                     calibrated = self.calibrator.apply(raw)
-                    keep = cost.select(calibrated, self.max_nodes, self.step_overhead)
+                    keep = cost.select(calibrated, self.max_nodes, self.step_overhead, len(side))
                     raw, tree = raw.subset(keep), calibrated.subset(keep)
                 want = drafter.candidates_wanted if drafter_ok else 0
                 want_hidden = drafter_ok and drafter.hidden_wanted
                 acc = speculative_decode(self.verifier, root, tree, params, generator, want,
-                                         want_hidden)
+                                         want_hidden, side)
                 forward_seconds = self.verifier.last_forward_seconds
                 stats.forward_seconds += forward_seconds
+                t0_draft = time.perf_counter()
                 if acc.candidates is not None:
                     drafter_ok = self._safe(stats, drafter.observe, context, tree,
                                             *acc.candidates)
+                if drafter_ok and acc.side is not None:
+                    drafter_ok = self._safe(stats, drafter.observe_side, *acc.side)
+                stats.draft_seconds += time.perf_counter() - t0_draft
                 stats.steps += 1
                 new = acc.tokens[:remaining]
                 for i, t in enumerate(new):
@@ -347,20 +369,26 @@ class Generator:
                     for node in acc.nodes[: len(new)]:  # drafts past an EOS are not output
                         src = tree.sources[node]
                         stats.accepted[src] = stats.accepted.get(src, 0) + 1
+                    reached = {-1, *acc.nodes}
+                    for parent, src in zip(tree.parents, tree.sources):
+                        if parent in reached:
+                            stats.tried[src] = stats.tried.get(src, 0) + 1
                 out.extend(new)
                 context.extend(new)
                 root = new[-1]
                 shown.append(stops.feed(text.push(new)))
                 if stops.stopped:
                     finish = "stop"
+                t0_draft = time.perf_counter()
                 if drafter_ok:  # the last step's tokens too: drafters that learn keep them
                     drafter_ok = self._safe(stats, drafter.update, new)
                 if drafter_ok and finish == "length" and len(out) < max_new:
                     if acc.hidden is not None and len(new) == len(acc.tokens):
                         drafter_ok = self._safe(stats, drafter.observe_hidden, context,
                                                 acc.hidden)
+                stats.draft_seconds += time.perf_counter() - t0_draft
                 if cost is not None:
-                    cost.observe(len(tree) + 1, self.verifier.last_forward_cost)
+                    cost.observe(len(tree) + len(side) + 1, self.verifier.last_forward_cost)
                     self._learn_overhead(cost, time.perf_counter() - step_start, forward_seconds)
                 yield new, shown[-1]
                 if finish != "length":

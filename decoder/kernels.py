@@ -43,6 +43,11 @@ def packed_calls() -> int:
     return _packed_calls
 
 
+# Per layer, so that models sharing layers (a draft model made of the target's first layers)
+# share one packed copy: layer -> (stamp of what was packed, packed forward).
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _packed_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     global _packed_calls
     _packed_calls += 1
@@ -62,6 +67,14 @@ def _stamp(module: torch.nn.Linear) -> tuple:
     return (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
 
 
+def _packed(module: torch.nn.Linear, stamp: tuple) -> functools.partial:
+    """The layer's packed forward, packed again only if its weights changed since."""
+    hit = _LAYERS.get(module)
+    if hit is None or hit[0] != stamp:
+        hit = _LAYERS[module] = (stamp, _pack(module))
+    return hit[1]
+
+
 def _available(model) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
@@ -78,8 +91,9 @@ class PackedLinears:
         self._stamps: list[tuple] = []  # what each packed copy was made from
         for module in model.modules():
             if type(module) is torch.nn.Linear:
-                self.forwards.append((module, _pack(module)))
-                self._stamps.append(_stamp(module))
+                stamp = _stamp(module)
+                self.forwards.append((module, _packed(module, stamp)))
+                self._stamps.append(stamp)
         self.pack_seconds = time.perf_counter() - start  # packing, re-packing included
         self.repacked = 0  # layers packed again after their weights changed
         self.choice = KernelChoice()  # shared by every verifier of this model
@@ -95,7 +109,7 @@ class PackedLinears:
             stamp = _stamp(module)
             if stamp != self._stamps[i]:
                 start = time.perf_counter()
-                self.forwards[i] = (module, _pack(module))
+                self.forwards[i] = (module, _packed(module, stamp))
                 self._stamps[i] = stamp
                 self.pack_seconds += time.perf_counter() - start
                 self.repacked += 1

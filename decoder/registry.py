@@ -117,6 +117,26 @@ REGISTRY: dict[str, DrafterSpec] = {
                     "merged into one tree", "redraft.decoder.drafters.hybrid:make"),
         DrafterSpec("fallback", "the copying drafters' tree, or the Medusa heads' when the "
                     "retrieval hit rate is low", "redraft.decoder.drafters.fallback:make"),
+        DrafterSpec("draft-model", "an independent draft model (--draft-model) drafting "
+                    "autoregressively", "redraft.decoder.drafters.draft_model:make", (
+                        Option("draft-model", "int8 (the target quantized to int8), skip:L "
+                               "(the target's first L layers) or a model name sharing the "
+                               "target's tokenizer", "int8", metavar="NAME"),
+                        Option("draft-top-k", "the draft model's top-k drafted at each "
+                               "branching depth (1 = a chain)", 2, int, "K"),
+                        Option("draft-branch-steps", "depths that branch into the top-k",
+                               1, int, "S"),
+                        Option("draft-depth", "draft exactly D tokens deep each step (0 = "
+                               "as deep as pays, from measured costs)", 0, int, "D"),
+                    )),
+        DrafterSpec("lookahead", "Lookahead decoding: n-grams from Jacobi iterations run "
+                    "inside each verification forward", "redraft.decoder.drafters.lookahead:make", (
+                        Option("lookahead-window", "W: Jacobi guesses per level", 3, int, "W"),
+                        Option("lookahead-ngram", "N: n-gram size (N - 1 levels of guesses)",
+                               4, int, "N"),
+                        Option("lookahead-guesses", "G: pool n-grams verified per step at most",
+                               6, int, "G"),
+                    )),
     )
 }
 

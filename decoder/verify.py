@@ -125,6 +125,15 @@ class TreeVerifier:
         self.reset()
         if self.kernels is not None:
             self.kernels.refresh()  # weights may have changed since the last generation
+        self.extend(ids)
+
+    @torch.inference_mode()
+    def extend(self, ids: list[int]) -> None:
+        """Append `ids` to the cache: a causal forward that computes no logits."""
+        if self._pending:
+            raise RuntimeError("extend during a pending tree_forward")
+        if self.cache is None:
+            self.reset()
         if not ids:
             return
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -139,8 +148,9 @@ class TreeVerifier:
         self._forward(x, kwargs)
 
     @torch.inference_mode()
-    def tree_forward(self, root: int, tree: Tree) -> ForwardOutput:
-        """One target forward over root + tree: float32 logits [N + 1, V] and hidden states."""
+    def tree_forward(self, root: int, tree: Tree, last: int = 0) -> ForwardOutput:
+        """One target forward over root + tree: float32 logits [N + 1, V] and hidden states
+        (with `last` > 0, of the last `last` rows only: a draft model reads one row)."""
         if self.cache is None:
             self.reset()
         if self._pending:
@@ -161,7 +171,7 @@ class TreeVerifier:
             kwargs["attention_mask"] = mask
         # A single token needs no mask: it may see everything, as in plain decoding.
         start, cost_start = time.perf_counter(), self.cost_clock()
-        out = self._forward(ids, kwargs)
+        out = self._forward(ids, kwargs, last)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_seconds = time.perf_counter() - start
@@ -169,12 +179,13 @@ class TreeVerifier:
         self._pending = n
         return out
 
-    def _forward(self, ids: torch.Tensor, kwargs: dict) -> ForwardOutput:
+    def _forward(self, ids: torch.Tensor, kwargs: dict, last: int = 0) -> ForwardOutput:
         with self._kernels(ids.shape[1]):
             if self._split is None:
-                return ForwardOutput(self.model(input_ids=ids, **kwargs).logits[0].float(), None)
+                logits = self.model(input_ids=ids, **kwargs).logits[0, -last:]
+                return ForwardOutput(logits.float(), None)
             body, head = self._split
-            hidden = body(input_ids=ids, **kwargs).last_hidden_state[0]
+            hidden = body(input_ids=ids, **kwargs).last_hidden_state[0, -last:]
             return ForwardOutput(head(hidden).float(), hidden)
 
     def cost_clock(self) -> float:
@@ -225,6 +236,13 @@ class TreeVerifier:
             layer.values = torch.cat(
                 [values[..., : base + 1, :], values.index_select(-2, i)], dim=-2
             )
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (a draft model rolling back its drafts)."""
+        if self._pending:
+            raise RuntimeError("truncate during a pending tree_forward")
+        if self.cached_len > length:
+            self._crop(self.cached_len - length)
 
     def _crop(self, count: int) -> None:
         for layer in self.cache.layers:

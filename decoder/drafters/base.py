@@ -8,11 +8,18 @@ class and a factory, listed once in `redraft.decoder.registry`:
 - `rest`: retrieval from a datastore opened in this process, or from the gRPC draft
   service (one session per generation, local drafting if the service fails).
 - `recycle`: token recycling, the target's own earlier top-k predictions per token.
+- `draft-model`: an independent (smaller or cheaper) causal LM drafting autoregressively.
+- `lookahead`: Lookahead decoding, n-grams from Jacobi iterations run inside the forward.
 
 Drafters that learn from the verifier read what each forward computed through hooks the loop
 calls only for drafters that ask: `observe` (the target's top-k after every row, when
 `candidates_wanted` > 0) and `observe_hidden` (the final hidden state of the last accepted
 row, when `hidden_wanted`). Neither costs an extra target forward.
+
+A drafter may also put rows of its own into the verification forward (`side_rows`): they hang
+off the root beside the draft tree, neither sees the other, they are never accepted, the
+budget always keeps them (and counts their cost when it sizes the tree), and `observe_side`
+then gets the target's top-k after each of them. Lookahead's Jacobi window is such rows.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import logging
 from collections.abc import Sequence
 
 from redraft.datastore.errors import RedraftError
-from redraft.decoder.tree import Tree, merge
+from redraft.decoder.tree import Tree, join, merge
 
 log = logging.getLogger("redraft.decoder")
 
@@ -60,6 +67,15 @@ class Drafter:
         the row whose prediction is `context[-1]`, the root of the next `propose`. Called
         after `update`, only when `hidden_wanted`."""
 
+    def side_rows(self, context: Sequence[int]) -> Tree:
+        """Rows to compute in the next verification forward besides the draft tree, as a tree
+        hanging off the root (`context[-1]`). Never accepted; see the module docstring."""
+        return Tree()
+
+    def observe_side(self, ids, probs) -> None:
+        """The target's top-k next tokens (arrays [len(side rows), k]) after each side row of
+        the forward just run. Called only after a step that ran this drafter's side rows."""
+
     def end(self) -> None:
         """The generation is over (release sessions)."""
 
@@ -79,6 +95,7 @@ class MergedDrafter(Drafter):
         self.name = ",".join(d.name for d in self.drafters)
         self._live = list(self.drafters)
         self._own_failures = 0
+        self._side: list[tuple[Drafter, int]] = []  # who put how many rows in the last forward
 
     def _call(self, d: Drafter, fn, *args):
         try:
@@ -118,6 +135,22 @@ class MergedDrafter(Drafter):
         for d in list(self._live):
             if d.candidates_wanted:
                 self._call(d, d.observe, context, tree, ids, probs)
+
+    def side_rows(self, context: Sequence[int]) -> Tree:
+        rows, self._side = Tree(), []
+        for d in list(self._live):
+            side = self._call(d, d.side_rows, context)
+            if side is not None and len(side):
+                rows = join(rows, side)
+                self._side.append((d, len(side)))
+        return rows
+
+    def observe_side(self, ids, probs) -> None:
+        start = 0
+        for d, n in self._side:
+            if d in self._live:
+                self._call(d, d.observe_side, ids[start : start + n], probs[start : start + n])
+            start += n
 
     @property
     def hidden_wanted(self) -> bool:  # type: ignore[override]

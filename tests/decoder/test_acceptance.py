@@ -20,7 +20,9 @@ from redraft.decoder.acceptance import (
 )
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import Drafter, MergedDrafter
+from redraft.decoder.drafters.draft_model import DraftModelDrafter
 from redraft.decoder.drafters.fallback import FallbackDrafter
+from redraft.decoder.drafters.lookahead import LookaheadDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.drafters.rest import DatastoreDrafter
@@ -198,6 +200,23 @@ def test_sampling_with_medusa_drafts_is_lossless(which):
     drafter = MEDUSA_DRAFTERS[which](tiny_model("llama", vocab=VOCAB, init=0.3))
     counts, exact, per_step = sample_sequences(params, n, drafter)
     assert per_step > 1.3, "the heads' drafts must actually be accepted for this to mean anything"
+    stat, df = chi_square(counts, exact, n)
+    assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df}"
+
+
+@pytest.mark.parametrize("family", ["draft-model", "lookahead"])
+def test_sampling_with_model_drafts_is_lossless(family):
+    """A draft model's proposals (its greedy chain and top-k siblings: deterministic given the
+    context) and Lookahead's (n-grams from Jacobi iterations, whose window rides along in
+    every verification forward as side rows) leave the distribution unchanged."""
+    n = 4000
+    # The draft model: a separate copy of the target (random draft models rarely agree),
+    # drafting to a fixed depth (how deep pays depends on timings, not on what is tested).
+    drafter = (DraftModelDrafter(tiny_model("llama", vocab=VOCAB, init=0.3), top_k=2,
+                                 branch_steps=2, depth=2) if family == "draft-model"
+               else LookaheadDrafter(window=3, ngram=3, guesses=3))
+    counts, exact, per_step = sample_sequences(SamplingParams(temperature=1.0), n, drafter)
+    assert per_step > 1.2, "drafts must actually be accepted for this to mean anything"
     stat, df = chi_square(counts, exact, n)
     assert stat < chi_square_critical(df), f"chi2={stat:.1f} df={df}"
 

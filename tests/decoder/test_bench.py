@@ -70,7 +70,7 @@ def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
     recs = [
         Record(1, "translation", "hf-greedy", 0, new_tokens=100, steps=100, seconds=10.0),
         Record(1, "translation", "redraft-pld", 0, new_tokens=100, steps=40, seconds=5.0,
-               identical=True),
+               identical=True, draft_seconds=0.2, accepted={"pld": 30}, tried={"pld": 40}),
         Record(2, "qa", "hf-greedy", 0, new_tokens=50, steps=50, seconds=10.0),
         Record(2, "qa", "redraft-pld", 0, new_tokens=50, steps=50, seconds=10.0,
                identical=False, first_diff=7, logit_gap=2e-5),
@@ -83,7 +83,10 @@ def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
     assert rows[("redraft-pld", "qa")]["identical"] == "0/1"
     assert rows[("redraft-pld", "qa")]["max_gap_at_diff"] == 2e-5
     table = markdown_table(summarize(recs), ["hf-greedy", "redraft-pld"])
-    assert "| translation | redraft-pld | 2.50 | 20.0 | 2.00× | – | 1/1 |" in table
+    assert rows[("redraft-pld", "translation")]["draft_ms_per_step"] == 5.0
+    assert rows[("redraft-pld", "overall")]["acceptance"] == {"pld": 0.75}
+    assert "| translation | redraft-pld | 2.50 | 20.0 | 2.00× | – | 5.0 | 1/1 |" in table
+    assert "| translation | hf-greedy | 1.00 | 10.0 | 1.00× | – | – | 1/1 |" in table
     write_outputs(tmp_path / "out", recs, summarize(recs), ["hf-greedy", "redraft-pld"], {})
     for name in ("records.jsonl", "summary.json", "summary.md", "speedup.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0

@@ -113,6 +113,18 @@ def test_a_per_step_overhead_makes_bigger_trees_worth_it():
     assert len(cpu.choose(tree, overhead=overhead)) == best > len(cpu.choose(tree))
 
 
+def test_side_rows_count_in_the_cost_and_the_cap_not_in_the_tokens():
+    cpu = CostModel(*CPU_COST)
+    tree = chain([0.7] * 20)
+    pp = tree.path_probs()
+    fixed = 8
+    best = max(range(len(tree) + 1),
+               key=lambda k: (1 + sum(pp[:k])) / cpu.cost(1 + fixed + k))
+    assert len(cpu.choose(tree, fixed=fixed)) == best
+    assert len(cpu.choose(tree, max_nodes=12, fixed=fixed)) <= 4
+    assert len(cpu.choose(tree, max_nodes=8, fixed=fixed)) == 0
+
+
 class SlowPLD(PLDDrafter):
     """Prompt lookup taking 5 ms more per proposal: time spent outside the target's forward."""
 

@@ -28,6 +28,12 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         (["--prompt", "hi", "--drafters", "rest"], "needs a datastore"),
         (["--prompt", "hi", "--datastore", "/nonexistent/ds"], "/nonexistent/ds"),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt", "hi", "--drafters", "draft-model", "--draft-model", "skip:x"],
+         "skip:L needs a layer count"),
+        (["--prompt", "hi", "--drafters", "draft-model", "--draft-top-k", "0"],
+         "--draft-top-k must be >= 1"),
+        (["--prompt", "hi", "--drafters", "lookahead", "--lookahead-ngram", "1"],
+         "lookahead needs W >= 1, N >= 2, G >= 1"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(capsys, argv, message):
@@ -56,6 +62,23 @@ def test_incompatible_datastore(capsys, tmp_path):
     build_datastore(None, path, documents=[[1, 2, 3]], fingerprint="sha256:other", vocab_size=9)
     rc, _, err = run(capsys, "--prompt", "hi", "--datastore", path)
     assert rc == 2 and "fingerprint" in err and err.count("\n") == 1
+
+
+def test_draft_model_with_another_tokenizer_is_refused(capsys, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from .conftest import tiny_model
+
+    other = tmp_path / "other"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>")), unk_token="<unk>").save_pretrained(other)
+    tiny_model("llama", vocab=3).save_pretrained(other)
+    capsys.readouterr()  # saving draws a progress bar
+    rc, out, err = run(capsys, "--prompt", "hi", "--drafters", "draft-model",
+                       "--draft-model", str(other))
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "has another tokenizer than the target" in err
 
 
 def test_too_long_prompt(capsys, default_model):

@@ -58,7 +58,8 @@ def test_plain_decoding_matches_hf_generate(default_model, plain, prompt):
 
 
 @pytest.mark.parametrize("which", ["pld", "rest", "pld,rest", "recycle", "pld,rest,recycle",
-                                   "medusa", "hybrid", "fallback"])
+                                   "medusa", "hybrid", "fallback", "draft-model", "lookahead",
+                                   "pld,lookahead"])
 def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_datastore, which):
     model, tok = default_model
     drafter = build_drafter(which, model=model, tokenizer=tok, model_name="smollm2-135m",
@@ -73,6 +74,18 @@ def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_dat
         tokens += r.stats.new_tokens
     drafter.close()
     assert tokens / steps > 1.1, f"{which}: drafts were never accepted ({tokens}/{steps})"
+
+
+def test_early_exit_draft_model_is_identical_to_plain(default_model, plain):
+    """The target's first layers as the draft model: rarely right (no training), never wrong."""
+    model, tok = default_model
+    drafter = build_drafter("draft-model", model=model, tokenizer=tok,
+                            options={"draft_model": "skip:20"})
+    gen = Generator(model, tok, drafter, cost=CostModel(*CPU_COST))
+    for prompt in CODE_PROMPTS:
+        r = gen.generate(prompt, max_new_tokens=NEW)
+        assert_same_or_near_tie(model, r, plain[prompt])
+        assert r.stats.drafter_errors == 0
 
 
 def test_stream_yields_the_generated_text(default_model, plain):

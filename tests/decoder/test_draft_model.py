@@ -1,0 +1,118 @@
+"""The draft-model drafter: draft models made from the target (int8, first layers), its own KV
+cache kept in step with the context, depth chosen from measured costs, lossless greedy output
+on tiny random models. (A draft model with another tokenizer: test_cli.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from redraft.datastore.tokenizer import load_tokenizer
+from redraft.decoder.budget import CostModel
+from redraft.decoder.draft_models import Int8Linear, first_layers, parse_spec
+from redraft.decoder.draft_models import quantized_int8 as int8_model
+from redraft.decoder.drafters.base import UnknownDrafter
+from redraft.decoder.drafters.draft_model import ALT_SOURCE, SOURCE, DraftModelDrafter
+from redraft.decoder.generate import Generator
+
+from .conftest import tiny_model
+
+FLAT = CostModel([1, 64], [1.0, 1.0])  # every tree is worth verifying whole
+PROMPT = [5, 9, 13, 7, 22, 5, 9]
+
+
+def test_spec_parsing():
+    assert parse_spec("int8") == ("int8", None)
+    assert parse_spec("skip:6") == ("skip", 6)
+    assert parse_spec("some/model") == ("name", None)
+    for bad in ("", "skip:", "skip:0", "skip:x"):
+        with pytest.raises(UnknownDrafter):
+            parse_spec(bad)
+
+
+def test_first_layers_share_the_targets_weights_and_exit_early():
+    target = tiny_model("llama", layers=3)
+    draft = first_layers(target, 1)
+    assert draft.config.num_hidden_layers == 1 and target.config.num_hidden_layers == 3
+    shared = {p.data_ptr() for p in target.parameters()}
+    assert all(p.data_ptr() in shared for p in draft.parameters())
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        after_one = target(ids, output_hidden_states=True).hidden_states[1]
+        expected = target.lm_head(target.model.norm(after_one))
+        assert torch.allclose(draft(ids).logits, expected, atol=1e-5)
+    with pytest.raises(UnknownDrafter, match="only 3 layers"):
+        first_layers(target, 3)
+
+
+def test_int8_model_keeps_the_targets_other_weights_and_stays_close():
+    target = tiny_model("llama", init=0.3)
+    draft = int8_model(target)
+    assert sum(isinstance(m, Int8Linear) for m in draft.modules()) == sum(
+        type(m) is torch.nn.Linear for m in target.modules())
+    assert draft.model.embed_tokens.weight is target.model.embed_tokens.weight
+    assert not any(isinstance(m, Int8Linear) for m in target.modules())  # target untouched
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        exact, approx = target(ids).logits, draft(ids).logits
+    assert (approx - exact).abs().mean() < 0.1 * exact.abs().mean()
+    assert (approx.argmax(-1) == exact.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("kind", ["same", "other", "int8", "skip"])
+def test_greedy_output_is_plain_greedy(kind):
+    target = tiny_model("llama", init=0.3, layers=2)
+    draft = {"same": lambda: tiny_model("llama", init=0.3, layers=2),
+             "other": lambda: tiny_model("llama", init=0.3, layers=2, seed=7),
+             "int8": lambda: int8_model(target),
+             "skip": lambda: first_layers(target, 1)}[kind]()
+    tok = load_tokenizer(None)
+    plain = Generator(target, tok, None, cost=FLAT)
+    drafter = DraftModelDrafter(draft, top_k=2, branch_steps=2)
+    spec = Generator(target, tok, drafter, cost=FLAT)
+    for prompt in (PROMPT, [3, 4, 5], PROMPT + [11, 12]):  # later prompts reuse the cache
+        ref = plain.generate(prompt, max_new_tokens=40, eos=False)
+        got = spec.generate(prompt, max_new_tokens=40, eos=False)
+        assert got.tokens == ref.tokens
+        assert got.stats.drafter_errors == 0
+    if kind == "same":  # a perfect draft model: its whole chain is accepted
+        assert got.stats.tokens_per_step > 1.5
+        assert got.stats.accepted[SOURCE] == got.stats.tried[SOURCE]
+        assert ALT_SOURCE not in got.stats.accepted
+
+
+def test_cache_follows_the_context_as_a_fresh_drafter_would():
+    """After drafts the target rejected and a conversation that diverged, the draft model's
+    cache holds exactly the shared prefix: it proposes what a fresh drafter proposes."""
+    target = tiny_model("llama", init=0.3)
+    used = DraftModelDrafter(tiny_model("llama", init=0.3, seed=3), top_k=2, branch_steps=2)
+    contexts = [PROMPT, PROMPT + [1, 2], PROMPT + [1, 2, 40, 41, 42], PROMPT[:3] + [8],
+                [2 + i % 60 for i in range(150)]]  # the last one is long: fed in chunks
+    for context in contexts:
+        fresh = DraftModelDrafter(tiny_model("llama", init=0.3, seed=3), top_k=2,
+                                  branch_steps=2)
+        for d in (used, fresh):  # a draft forward's time is worth ~nothing: depth 16 always
+            d._step_seconds, d._step_tokens = 1e6, 1.0
+        a, b = used.propose(context, 8), fresh.propose(context, 8)
+        assert a.tokens == b.tokens and a.parents == b.parents
+        assert a.probs == pytest.approx(b.probs, abs=1e-5)
+        assert used._cached == list(context) + used._chain[:-1]
+        assert used.verifier.cached_len == len(used._cached)
+    del target
+
+
+def test_depth_follows_what_a_draft_forward_is_worth():
+    """A draft forward that costs a whole step's worth of tokens is not run at all (after the
+    first), one that costs nothing runs to the depth limit."""
+    model = tiny_model("llama", init=0.3)
+    cheap = DraftModelDrafter(model, max_depth=8, top_k=1)
+    cheap._step_seconds, cheap._step_tokens = 1e6, 1.0  # a forward's time is worth ~nothing
+    assert len(cheap.propose(PROMPT, 32)) == 8
+
+    dear = DraftModelDrafter(model, max_depth=8, top_k=1)
+    first = dear.propose(PROMPT, 32)  # no measurement yet: drafts on a prior
+    dear._step_tokens = 1.0
+    dear._step_seconds = dear._forward_seconds  # a draft forward costs a whole step
+    depths = [len(dear.propose(PROMPT, 32)) for _ in range(2 * 8)]
+    assert len(first) >= 1 and max(depths) <= 1
+    assert depths.count(0) >= 8  # most steps draft nothing; a few probe
+    assert dear.forward_value() > cheap.forward_value()
