@@ -1,8 +1,8 @@
 """`fallback`: the copying drafters while they hit, the Medusa heads when they do not.
 
 Every step both trees are made: the copying drafters' (prompt lookup, retrieval when given,
-token recycling: one merged tree) and the heads' (a top-k pass over one hidden state, ~2%
-of a forward with the subset projection). Only one is verified.
+token recycling: one merged tree) and the heads' (a top-k pass over one hidden state, ~5%
+of a one-token forward with the subset projection). Only one is verified.
 
 The retrieval hit rate, concretely. For each source s and step, E_s is what its tree claims:
 the expected number of accepted tokens, the sum of the path probabilities of its best
