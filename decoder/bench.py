@@ -509,7 +509,7 @@ def redraft_methods() -> dict[str, str]:
     out = {f"redraft-{NONE}": NONE}
     out.update({f"redraft-{name}": name for name in REGISTRY})
     out["redraft-pld-rest"] = "pld,rest"
-    out["redraft-default"] = default_drafters()
+    out["redraft-default"] = default_drafters(True)
     out.update({name: drafters for name, (drafters, _) in VARIANTS.items()})
     return out
 

@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=None,
                    help=f"{known_names()}, or a comma-separated combination such as "
-                   f"pld,rest (default: {default_drafters()}: pld, rest with a datastore or "
-                   "draft service, recycle and the model's Medusa heads in one tree)")
+                   f"pld,rest (default: {default_drafters(True)} with a datastore or draft "
+                   f"service, else {default_drafters(False)})")
     ds = p.add_mutually_exclusive_group()
     ds.add_argument("--draft-service", metavar="ADDR", help="draft service address (host:port)")
     ds.add_argument("--datastore", metavar="DIR", help="datastore opened in this process")
@@ -120,7 +120,7 @@ def run_generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="redraft: %(message)s")
     prompts = check_args(args)
     if args.drafters is None:
-        args.drafters = default_drafters()
+        args.drafters = default_drafters(bool(args.datastore or args.draft_service))
     parse_names(args.drafters)  # unknown names fail before anything is loaded
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)

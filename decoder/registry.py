@@ -145,18 +145,17 @@ def known_names() -> str:
     return ", ".join([NONE, *REGISTRY])
 
 
-def default_drafters() -> str:
-    """What runs when no drafter is named: `hybrid`, every drafter that needs nothing more
-    than what was given (prompt lookup and recycling need no corpus, rest a datastore or
-    service, the heads are committed for the default model) merged into one tree. It was the
-    fastest on Spec-Bench (README: Results)."""
-    return "hybrid"
+def default_drafters(retrieval: bool) -> str:
+    """What runs when no drafter is named: every drafter that needs nothing more than what
+    was given (recycling and prompt lookup need no corpus; rest needs a datastore or service).
+    """
+    return "pld,rest,recycle" if retrieval else "pld,recycle"
 
 
 def parse_names(names: str | Sequence[str] | None) -> list[str]:
-    """Validate a drafter name or comma-separated combination; default `hybrid`."""
+    """Validate a drafter name or comma-separated combination; default `pld,recycle`."""
     if names is None:
-        names = default_drafters()
+        names = default_drafters(False)
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     names = list(dict.fromkeys(n.lower() for n in names))

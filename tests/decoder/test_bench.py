@@ -63,9 +63,7 @@ def test_methods_need_a_reference_and_retrieval_for_rest():
     with pytest.raises(BenchError, match="unknown method"):
         parse_methods("hf-greedy,medusa2", False)
     with pytest.raises(BenchError, match="--datastore"):
-        parse_methods("redraft-pld-rest", False)
-    # the default drafters use retrieval when it is given, and draft without it otherwise
-    assert parse_methods("redraft-default", False) == ["hf-greedy", "redraft-default"]
+        parse_methods("redraft-default", False)
 
 
 def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
@@ -112,8 +110,7 @@ def test_repeats_give_each_speedup_a_median_and_range(tmp_path):
     assert row["cpu_speedup"] == 2.0 and row["cpu_speedup_runs"] == [2.0, 2.0, 2.0]
     table = markdown_table(summary, ["hf-greedy", "redraft-pld"])
     assert "median (min–max) of 3 runs" in table
-    row = "| qa | redraft-pld | 2.00 | 17.6 | 1.88× | 2.00× (1.50–2.50) | 2.00× | 0.0 | 3/3 |"
-    assert row in table
+    assert "| qa | redraft-pld | 2.00 | 17.6 | 1.88× | 2.00× (1.50–2.50) | 2.00× | 0.0 | 3/3 |" in table
     meta = {"machine_start": machine_state(), "machine_end": machine_state(),
             "kernels": kernel_report(recs, None),
             "cost_curve": {"source": "measured", "measure_seconds": 7.5, "corrections": 2}}

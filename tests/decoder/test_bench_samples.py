@@ -29,7 +29,7 @@ def test_math_and_coding_questions_only(tmp_path):
 
 
 def test_nolearn_methods_and_a_tenant_per_method_and_run():
-    assert method_drafters("redraft-default-nolearn") == default_drafters()
+    assert method_drafters("redraft-default-nolearn") == default_drafters(True)
     assert drafter_options("redraft-default-nolearn", {}, "r1")["learn"] == "off"
     learn = drafter_options("redraft-default", {"learn_max_tokens": 5}, "r1")
     assert "learn" not in learn and learn["learn_max_tokens"] == 5
