@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from redraft.datastore.draft import LEARNED, Draft
 from redraft.datastore.pld import continuation_tree
@@ -37,6 +37,13 @@ MAX_OCCURRENCES = 8  # occurrences merged into one tree
 _POS_BITS = 24  # an index entry is doc_id << _POS_BITS | position
 _POS_MASK = (1 << _POS_BITS) - 1
 MAX_DOC_TOKENS = _POS_MASK  # a longer output stops being recorded
+
+
+def _ending_keys(tokens: Sequence[int], end: int) -> Iterator[int]:
+    """The keys of the indexed n-grams ending at `end` (those with n tokens up to it)."""
+    for n in LEVELS:
+        if end + 1 >= n:
+            yield _key(tokens, end, n)
 
 
 def _key(tokens: Sequence[int], end: int, n: int) -> int:
@@ -101,10 +108,7 @@ class LearnedIndex:
                 break
             toks.append(int(t))
             end = len(toks) - 1
-            for n in LEVELS:
-                if end + 1 < n:
-                    continue
-                key = _key(toks, end, n)
+            for key in _ending_keys(toks, end):
                 positions = pool.get(key)
                 if positions is None:
                     pool[key] = [base | end]
@@ -129,10 +133,7 @@ class LearnedIndex:
         self.n_tokens -= len(doc.tokens)
         toks, pool, base = doc.tokens, doc.pool, doc.id << _POS_BITS
         for end in range(len(toks)):
-            for n in LEVELS:
-                if end + 1 < n:
-                    continue
-                key = _key(toks, end, n)
+            for key in _ending_keys(toks, end):
                 positions = pool.get(key)
                 if positions is None:
                     continue

@@ -102,6 +102,17 @@ class Record:
 
 def load_questions(path: str | Path, per_category: int | None) -> list[Question]:
     """Spec-Bench questions grouped into its six categories; `per_category` spread evenly."""
+    grouped = read_questions(
+        path, lambda cat: MULTI_TURN if cat in MT_BENCH else CATEGORY_NAMES.get(cat, cat))
+    if not grouped:
+        raise BenchError(f"{path}: no questions")
+    return pick_evenly(grouped, [*CATEGORIES, *sorted(set(grouped) - set(CATEGORIES))],
+                       per_category)
+
+
+def read_questions(path: str | Path, category: Callable[[str], str | None]
+                   ) -> dict[str, list[Question]]:
+    """A question file's records by `category(record's category)`; None leaves a record out."""
     path = Path(path)
     if not path.is_file():
         raise BenchError(f"question file not found: {path}")
@@ -112,19 +123,23 @@ def load_questions(path: str | Path, per_category: int | None) -> list[Question]
                 continue
             try:
                 rec = json.loads(line)
-                cat = rec["category"]
-                q = Question(int(rec["question_id"]), MULTI_TURN if cat in MT_BENCH
-                             else CATEGORY_NAMES.get(cat, cat), [str(t) for t in rec["turns"]])
+                cat = category(rec["category"])
+                if cat is not None:
+                    grouped[cat].append(Question(int(rec["question_id"]), cat,
+                                                 [str(t) for t in rec["turns"]]))
             except (ValueError, KeyError, TypeError) as exc:
                 raise BenchError(f"{path}:{n}: not a Spec-Bench question ({exc})") from None
-            grouped[q.category].append(q)
-    if not grouped:
-        raise BenchError(f"{path}: no questions")
+    return grouped
+
+
+def pick_evenly(grouped: dict[str, list[Question]], order: Sequence[str],
+                per_category: int | None) -> list[Question]:
+    """`per_category` questions of each category in `order`, evenly spaced (so the 8 MT-Bench
+    sub-categories all appear in "multi-turn")."""
     out: list[Question] = []
-    for cat in [*CATEGORIES, *sorted(set(grouped) - set(CATEGORIES))]:
+    for cat in order:
         qs = grouped.get(cat, [])
         if per_category and len(qs) > per_category:
-            # Evenly spaced, so the 8 MT-Bench sub-categories all appear in "multi-turn".
             qs = [qs[i * len(qs) // per_category] for i in range(per_category)]
         out.extend(qs)
     return out

@@ -65,33 +65,12 @@ class SampleRecord:
 
 def load_sampling_questions(path: str | Path, per_category: int | None):
     """Spec-Bench's math and coding questions, `per_category` of each, evenly spaced."""
-    from redraft.decoder.bench import BenchError, Question
+    from redraft.decoder.bench import BenchError, pick_evenly, read_questions
 
-    path = Path(path)
-    if not path.is_file():
-        raise BenchError(f"question file not found: {path}")
-    grouped: dict[str, list[Question]] = defaultdict(list)
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                cat = SAMPLING_CATEGORIES.get(rec["category"])
-                if cat is not None:
-                    grouped[cat].append(Question(int(rec["question_id"]), cat,
-                                                 [str(t) for t in rec["turns"]]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise BenchError(f"{path}:{n}: not a Spec-Bench question ({exc})") from None
+    grouped = read_questions(path, SAMPLING_CATEGORIES.get)
     if not grouped:
         raise BenchError(f"{path}: no math or coding questions")
-    out = []
-    for cat in SAMPLING_CATEGORIES.values():
-        qs = grouped.get(cat, [])
-        if per_category and len(qs) > per_category:
-            qs = [qs[i * len(qs) // per_category] for i in range(per_category)]
-        out.extend(qs)
-    return out
+    return pick_evenly(grouped, list(SAMPLING_CATEGORIES.values()), per_category)
 
 
 def run_samples(questions, generators: dict, samples: int, temperature: float,

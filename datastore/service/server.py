@@ -288,6 +288,21 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.stats.add(errors=1)
         await context.abort(exc.code, exc.message)
 
+    def _drafter(self, tokens, noun: str, field: str, params, tenant) -> SessionDrafter:
+        """A session drafter over `tokens` (the context or an opening prompt, message `field`),
+        checked first: length within max_context_len, every id in the vocabulary."""
+        if len(tokens) > self.config.max_context_len:
+            raise _Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{noun} of {len(tokens)} tokens exceeds max_context_len "
+                f"{self.config.max_context_len}",
+            )
+        self._check_tokens(tokens, field)
+        try:
+            return SessionDrafter(tokens, params, self.reader, self.learned, tenant)
+        except DatastoreError as exc:
+            raise _bad(str(exc)) from exc
+
     async def Propose(self, request, context):
         try:
             tenant = self._auth(context)
@@ -296,17 +311,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             self._check_fingerprint(request.tokenizer_fingerprint, required=False)
             p = self._params(request.params)
             tenant = self._tenant(tenant, request.tenant)
-            if len(request.context) > self.config.max_context_len:
-                raise _Abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"context of {len(request.context)} tokens exceeds max_context_len "
-                    f"{self.config.max_context_len}",
-                )
-            self._check_tokens(request.context, "context")
-            try:  # learns nothing: no tokens are accepted in a one-off call
-                drafter = SessionDrafter(request.context, p, self.reader, self.learned, tenant)
-            except DatastoreError as exc:
-                raise _bad(str(exc)) from exc
+            # learns nothing: no tokens are accepted in a one-off call
+            drafter = self._drafter(request.context, "context", "context", p, tenant)
             reply = draft_pb2.DraftReply()
             self._draft(drafter, p.budget, reply, "propose_calls")
             return reply
@@ -383,17 +389,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self._check_fingerprint(opening.tokenizer_fingerprint, required=True)
         p = self._params(opening.params)
         tenant = self._tenant(tenant, opening.tenant)
-        if len(opening.prompt) > self.config.max_context_len:
-            raise _Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"prompt of {len(opening.prompt)} tokens exceeds max_context_len "
-                f"{self.config.max_context_len}",
-            )
-        self._check_tokens(opening.prompt, "open.prompt")
-        try:
-            drafter = SessionDrafter(opening.prompt, p, self.reader, self.learned, tenant)
-        except DatastoreError as exc:
-            raise _bad(str(exc)) from exc
+        drafter = self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
         if not self.stats.try_open_session(self.config.max_sessions):
             raise _Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
