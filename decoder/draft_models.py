@@ -65,7 +65,9 @@ def draft_model(spec: str, load_target: Callable[[], Any], target_tokenizer):
         check_tokenizer(spec, target_tokenizer)
     target = load_target()
     if kind == INT8:
-        return quantized_int8(target)
+        from redraft.decoder.int8_decoder import lean_int8
+
+        return lean_int8(target) or quantized_int8(target)
     if kind == SKIP:
         return first_layers(target, layers)
     from redraft.decoder.models import load_model

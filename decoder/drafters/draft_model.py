@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
+from redraft.decoder.int8_decoder import Int8Decoder
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
 
@@ -47,7 +48,8 @@ class DraftModelDrafter(Drafter):
                  min_prob: float = 0.02, depth: int = 0, packed_kernels: bool = True) -> None:
         self.model = model
         self.depth = depth  # > 0: always draft this deep instead of choosing from costs
-        self.verifier = TreeVerifier(model, packed_kernels=packed_kernels)
+        self.runner = model if isinstance(model, Int8Decoder) else ModelRunner(model,
+                                                                             packed_kernels)
         self.max_depth = max_depth
         self.top_k = max(1, top_k)
         self.branch_steps = branch_steps
@@ -152,7 +154,7 @@ class DraftModelDrafter(Drafter):
         self._last_propose = None
 
     def close(self) -> None:
-        self.verifier.reset()
+        self.runner.reset()
         self._cached = []
 
     # -- the draft model's cache --------------------------------------------------------
@@ -171,9 +173,9 @@ class DraftModelDrafter(Drafter):
         if cached[:keep] != list(context[:keep]):
             keep = next(i for i in range(keep) if cached[i] != context[i])
         if keep == 0:
-            self.verifier.reset()
+            self.runner.reset()
         else:
-            self.verifier.truncate(keep)
+            self.runner.truncate(keep)
         del cached[keep:]
         pending = list(context[keep:])
         if keep == 0 and len(pending) > 1:
@@ -186,21 +188,45 @@ class DraftModelDrafter(Drafter):
         return self._forward(pending)
 
     def _extend(self, tokens: list[int]) -> None:
-        self.verifier.extend(tokens)
+        self.runner.extend(tokens)
         self._cached.extend(tokens)
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
         """Feed tokens (appended to the cache); the logits after the last one."""
         t0 = time.perf_counter()
-        out = self.verifier.tree_forward(tokens[0], Tree.chain(tokens[1:]), last=1)
-        self.verifier.commit(list(range(len(tokens) - 1)))
+        logits = self.runner.next_logits(tokens)
         self._cached.extend(tokens)
-        logits = out.logits[-1]
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         # Averaged like the step time it is weighed against: load inflates both alike.
         self._forward_seconds = _ema(self._forward_seconds, time.perf_counter() - t0)
         return logits
+
+
+class ModelRunner:
+    """Any causal LM behind the interface `Int8Decoder` offers: a KV cache that `extend`
+    appends to, `next_logits` appends to and answers from, and `truncate` rolls back."""
+
+    def __init__(self, model, packed_kernels: bool = True) -> None:
+        self.verifier = TreeVerifier(model, packed_kernels=packed_kernels)
+
+    @property
+    def cached_len(self) -> int:
+        return self.verifier.cached_len
+
+    def reset(self) -> None:
+        self.verifier.reset()
+
+    def truncate(self, length: int) -> None:
+        self.verifier.truncate(length)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.verifier.extend(list(tokens))
+
+    def next_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        out = self.verifier.tree_forward(tokens[0], Tree.chain(list(tokens[1:])), last=1)
+        self.verifier.commit(list(range(len(tokens) - 1)))
+        return out.logits[-1]
 
 
 def make(ctx) -> DraftModelDrafter:

@@ -11,8 +11,14 @@ from redraft.decoder.budget import CostModel
 from redraft.decoder.draft_models import Int8Linear, first_layers, parse_spec
 from redraft.decoder.draft_models import quantized_int8 as int8_model
 from redraft.decoder.drafters.base import UnknownDrafter
-from redraft.decoder.drafters.draft_model import ALT_SOURCE, SOURCE, DraftModelDrafter
+from redraft.decoder.drafters.draft_model import (
+    ALT_SOURCE,
+    SOURCE,
+    DraftModelDrafter,
+    ModelRunner,
+)
 from redraft.decoder.generate import Generator
+from redraft.decoder.int8_decoder import Int8Decoder, lean_int8
 
 from .conftest import tiny_model
 
@@ -58,12 +64,37 @@ def test_int8_model_keeps_the_targets_other_weights_and_stays_close():
     assert (approx.argmax(-1) == exact.argmax(-1)).float().mean() > 0.8
 
 
-@pytest.mark.parametrize("kind", ["same", "other", "int8", "skip"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lean_int8_decoder_computes_what_the_int8_model_computes(family):
+    """Fed the same tokens in the same calls (int8 activations share a scale per call), the
+    lean decoder's logits are the module-by-module int8 model's; its cache rolls back."""
+    target = tiny_model(family, init=0.3, layers=3)
+    lean, modules = lean_int8(target), ModelRunner(int8_model(target))
+    assert isinstance(lean, Int8Decoder)
+    calls = [PROMPT[:1], PROMPT[1:5], PROMPT[5:6], PROMPT[6:]]
+    for tokens in calls:
+        want = modules.next_logits(tokens)
+        assert torch.allclose(lean.next_logits(tokens), want, atol=1e-4, rtol=1e-4)
+    assert lean.cached_len == modules.cached_len == len(PROMPT)
+    lean.truncate(5)  # roll back to after the second call, feed the rest again
+    lean.extend(PROMPT[5:6])
+    assert torch.allclose(lean.next_logits(PROMPT[6:]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_lean_int8_decoder_only_takes_plain_stacks():
+    assert lean_int8(tiny_model("gpt2")) is None  # the drafter uses the int8 modules there
+    qwen3_like = tiny_model("llama")
+    qwen3_like.model.layers[0].self_attn.add_module("q_norm", torch.nn.Identity())
+    assert lean_int8(qwen3_like) is None
+
+
+@pytest.mark.parametrize("kind", ["same", "other", "int8", "lean-int8", "skip"])
 def test_greedy_output_is_plain_greedy(kind):
     target = tiny_model("llama", init=0.3, layers=2)
     draft = {"same": lambda: tiny_model("llama", init=0.3, layers=2),
              "other": lambda: tiny_model("llama", init=0.3, layers=2, seed=7),
              "int8": lambda: int8_model(target),
+             "lean-int8": lambda: lean_int8(target),
              "skip": lambda: first_layers(target, 1)}[kind]()
     tok = load_tokenizer(None)
     plain = Generator(target, tok, None, cost=FLAT)
@@ -98,7 +129,7 @@ def test_cache_follows_the_context_as_a_fresh_drafter_would():
         assert a.tokens == b.tokens and a.parents == b.parents
         assert a.probs == pytest.approx(b.probs, abs=1e-5)
         assert used._cached == list(context) + used._chain[:-1]
-        assert used.verifier.cached_len == len(used._cached)
+        assert used.runner.cached_len == len(used._cached)
     del target
 
 
@@ -118,3 +149,19 @@ def test_depth_follows_what_a_draft_forward_is_worth():
     assert len(first) >= 1 and max(depths) <= 1
     assert depths.count(0) >= 8  # most steps draft nothing; a few probe
     assert dear.forward_value() > cheap.forward_value()
+
+
+def test_default_model_int8_draft_model_is_lossless_and_drafts_deep(default_model):
+    """The default model drafting for itself in int8 (the lean decoder): plain greedy's
+    tokens, several of them per target forward."""
+    from redraft.decoder.draft_models import draft_model
+
+    model, tok = default_model
+    draft = draft_model("int8", lambda: model, tok)
+    assert isinstance(draft, Int8Decoder)
+    prompt = tok("Write three sentences about the sea.")["input_ids"]
+    plain = Generator(model, tok, None).generate(prompt, max_new_tokens=48, eos=False)
+    drafter = DraftModelDrafter(draft, top_k=2, branch_steps=1, depth=4)
+    got = Generator(model, tok, drafter).generate(prompt, max_new_tokens=48, eos=False)
+    assert got.tokens == plain.tokens
+    assert got.stats.tokens_per_step > 2.0
