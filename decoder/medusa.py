@@ -3,8 +3,11 @@
 After a verification forward the target's final (post-norm) hidden state of the last accepted
 row already gives the next token through the target's own LM head (the bonus token). Head k
 (k = 1..K) guesses the token k places after that one: a residual SiLU block
-`h + SiLU(W_k h + b_k)` followed by an LM projection. The blocks start at zero, so an
-untrained head repeats the next-token prediction, which is a sensible start.
+`h + SiLU(W_k h + b_k)` followed by an LM projection. That next token is known when drafting
+(it is the tree's root), so heads may also read its input embedding e:
+`h + SiLU(W_k h + U_k e + b_k)` (`next_token`; Medusa-1's heads do not, and EAGLE-style
+drafters show how much the token itself tells). The blocks start at zero, so an untrained
+head repeats the next-token prediction, which is a sensible start.
 
 The projection is the frozen target's LM head, shared (no weights stored), either in full or
 restricted to a frequency-ranked vocabulary subset (the ids the model itself emits most
@@ -12,10 +15,11 @@ often, as FR-Spec does): K blocks of H x H weights are all a heads file stores, 
 projection matmul serves all K heads, so the head cost per step is about one pass over
 the projection rows (`HeadsPredictor`).
 
-Heads file: safetensors (`block.{k}.weight`, `block.{k}.bias` in bfloat16, `vocab_subset`
-int32) with one metadata entry, `redraft`, holding JSON (see README: Medusa heads). Heads
-trained for another model are refused (`HeadsMismatch`): the blocks are fitted to one
-model's hidden states and would draft garbage for any other.
+Heads file: safetensors (`block.{k}.weight`, `block.{k}.bias`, and `block.{k}.embed` for
+heads that read the next token, in bfloat16, `vocab_subset` int32) with one metadata entry,
+`redraft`, holding JSON (see README: Medusa heads). Heads trained for another model are
+refused (`HeadsMismatch`): the blocks are fitted to one model's hidden states and would
+draft garbage for any other.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from redraft.datastore.errors import RedraftError
 from torch import nn
 
 FORMAT = "redraft-medusa"
-VERSION = 1
+VERSION = 2  # 2 added heads that read the next token's embedding (`next_token`)
+READS = (1, 2)
 DEFAULT_HEADS = 4
 PROJECTIONS = ("full", "subset")
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
@@ -47,37 +52,55 @@ class HeadsMismatch(HeadsError):
 
 
 class ResidualBlock(nn.Module):
-    """h + SiLU(W h + b), zero-initialised so that it starts as the identity."""
+    """h + SiLU(W h + b), or h + SiLU(W h + U e + b) when the block also sees e, the next
+    token's input embedding; zero-initialised so that it starts as the identity."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, next_token: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
+        self.embed: nn.Linear | None = None
+        if next_token:
+            self.embed = nn.Linear(hidden_size, hidden_size, bias=False)
+            nn.init.zeros_(self.embed.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + F.silu(self.linear(hidden))
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor | None = None) -> torch.Tensor:
+        z = self.linear(hidden)
+        if self.embed is not None:
+            z = z + self.embed(embedded)
+        return hidden + F.silu(z)
 
 
 class MedusaHeads(nn.Module):
     """K residual blocks plus what the heads file records about them.
 
-    `forward(hidden [..., H]) -> [..., K, H]`: each head's hidden state, ready for the LM
-    projection. `vocab_subset` lists the projection subset's token ids (most frequent first).
+    `forward(hidden [..., H], embedded [..., H]) -> [..., K, H]`: each head's hidden state,
+    ready for the LM projection. With `next_token`, the blocks also read `embedded`, the
+    input embedding of the token the hidden state's own row predicts (the next token, known
+    when drafting: it is the tree's root); Medusa-1's heads (`next_token=False`) do not, and
+    have to guess past it. `vocab_subset` lists the projection subset's token ids (most
+    frequent first).
     """
 
     def __init__(self, hidden_size: int, num_heads: int = DEFAULT_HEADS,
-                 vocab_subset: torch.Tensor | None = None, meta: dict | None = None) -> None:
+                 vocab_subset: torch.Tensor | None = None, meta: dict | None = None,
+                 next_token: bool = False) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.num_heads = num_heads
-        self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
+        self.next_token = next_token
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, next_token)
+                                    for _ in range(num_heads))
         subset = torch.zeros(0, dtype=torch.long) if vocab_subset is None else vocab_subset
         self.register_buffer("vocab_subset", subset.to(torch.long), persistent=False)
         self.meta = dict(meta or {})
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack([block(hidden) for block in self.blocks], dim=-2)
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if self.next_token and embedded is None:
+            raise ValueError("these heads read the next token's embedding too")
+        return torch.stack([block(hidden, embedded) for block in self.blocks], dim=-2)
 
     def accuracy(self, projection: str) -> list[list[float]] | None:
         """Held-out top-1..top-n accuracy per head (cumulative) for a projection, if recorded."""
@@ -124,10 +147,12 @@ def save_heads(heads: MedusaHeads, path: str | Path, meta: dict) -> None:
     for k, block in enumerate(heads.blocks):
         tensors[f"block.{k}.weight"] = block.linear.weight.detach().to(torch.bfloat16).cpu()
         tensors[f"block.{k}.bias"] = block.linear.bias.detach().to(torch.bfloat16).cpu()
+        if block.embed is not None:
+            tensors[f"block.{k}.embed"] = block.embed.weight.detach().to(torch.bfloat16).cpu()
     tensors["vocab_subset"] = heads.vocab_subset.to(torch.int32).cpu().contiguous()
     meta = {"format": FORMAT, "version": VERSION, "num_heads": heads.num_heads,
             "hidden_size": heads.hidden_size, "vocab_subset_size": len(heads.vocab_subset),
-            "dtype": "bfloat16", **meta}
+            "next_token": heads.next_token, "dtype": "bfloat16", **meta}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -152,9 +177,9 @@ def read_meta(path: str | Path) -> dict:
         raise HeadsError(f"{path}: not a safetensors heads file ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise HeadsError(f"{path}: not a redraft Medusa heads file")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READS:
         raise HeadsError(f"{path}: heads format version {meta.get('version')}, "
-                         f"this redraft reads {VERSION}")
+                         f"this redraft reads {', '.join(map(str, READS))}")
     return meta
 
 
@@ -169,10 +194,13 @@ def load_heads(path: str | Path, model=None) -> MedusaHeads:
     try:
         tensors = load_file(str(path))
         k, hidden = int(meta["num_heads"]), int(meta["hidden_size"])
-        heads = MedusaHeads(hidden, k, tensors["vocab_subset"].long(), meta)
+        heads = MedusaHeads(hidden, k, tensors["vocab_subset"].long(), meta,
+                            next_token=bool(meta.get("next_token", False)))
         for i, block in enumerate(heads.blocks):
             block.linear.weight.data.copy_(tensors[f"block.{i}.weight"].float())
             block.linear.bias.data.copy_(tensors[f"block.{i}.bias"].float())
+            if block.embed is not None:
+                block.embed.weight.data.copy_(tensors[f"block.{i}.embed"].float())
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise HeadsError(f"{path}: damaged heads file ({exc})") from None
     heads.eval()
@@ -236,14 +264,24 @@ class HeadsPredictor:
             bias = None if bias is None else bias.index_select(0, self.ids)
         self.heads = heads.to(device=weight.device, dtype=weight.dtype)
         self.device, self.dtype = weight.device, weight.dtype
+        self.embedding = model.get_input_embeddings().weight if heads.next_token else None
         self.projection = projection
         self.width = int(weight.shape[0])  # projection rows: guesses available per head
         self._linear = _linear_for(weight, bias)
 
     @torch.inference_mode()
-    def topk(self, hidden: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids [K, k] (full-vocabulary ids) and their softmax probabilities [K, k]."""
-        states = self.heads(hidden.reshape(1, -1).to(self.device, self.dtype))[0]
+    def topk(self, hidden: torch.Tensor, k: int, next_token: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids [K, k] (full-vocabulary ids) and their softmax probabilities [K, k].
+
+        `next_token` is the token `hidden`'s row predicts (the tree's root); heads that read
+        its embedding need it."""
+        embedded = None
+        if self.embedding is not None:
+            if next_token is None:
+                raise ValueError("these heads need the next token")
+            embedded = self.embedding[next_token].reshape(1, -1).to(self.device, self.dtype)
+        states = self.heads(hidden.reshape(1, -1).to(self.device, self.dtype), embedded)[0]
         logits = self._linear(states).float()
         values, idx = torch.topk(logits, k, dim=-1)
         probs = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True))

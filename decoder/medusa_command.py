@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--held-out", type=float, default=5.0, metavar="PERCENT",
                    help="percent of documents held out for the accuracy report (default 5)")
+    p.add_argument("--hidden-only", action="store_true",
+                   help="heads read only the hidden state, as Medusa-1's do (default: also "
+                   "the next token's input embedding)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--hidden-dtype", default=None, choices=("float32", "bfloat16"),
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(num_heads=args.heads, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, subset_size=args.subset, held_out_percent=args.held_out,
-                      seed=args.seed)
+                      seed=args.seed, next_token=not args.hidden_only)
     train_medusa(args.model, args.data, args.out, cfg, device=args.device,
                  cache_dir=args.cache_dir, hidden_dtype=args.hidden_dtype)
     return 0

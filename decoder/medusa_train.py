@@ -258,6 +258,7 @@ class TrainConfig:
     held_out_percent: float = 5.0
     seed: int = 0
     checkpoint_every: int = 200
+    next_token: bool = True  # heads also read the next token's embedding
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:16]
@@ -268,17 +269,19 @@ def head_weights(num_heads: int) -> torch.Tensor:
 
 
 def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor,
-               weight: torch.Tensor, columns: torch.Tensor
+               weight: torch.Tensor, columns: torch.Tensor,
+               embedded: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE of every head over the projection rows `columns` (the labels among them).
 
     Returns (loss, per-head top-1 hits, per-head label counts). `labels` [B, K] holds
-    full-vocabulary ids, -1 where a head has no label.
+    full-vocabulary ids, -1 where a head has no label; `embedded` [B, H] the next tokens'
+    embeddings (for heads that read them).
     """
     lookup = torch.full((weight.shape[0],), -1, dtype=torch.long, device=labels.device)
     lookup[columns] = torch.arange(len(columns), device=labels.device)
     target = torch.where(labels >= 0, lookup[labels.clamp(min=0)], -1)
-    states = heads(hidden)  # [B, K, H]
+    states = heads(hidden, embedded)  # [B, K, H]
     logits = (states @ weight[columns].T).float()  # [B, K, C]
     k = heads.num_heads
     decay = head_weights(k).to(logits.device)
@@ -291,10 +294,22 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor,
     return loss, hits, counts
 
 
+def next_embeddings(heads: MedusaHeads, embedding: torch.Tensor | None, positions: Positions,
+                    rows: np.ndarray, device: torch.device) -> torch.Tensor | None:
+    """The next tokens' input embeddings at `rows`, for heads that read them (else None)."""
+    if not heads.next_token:
+        return None
+    if embedding is None:
+        raise TrainingError("heads that read the next token need the input embeddings")
+    ids = torch.from_numpy(positions.next_tokens[rows]).to(embedding.device)
+    return embedding[ids].to(device)
+
+
 def train_heads(heads: MedusaHeads, hidden: np.ndarray, positions: Positions,
                 weight: torch.Tensor, cfg: TrainConfig, checkpoint: Path,
-                device: torch.device) -> dict:
-    """Train `heads` in place over the cached hidden states; resumes from `checkpoint`."""
+                device: torch.device, embedding: torch.Tensor | None = None) -> dict:
+    """Train `heads` in place over the cached hidden states; resumes from `checkpoint`.
+    `embedding` is the target's input embedding matrix (heads that read the next token)."""
     from tqdm import tqdm
 
     rows_per_epoch = len(positions)
@@ -328,8 +343,9 @@ def train_heads(heads: MedusaHeads, hidden: np.ndarray, positions: Positions,
         labels = torch.from_numpy(positions.labels(rows, k)).to(device)
         h = torch.from_numpy(np.asarray(hidden[rows], dtype=np.float32)).to(device)
         columns = torch.unique(torch.cat([subset, labels[labels >= 0]]))
+        e = next_embeddings(heads, embedding, positions, rows, device)
         with autocast:
-            loss, hits, counts = heads_loss(heads, h, labels, weight, columns)
+            loss, hits, counts = heads_loss(heads, h, labels, weight, columns, e)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -362,7 +378,8 @@ def _save_checkpoint(path: Path, cfg: TrainConfig, heads, opt, sched, step: int)
 
 @torch.inference_mode()
 def evaluate(heads: MedusaHeads, hidden: np.ndarray, positions: Positions,
-             weight: torch.Tensor, device: torch.device, batch: int = 512) -> dict:
+             weight: torch.Tensor, device: torch.device, batch: int = 512,
+             embedding: torch.Tensor | None = None) -> dict:
     """Top-1..TOP_N accuracy per head (cumulative), full projection and subset projection.
 
     Computed in the model's dtype, on every held-out position that has a label for the head.
@@ -375,7 +392,8 @@ def evaluate(heads: MedusaHeads, hidden: np.ndarray, positions: Positions,
         rows = np.arange(lo, min(lo + batch, len(positions)))
         labels = torch.from_numpy(positions.labels(rows, k)).to(device)
         h = torch.from_numpy(np.asarray(hidden[rows], dtype=np.float32)).to(device, weight.dtype)
-        states = heads(h)
+        e = next_embeddings(heads, embedding, positions, rows, device)
+        states = heads(h, None if e is None else e.to(weight.dtype))
         valid = labels >= 0
         counts += valid.sum(0).cpu().float()
         for proj, rows_w, ids in (("full", weight, None), ("subset", weight[subset], subset)):
@@ -441,13 +459,14 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
     train_pos, held_pos = Positions.of(train_docs), Positions.of(held_docs)
     subset = frequency_subset(train_pos, cfg.subset_size, vocab)
     weight = model.get_output_embeddings().weight.detach()
+    embedding = model.get_input_embeddings().weight.detach()
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads(hidden_size, cfg.num_heads, subset).to(dev)
+    heads = MedusaHeads(hidden_size, cfg.num_heads, subset, next_token=cfg.next_token).to(dev)
     stats = train_heads(heads, train_cache.hidden, train_pos, weight.to(fast), cfg,
-                        cache / "checkpoint.pt", dev)
+                        cache / "checkpoint.pt", dev, embedding.to(fast))
     t1 = time.perf_counter()
     heads.to(model.dtype)
-    accuracy = evaluate(heads, held_cache.hidden, held_pos, weight, dev)
+    accuracy = evaluate(heads, held_cache.hidden, held_pos, weight, dev, embedding=embedding)
     coverage = float(np.isin(held_pos.next_tokens, subset.numpy()).mean())
     meta = {
         "model": name, "model_fingerprint": fingerprint, "vocab_size": vocab,
@@ -457,6 +476,7 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
             "data": [Path(p).name for p in data], "data_digest": digest,
             "documents": len(train_docs), "held_out_documents": len(held_docs),
             "positions": len(train_pos), "held_out_positions": len(held_pos),
+            "next_token": cfg.next_token,
             "epochs": cfg.epochs, "steps": stats["steps"], "batch_size": cfg.batch_size,
             "lr": cfg.lr, "loss_decay": LOSS_DECAY, "hidden_dtype": str(fast).split(".")[-1],
             "subset_coverage_held_out": round(coverage, 4),

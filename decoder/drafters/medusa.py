@@ -121,7 +121,7 @@ class MedusaDrafter(Drafter):
         if self._hidden is None or self._context_len != len(context) or budget <= 0:
             return Tree()  # the first step has no hidden state yet
         n = min(budget, len(self.shape))
-        ids, _ = self.predictor.topk(self._hidden, max(self.shape.rank[:n]) + 1)
+        ids, _ = self.predictor.topk(self._hidden, max(self.shape.rank[:n]) + 1, context[-1])
         s = self.shape
         tokens = [int(ids[s.depth[i] - 1, s.rank[i]]) for i in range(n)]
         return Tree(tokens, s.parents[:n], s.probs[:n], [SOURCE] * n)

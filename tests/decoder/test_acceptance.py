@@ -180,7 +180,9 @@ def _medusa(model):
 
     from .test_medusa_drafter import tiny_heads
 
-    return MedusaDrafter(tiny_heads(model, accuracy=[[0.5, 0.8, 1.0]] * 3), model)
+    # heads that read the next token (the root), as the committed ones do
+    return MedusaDrafter(tiny_heads(model, accuracy=[[0.5, 0.8, 1.0]] * 3, next_token=True),
+                         model)
 
 
 MEDUSA_DRAFTERS = {

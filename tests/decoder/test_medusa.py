@@ -83,6 +83,30 @@ def test_heads_file_round_trip(tmp_path):
     assert path.stat().st_size < 3 * (h * h + h) * 2 + 30 * 4 + 4096
 
 
+def test_next_token_heads_read_the_next_tokens_embedding_and_round_trip(tmp_path):
+    model = tiny_model(init=0.3)
+    torch.manual_seed(2)
+    heads = MedusaHeads(int(model.config.hidden_size), 3, torch.arange(10, 40), next_token=True)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.embed.weight, std=2.0)
+    hidden = torch.randn(int(model.config.hidden_size))
+    predictor = HeadsPredictor(heads, model, "full")
+    a, _ = predictor.topk(hidden, 5, next_token=7)
+    b, _ = predictor.topk(hidden, 5, next_token=8)
+    assert not np.array_equal(a, b)  # the guesses depend on the next token
+    with pytest.raises(ValueError, match="next token"):
+        predictor.topk(hidden, 5)
+    path = tmp_path / "h.safetensors"
+    save_heads(heads, path, _meta(model))
+    assert read_meta(path)["next_token"] is True and read_meta(path)["version"] == 2
+    loaded = load_heads(path, model)
+    assert loaded.next_token
+    for x, y in zip(heads.blocks, loaded.blocks):
+        assert torch.allclose(x.embed.weight, y.embed.weight, rtol=1e-2, atol=1e-3)
+    again, _ = HeadsPredictor(loaded, model, "full").topk(hidden, 5, next_token=7)
+    assert (again[:, 0] == a[:, 0]).mean() >= 2 / 3  # bfloat16 storage may swap near-ties
+
+
 def test_heads_for_another_model_are_refused(tmp_path):
     model, other = tiny_model(seed=0), tiny_model(seed=1)
     path = tmp_path / "h.safetensors"
@@ -169,8 +193,8 @@ def test_hidden_cache_resumes_after_an_interruption(tmp_path):
                           np.asarray(resumed.hidden[resumed.offsets[4] :]))
 
 
-def _tiny_setup(tmp_path, docs):
-    model = tiny_model(vocab=64)
+def _tiny_setup(tmp_path, docs, init: float = 0.02):
+    model = tiny_model(vocab=64, init=init)
     cache = HiddenCache(tmp_path / "cache", docs, int(model.config.hidden_size))
     cache.fill(model, "test")
     return model, cache, Positions.of(docs)
@@ -199,6 +223,39 @@ def test_training_learns_to_guess_ahead(tmp_path):
         for row in after[proj]["topk"]:
             assert all(a <= b for a, b in zip(row, row[1:]))
     assert after["positions"] == [40 * 10 - k for k in (10, 20, 30)]
+
+
+def _pair_docs(n: int, seed: int = 0) -> list[Document]:
+    """Answers of pairs (a, a + 24): a is random, so the token after a random `a` can only be
+    guessed by a head that knows `a`, i.e. reads the next token (head 1 at the row before)."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n):
+        answer = [int(t) for a in rng.integers(2, 26, size=20) for t in (a, a + 24)]
+        docs.append(Document(f"doc:{i}", [1, 1] + answer, 2, 2 + len(answer)))
+    return docs
+
+
+def test_heads_that_read_the_next_token_guess_what_only_it_decides(tmp_path):
+    docs = _pair_docs(60)
+    model, cache, positions = _tiny_setup(tmp_path, docs[:50], init=0.3)  # distinct embeddings
+    held = HiddenCache(tmp_path / "held", docs[50:], int(model.config.hidden_size))
+    held.fill(model, "test")
+    held_pos = Positions.of(docs[50:])
+    weight, embedding = model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach()
+    cfg = TrainConfig(num_heads=1, epochs=40, batch_size=128, lr=3e-3, warmup=10)
+    top1 = {}
+    for next_token in (False, True):
+        torch.manual_seed(0)
+        heads = MedusaHeads(int(model.config.hidden_size), 1,
+                            frequency_subset(positions, 48, 64), next_token=next_token)
+        train_heads(heads, cache.hidden, positions, weight, cfg, tmp_path / f"{next_token}.pt",
+                    torch.device("cpu"), embedding)
+        acc = evaluate(heads, held.hidden, held_pos, weight, torch.device("cpu"),
+                       embedding=embedding)
+        top1[next_token] = acc["full"]["top1"][0]
+    # half the rows are decided by the next token (a -> a + 24), half are random
+    assert top1[True] > 0.25 and top1[False] < 0.1, top1
 
 
 def test_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from redraft.datastore.tokenizer import load_tokenizer
@@ -21,13 +22,17 @@ from .conftest import tiny_model
 ACC = [[0.6, 0.75, 0.82, 0.86], [0.4, 0.55, 0.62, 0.66], [0.3, 0.42, 0.5, 0.55]]
 
 
-def tiny_heads(model, k: int = 3, accuracy=None, seed: int = 0) -> MedusaHeads:
+def tiny_heads(model, k: int = 3, accuracy=None, seed: int = 0,
+               next_token: bool = False, embed_std: float = 1.0) -> MedusaHeads:
     """Heads with random (non-zero) blocks, so their guesses differ from the next token's."""
     torch.manual_seed(seed)
     hidden = int(model.config.hidden_size)
-    heads = MedusaHeads(hidden, k, meta={"accuracy": {"full": {"topk": accuracy or ACC[:k]}}})
+    heads = MedusaHeads(hidden, k, meta={"accuracy": {"full": {"topk": accuracy or ACC[:k]}}},
+                        next_token=next_token)
     for block in heads.blocks:
         torch.nn.init.normal_(block.linear.weight, std=0.5)
+        if block.embed is not None:
+            torch.nn.init.normal_(block.embed.weight, std=embed_std)
     return heads
 
 
@@ -56,9 +61,10 @@ def test_sparse_tree_is_the_best_n_rank_paths_parents_first():
     assert sparse_tree(ACC, 20, max_depth=1).depth == [1, 1, 1, 1]
 
 
-def test_drafts_come_from_each_head_at_its_depth():
+@pytest.mark.parametrize("next_token", [False, True])
+def test_drafts_come_from_each_head_at_its_depth(next_token):
     model = tiny_model(vocab=64)
-    heads = tiny_heads(model)
+    heads = tiny_heads(model, next_token=next_token, embed_std=20.0)  # tiny embeddings
     drafter = MedusaDrafter(heads, model)
     ctx = [5, 9, 11]
     assert len(drafter.propose(ctx, 10)) == 0  # no hidden state yet
@@ -66,7 +72,9 @@ def test_drafts_come_from_each_head_at_its_depth():
     drafter.observe_hidden(ctx, hidden.detach())
     assert len(drafter.propose(ctx + [3], 10)) == 0  # a hidden state of another context
     tree = drafter.propose(ctx, 12)
-    ids, _ = drafter.predictor.topk(hidden.detach(), 4)
+    ids, _ = drafter.predictor.topk(hidden.detach(), 4, ctx[-1])  # ctx[-1] is the root
+    if next_token:  # the heads read the root: another root, other guesses
+        assert not np.array_equal(ids, drafter.predictor.topk(hidden.detach(), 4, 40)[0])
     s = drafter.shape
     assert len(tree) == 12 and set(tree.sources) == {"medusa"}
     for i in range(12):
