@@ -54,7 +54,7 @@ def main() -> None:
 
     jobs = {"forward": forward}
     for name, pred in predictors.items():
-        jobs[f"heads_{name}"] = lambda pred=pred: pred.topk(hidden, args.topk)
+        jobs[f"heads_{name}"] = lambda pred=pred: pred.topk(hidden, args.topk, int(ids[-1]))
     times: dict[str, list[float]] = {name: [] for name in jobs}
     for rnd in range(args.rounds + 3):
         for name, job in jobs.items():
