@@ -86,19 +86,19 @@ class Int8Linear(torch.nn.Module):
     token's) and long prompts out of multi-row calls (see the draft-model drafter).
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
+        w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.long)
-        bias = None if linear.bias is None else linear.bias.detach().float()
+        bias = None if bias is None else bias.detach().float()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized tensors are marked deprecated
             qweight = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
             self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
         self.reduce_range = not vnni
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = w.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x.float(), self._packed, self.reduce_range)
@@ -120,7 +120,7 @@ def quantized_int8(target):
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, Int8Linear(child.weight, child.bias))
     return model.eval()
 
 

@@ -46,7 +46,6 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model, max_depth: int = DEFAULT_MAX_DEPTH, top_k: int = 2,
                  branch_steps: int = 1, vocab_size: int | None = None,
                  min_prob: float = 0.02, depth: int = 0, packed_kernels: bool = True) -> None:
-        self.model = model
         self.depth = depth  # > 0: always draft this deep instead of choosing from costs
         self.runner = model if isinstance(model, Int8Decoder) else ModelRunner(model,
                                                                              packed_kernels)
