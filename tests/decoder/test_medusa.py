@@ -140,6 +140,16 @@ def test_bad_heads_files(tmp_path, content, message):
         load_heads(path)
 
 
+def test_a_heads_file_of_a_newer_format_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "h.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path),
+              metadata={"redraft": json.dumps({"format": "redraft-medusa", "version": 3})})
+    with pytest.raises(HeadsError, match="heads format version 3, this redraft reads 1, 2"):
+        load_heads(path)
+
+
 def test_a_safetensors_file_that_is_not_heads_is_refused(tmp_path):
     from safetensors.torch import save_file
 
