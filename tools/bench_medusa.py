@@ -2,9 +2,9 @@
 
 One process, interleaved rounds: a one-token verification forward over a cached prefix (the
 verifier's own packed kernels), then the heads on one hidden state with the full shared
-projection, then with the vocabulary-subset projection (each: K blocks, one projection
-matmul, top-k). Reports the median and the fastest of the rounds, and the ratios, plus the
-held-out accuracies recorded in the heads file.
+projection and with the vocabulary-subset projection, each exact (float, packed weights) and
+in int8 (each: K blocks, one projection matmul, top-k). Reports the median and the fastest
+of the rounds, and the ratios, plus the held-out accuracies recorded in the heads file.
 
     .venv/bin/python tools/bench_medusa.py --threads 1 [--heads FILE] [--rounds 200]
 """
@@ -41,7 +41,8 @@ def main() -> None:
     if path is None:
         raise SystemExit("no heads file: pass --heads")
     heads = load_heads(path, model)
-    predictors = {p: HeadsPredictor(heads, model, p) for p in ("full", "subset")}
+    predictors = {f"{p}_{kind}": HeadsPredictor(heads, model, p, int8=kind == "int8")
+                  for p in ("full", "subset") for kind in ("float", "int8")}
     verifier = TreeVerifier(model)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, int(model.config.vocab_size), (args.prefix + 1,), generator=gen)

@@ -48,7 +48,7 @@ def test_zero_initialised_heads_repeat_the_next_token_prediction():
     model = tiny_model()
     heads = MedusaHeads(int(model.config.hidden_size), 4)
     hidden = model.base_model(input_ids=torch.tensor([[3, 9, 27, 5]])).last_hidden_state[0, -1]
-    ids, probs = HeadsPredictor(heads, model, "full").topk(hidden.detach(), 3)
+    ids, probs = HeadsPredictor(heads, model, "full", int8=False).topk(hidden.detach(), 3)
     expected = torch.topk(model.lm_head(hidden), 3).indices.tolist()
     assert ids.shape == (4, 3) and all(row.tolist() == expected for row in ids)
     assert np.all(np.diff(probs, axis=1) <= 0) and np.all((probs > 0) & (probs < 1))
@@ -62,6 +62,33 @@ def test_subset_projection_returns_full_vocabulary_ids_from_the_subset():
     assert set(ids.ravel().tolist()) <= set(range(10, 40))
     full_ids, _ = HeadsPredictor(heads, model, "full").topk(hidden, 64)
     for k in range(3):  # the subset's ranking is the full ranking restricted to the subset
+        assert ids[k].tolist() == [t for t in full_ids[k].tolist() if 10 <= t < 40][:5]
+
+
+def test_int8_heads_agree_with_the_exact_ones():
+    model = tiny_model(init=0.3)
+    torch.manual_seed(3)
+    heads = MedusaHeads(int(model.config.hidden_size), 3, torch.arange(10, 40), next_token=True)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.linear.weight, std=0.3)
+        torch.nn.init.normal_(block.embed.weight, std=0.3)
+    exact = HeadsPredictor(heads, model, "full", int8=False)
+    fast = HeadsPredictor(heads, model, "full")  # a float32 CPU model: int8 by default
+    assert fast.int8 and not exact.int8
+    same, agree = 0, 0
+    for i in range(40):
+        hidden = torch.randn(int(model.config.hidden_size))
+        a, pa = exact.topk(hidden, 5, next_token=i)
+        b, pb = fast.topk(hidden, 5, next_token=i)
+        same += int(np.array_equal(a[:, 0], b[:, 0]))
+        agree += (a[:, 0] == b[:, 0]).sum()
+        assert np.abs(pa - pb).max() < 0.1
+    assert agree >= 0.9 * 40 * 3 and same >= 30
+    # the int8 subset still ranks exactly as the int8 full projection restricted to it
+    hidden = torch.randn(int(model.config.hidden_size))
+    ids, _ = HeadsPredictor(heads, model, "subset").topk(hidden, 5, next_token=4)
+    full_ids, _ = fast.topk(hidden, 64, next_token=4)
+    for k in range(3):
         assert ids[k].tolist() == [t for t in full_ids[k].tolist() if 10 <= t < 40][:5]
 
 
