@@ -443,7 +443,10 @@ def conditions_note(meta: dict) -> str:
             f"{m} {v['packed']}/{v['forwards']}" for m, v in forwards.items()))
     if "pack_seconds" in kernels:
         parts.append(f"packing {kernels['pack_seconds']:.2f} s (before any answer)")
-    if curve:
+    if curve.get("source") == "flat":
+        parts.append(f"a fixed tree of {curve['sizes'][-1] - 1} nodes every step (--tree-nodes): "
+                     "tokens per forward as on a GPU, wall clock as here")
+    elif curve:
         how = (f"measured at start in {curve['measure_seconds']:.1f} s"
                if curve["source"] == "measured" else curve["source"])
         parts.append(f"cost curve {how}, corrected {curve['corrections']} times by timed forwards")
@@ -580,6 +583,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
     p.add_argument("--out", default="bench-out/spec_bench", help="output directory")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                   help="redraft's methods verify the best N drafted nodes every step, ignoring "
+                   "this machine's cost curve (tokens per forward at a fixed tree size, as on a "
+                   "GPU; the wall clock still pays for every row here)")
     kernels = p.add_mutually_exclusive_group()
     kernels.add_argument("--stock-kernels", action="store_true",
                          help="redraft's methods on PyTorch's stock CPU kernels, like Hugging "
@@ -615,6 +622,7 @@ def parse_methods(spec: str, has_retrieval: bool) -> list[str]:
 
 def run_command(args: argparse.Namespace) -> int:
     from redraft.decoder.bench_samples import drafter_options
+    from redraft.decoder.budget import MAX_TREE_NODES, CostModel
     from redraft.decoder.generate import Generator
     from redraft.decoder.models import load_model
     from redraft.decoder.registry import build_drafter, options_from_args
@@ -622,6 +630,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     if args.samples < 1:
         raise BenchError(f"--samples must be at least 1, got {args.samples}")
+    if args.tree_nodes is not None and not 1 <= args.tree_nodes <= MAX_TREE_NODES:
+        raise BenchError(f"--tree-nodes must be in 1..{MAX_TREE_NODES}, got {args.tree_nodes}")
     if args.samples > 1:
         from redraft.decoder import bench_samples
 
@@ -637,7 +647,6 @@ def run_command(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions, args.per_category or None)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from redraft.decoder.budget import CostModel
     from redraft.decoder.kernels import packed_linears
 
     machine_start = machine_state()
@@ -647,7 +656,9 @@ def run_command(args: argparse.Namespace) -> int:
     # One forward-cost curve for every drafting method, loaded (or, on a cold cache, measured)
     # before any answer is timed; the methods' timed forwards keep correcting it.
     cost = None
-    if any(method_drafters(n) not in (None, "none") for n in names):
+    if args.tree_nodes:
+        cost = CostModel.flat(args.tree_nodes)
+    elif any(method_drafters(n) not in (None, "none") for n in names):
         cost = CostModel.for_model(model, model_name, packed_kernels=kernels is not None,
                                    choose_kernels=not args.always_packed)
     methods: list[Method] = []

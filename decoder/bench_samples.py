@@ -176,7 +176,8 @@ def run_command(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     name = args.model or "smollm2-135m"
     kernels = None if args.stock_kernels else packed_linears(model)
-    cost = CostModel.for_model(model, name, packed_kernels=kernels is not None)  # one for all
+    cost = (CostModel.flat(args.tree_nodes) if args.tree_nodes  # one for all
+            else CostModel.for_model(model, name, packed_kernels=kernels is not None))
     run_id = uuid.uuid4().hex[:12]
     generators, drafters = {}, []
     try:

@@ -34,6 +34,7 @@ from redraft.decoder.tree import Tree
 # Dense at small sizes: CPU matrix kernels are not smooth there (on the default model with one
 # thread, 3 tokens cost more than 4: small-M GEMMs fall back to slower paths).
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+MAX_TREE_NODES = 256  # the largest fixed tree (`CostModel.flat`) a command accepts
 
 
 def cache_dir() -> Path:
@@ -70,6 +71,7 @@ class CostModel:
     window: int = 8
     tolerance: float = 0.15
     corrections: int = 0
+    frozen: bool = False  # a fixed curve (`flat`): timed forwards do not correct it
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.seconds) or not self.sizes or self.sizes[0] != 1:
@@ -94,6 +96,17 @@ class CostModel:
                 return ys[i - 1] + t * (ys[i] - ys[i - 1])
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
         return ys[-1] + slope * (n - xs[-1])
+
+    @classmethod
+    def flat(cls, nodes: int) -> CostModel:
+        """A curve on which up to `nodes` tree nodes cost what one token does, so every step
+        verifies the best `nodes` nodes drafted, as on a GPU, where a forward of a few dozen
+        rows costs about one of a single row. Tokens per forward then measure the drafts at
+        a fixed tree size (as papers report them), whatever this machine's curve; its wall
+        clock still pays for every row."""
+        if nodes < 1:
+            raise ValueError(f"a fixed tree needs at least one node, got {nodes}")
+        return cls([1, nodes + 1], [1.0, 1.0], "flat", source="flat", frozen=True)
 
     def relative(self, n: int) -> float:
         return self.cost(n) / self.cost(1)
@@ -148,7 +161,7 @@ class CostModel:
         by the factor of their observed neighbours, so the sizes decoding actually uses
         correct the whole curve.
         """
-        if not seconds > 0 or n < 1:
+        if self.frozen or not seconds > 0 or n < 1:
             return
         i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / n)))
         recent = self._recent.setdefault(i, [])

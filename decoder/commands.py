@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from redraft.decoder.budget import MAX_TREE_NODES, CostModel
 from redraft.decoder.generate import GenerationError, GenerationResult, GenerationStats
 from redraft.decoder.registry import add_options, default_drafters, known_names, parse_names
 
@@ -46,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token", default=None, help="shared secret for the draft service")
     p.add_argument("--max-nodes", type=int, default=None,
                    help="cap on tree nodes per step (default: chosen from the hardware)")
+    p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                   help="verify the best N drafted nodes every step, ignoring this machine's "
+                   "cost curve (tokens per forward at a fixed tree size, as on a GPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default by device)")
     p.add_argument("--threads", type=int, default=None,
@@ -106,6 +110,9 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
         raise GenerationError(f"--threads must be positive, got {args.threads}")
     if args.max_nodes is not None and args.max_nodes < 0:
         raise GenerationError(f"--max-nodes must be >= 0, got {args.max_nodes}")
+    if args.tree_nodes is not None and not 1 <= args.tree_nodes <= MAX_TREE_NODES:
+        raise GenerationError(f"--tree-nodes must be in 1..{MAX_TREE_NODES}, "
+                              f"got {args.tree_nodes}")
     if args.prompt is not None:
         if not args.prompt.strip():
             raise GenerationError("empty prompt")
@@ -152,8 +159,9 @@ def _generate_all(args, prompts: list[list[str]], drafter, model, tokenizer, nam
     from redraft.decoder.recycle import table_path
 
     packed = not args.stock_kernels
-    gen = Generator(model, tokenizer, drafter, model_name=name, max_nodes=args.max_nodes,
-                    persist_calibration=True, packed_kernels=packed)
+    cost = CostModel.flat(args.tree_nodes) if args.tree_nodes else None
+    gen = Generator(model, tokenizer, drafter, model_name=name, cost=cost,
+                    max_nodes=args.max_nodes, persist_calibration=True, packed_kernels=packed)
     plain = (Generator(model, tokenizer, None, model_name=name, packed_kernels=packed)
              if args.baseline else None)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

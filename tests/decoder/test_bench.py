@@ -156,6 +156,7 @@ def test_bench_on_the_default_model_is_token_identical(default_model, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--repeat", "0"], "--repeat must be >= 1"),
+    (["--tree-nodes", "300"], "--tree-nodes must be in 1..256"),
     (["--always-packed", "--stock-kernels"], "not allowed with argument"),
 ])
 def test_bad_bench_arguments_are_one_line_errors(capsys, tmp_path, argv, message):

@@ -30,6 +30,20 @@ def test_flat_gpu_curve_drafts_more_than_steep_cpu_curve():
     assert n_gpu >= 20 and 0 < n_cpu < n_gpu and n_steep < n_cpu
 
 
+def test_a_fixed_tree_keeps_its_best_nodes_whatever_the_forwards_cost():
+    tree = chain([0.9, 0.8, 0.4, 0.2, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05])
+    flat = CostModel.flat(6)
+    assert flat.max_nodes == 6 and flat.describe()["source"] == "flat"
+    assert flat.select(tree) == tree.best_nodes()[:6] == list(range(6))
+    assert len(CostModel(*CPU_COST).choose(tree)) < 6  # the CPU curve keeps fewer
+    for _ in range(flat.window * 3):  # timed forwards never correct a fixed tree
+        flat.observe(7, 5.0)
+        flat.observe(1, 0.01)
+    assert flat.corrections == 0 and flat.cost(7) == flat.cost(1)
+    with pytest.raises(ValueError):
+        CostModel.flat(0)
+
+
 def test_choice_maximises_expected_tokens_per_second():
     cpu = CostModel(*CPU_COST)
     tree = chain([0.9, 0.9, 0.5, 0.5, 0.3, 0.3, 0.2, 0.2, 0.1])

@@ -28,6 +28,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         (["--prompt", "hi", "--drafters", "rest"], "needs a datastore"),
         (["--prompt", "hi", "--datastore", "/nonexistent/ds"], "/nonexistent/ds"),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt", "hi", "--tree-nodes", "0"], "--tree-nodes must be in 1..256"),
         (["--prompt", "hi", "--drafters", "draft-model", "--draft-model", "skip:x"],
          "skip:L needs a layer count"),
         (["--prompt", "hi", "--drafters", "draft-model", "--draft-top-k", "0"],
@@ -110,6 +111,19 @@ def test_stock_kernels_give_the_same_tokens(capsys, default_model):
         assert rc == 0, err
         outs.append(json.loads(out)["tokens"])
     assert len(outs[0]) == 16 and outs[0] == outs[1]
+
+
+def test_a_fixed_tree_verifies_more_nodes_and_keeps_the_tokens(capsys, default_model):
+    stats = []
+    for extra in ([], ["--tree-nodes", "32"]):
+        rc, out, err = run(capsys, "--prompt", CODE_PROMPTS[1], "--max-new-tokens", "32",
+                           "--json", "--threads", "1", "--baseline", *extra)
+        assert rc == 0, err
+        rec = json.loads(out)
+        assert rec["baseline"]["identical"] is True
+        stats.append(rec["stats"])
+    cpu, fixed = (s["drafted"] / s["steps"] for s in stats)
+    assert fixed > cpu and fixed > 8  # the CPU's curve keeps a few nodes, the fixed tree many
 
 
 def test_prompts_file_with_turns_streams_text(capsys, default_model, tmp_path):
