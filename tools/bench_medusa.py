@@ -4,9 +4,13 @@ One process, interleaved rounds: a one-token verification forward over a cached 
 verifier's own packed kernels), then the heads on one hidden state with the full shared
 projection and with the vocabulary-subset projection, each exact (float, packed weights) and
 in int8 (each: K blocks, one projection matmul, top-k). Reports the median and the fastest
-of the rounds, and the ratios, plus the held-out accuracies recorded in the heads file.
+of the rounds, and the ratios, plus the held-out accuracies recorded in the heads file
+(computed exactly, in float) and, with `--accuracy-docs N`, each predictor's top-1 accuracy
+per head on the first N held-out documents of the training corpus, through the same
+`topk` calls the drafter makes (what int8 costs in accuracy).
 
-    .venv/bin/python tools/bench_medusa.py --threads 1 [--heads FILE] [--rounds 200]
+    .venv/bin/python tools/bench_medusa.py --threads 1 [--heads FILE] [--rounds 200] \
+        [--accuracy-docs 40 --data tools/corpora/self_distill.jsonl]
 """
 
 from __future__ import annotations
@@ -14,11 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
+from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.medusa import HeadsPredictor, default_heads_path, load_heads
-from redraft.decoder.medusa_train import summary_table
+from redraft.decoder.medusa_train import (
+    HiddenCache,
+    Positions,
+    read_documents,
+    split_held_out,
+    summary_table,
+)
 from redraft.decoder.models import load_model
 from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
@@ -32,6 +46,11 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each forward")
     ap.add_argument("--topk", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--accuracy-docs", type=int, default=0, metavar="N",
+                    help="also measure each predictor's top-1 on N held-out documents")
+    ap.add_argument("--data", default="tools/corpora/self_distill.jsonl",
+                    help="the heads' training corpus (its held-out split is used)")
+    ap.add_argument("--held-out", type=float, default=5.0, help="held-out percent, as trained")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -71,6 +90,8 @@ def main() -> None:
         key = f"heads_{name}"
         out[key]["ratio_median"] = out[key]["median_ms"] / out["forward"]["median_ms"]
         out[key]["ratio_min"] = out[key]["min_ms"] / out["forward"]["min_ms"]
+    if args.accuracy_docs > 0:
+        out["top1"] = held_out_top1(model, args, heads, predictors)
     if args.json:
         print(json.dumps(out, indent=2))
         return
@@ -85,6 +106,33 @@ def main() -> None:
         print(f"| {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {ratio} |")
     if heads.meta.get("accuracy"):
         print(summary_table(heads.meta["accuracy"]))
+    if "top1" in out:
+        top1 = out["top1"]
+        print(f"top-1 per head through each predictor, {top1.pop('positions')} held-out "
+              "positions:")
+        for name, row in top1.items():
+            print(f"| {name} | " + " | ".join(f"{a:.4f}" for a in row) + " |")
+
+
+def held_out_top1(model, args, heads, predictors: dict) -> dict:
+    """Top-1 accuracy per head of each predictor on the first held-out documents."""
+    docs, _ = read_documents([args.data], load_tokenizer(args.model))
+    _, held = split_held_out(docs, args.held_out)
+    docs = [docs[i] for i in held[: args.accuracy_docs]]
+    positions = Positions.of(docs)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = HiddenCache(Path(tmp), docs, heads.hidden_size)
+        cache.fill(model, "hidden states")
+        hidden = torch.from_numpy(np.asarray(cache.hidden, dtype=np.float32)).to(model.dtype)
+    labels = positions.labels(np.arange(len(positions)), heads.num_heads)
+    hits = {name: np.zeros(heads.num_heads) for name in predictors}
+    for row in range(len(positions)):
+        for name, pred in predictors.items():
+            ids, _ = pred.topk(hidden[row], 1, int(positions.next_tokens[row]))
+            hits[name] += ids[:, 0] == labels[row]  # -1 (no label) never matches
+    counts = np.maximum((labels >= 0).sum(0), 1)
+    return {"positions": len(positions),
+            **{name: (h / counts).round(4).tolist() for name, h in hits.items()}}
 
 
 if __name__ == "__main__":
