@@ -82,7 +82,7 @@ $(DEFAULT_DS)/datastore.lmdb: $(CHAT_CORPORA) | $(STAMP)
 # The default model's Medusa heads (committed; this rebuilds them): hidden states of the
 # self-distilled corpus are cached under ~/.cache/redraft/medusa, so a rerun only retrains.
 HEADS := decoder/heads/smollm2-135m.safetensors
-HEADS_EPOCHS ?= 3
+HEADS_EPOCHS ?= 4
 heads: install
 	$(VENV)/bin/redraft train-medusa --model smollm2-135m --data tools/corpora/self_distill.jsonl \
 		--out $(HEADS) --epochs $(HEADS_EPOCHS) --threads 1
