@@ -15,7 +15,13 @@ from pathlib import Path
 
 from redraft.decoder.budget import MAX_TREE_NODES, CostModel
 from redraft.decoder.generate import GenerationError, GenerationResult, GenerationStats
-from redraft.decoder.registry import add_options, default_drafters, known_names, parse_names
+from redraft.decoder.registry import (
+    add_options,
+    copying_drafters,
+    default_drafters,
+    known_names,
+    parse_names,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=None,
                    help=f"{known_names()}, or a comma-separated combination such as "
-                   f"pld,rest (default: {default_drafters(True)} with a datastore or draft "
-                   f"service, else {default_drafters(False)})")
+                   "pld,rest (default: hybrid where the model has committed Medusa heads, "
+                   f"else {copying_drafters(True)} with a datastore or draft service, else "
+                   f"{copying_drafters(False)})")
     ds = p.add_mutually_exclusive_group()
     ds.add_argument("--draft-service", metavar="ADDR", help="draft service address (host:port)")
     ds.add_argument("--datastore", metavar="DIR", help="datastore opened in this process")
@@ -127,7 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="redraft: %(message)s")
     prompts = check_args(args)
     if args.drafters is None:
-        args.drafters = default_drafters(bool(args.datastore or args.draft_service))
+        args.drafters = default_drafters(bool(args.datastore or args.draft_service), args.model)
     parse_names(args.drafters)  # unknown names fail before anything is loaded
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)

@@ -145,17 +145,25 @@ def known_names() -> str:
     return ", ".join([NONE, *REGISTRY])
 
 
-def default_drafters(retrieval: bool) -> str:
-    """What runs when no drafter is named: every drafter that needs nothing more than what
-    was given (recycling and prompt lookup need no corpus; rest needs a datastore or service).
-    """
+def copying_drafters(retrieval: bool) -> str:
+    """Every drafter that copies and needs nothing more than what was given (recycling and
+    prompt lookup need no corpus; rest needs a datastore or service)."""
     return "pld,rest,recycle" if retrieval else "pld,recycle"
+
+
+def default_drafters(retrieval: bool, model_name: str | None = None) -> str:
+    """What runs when no drafter is named: `hybrid` (the copying drafters and the Medusa
+    heads in one tree, the fastest on Spec-Bench once the heads ran in int8: see README)
+    where the model has committed heads, else the copying drafters."""
+    from redraft.decoder.medusa import default_heads_path
+
+    return "hybrid" if default_heads_path(model_name) else copying_drafters(retrieval)
 
 
 def parse_names(names: str | Sequence[str] | None) -> list[str]:
     """Validate a drafter name or comma-separated combination; default `pld,recycle`."""
     if names is None:
-        names = default_drafters(False)
+        names = copying_drafters(False)
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     names = list(dict.fromkeys(n.lower() for n in names))
@@ -188,6 +196,8 @@ def build_drafter(
     Members are built in registry order (the order their trees are merged in); several are
     merged into one tree per step by `MergedDrafter`.
     """
+    if names is None:
+        names = default_drafters(bool(datastore or draft_service), model_name or None)
     names = parse_names(names)
     if names == [NONE]:
         return None

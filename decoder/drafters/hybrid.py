@@ -18,11 +18,12 @@ def copying_members(ctx, composite: str) -> list[Drafter]:
     """pld, rest (when a datastore or draft service is given) and recycle, built as the
     registry builds them."""
     from redraft.decoder.drafters import pld, recycle, rest
+    from redraft.decoder.registry import copying_drafters
 
     if len(ctx.names) > 1:
         raise UnknownDrafter(f"'{composite}' already combines drafters: name it alone")
     retrieval = bool(ctx.datastore or ctx.draft_service)
-    names = ("pld", "rest", "recycle") if retrieval else ("pld", "recycle")
+    names = tuple(copying_drafters(retrieval).split(","))
     member_ctx = dataclasses.replace(ctx, names=names)
     members = [pld.make(member_ctx)]
     try:

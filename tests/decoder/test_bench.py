@@ -63,7 +63,7 @@ def test_methods_need_a_reference_and_retrieval_for_rest():
     with pytest.raises(BenchError, match="unknown method"):
         parse_methods("hf-greedy,medusa2", False)
     with pytest.raises(BenchError, match="--datastore"):
-        parse_methods("redraft-default", False)
+        parse_methods("redraft-pld-rest", False)
 
 
 def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):

@@ -17,6 +17,7 @@ from redraft.decoder.registry import (
     Option,
     add_options,
     build_drafter,
+    default_drafters,
     options_from_args,
     parse_names,
 )
@@ -33,6 +34,15 @@ def test_names_are_checked_against_the_registry():
     with pytest.raises(UnknownDrafter, match="needs a datastore"):
         build_drafter("rest")
     assert build_drafter("none") is None
+
+
+def test_the_default_is_hybrid_where_the_model_has_committed_heads():
+    assert default_drafters(True, "smollm2-135m") == default_drafters(False, None) == "hybrid"
+    assert default_drafters(True, "other-model") == "pld,rest,recycle"
+    assert default_drafters(False, "models/other.gguf") == "pld,recycle"
+    # unnamed drafters for a model without heads: the copying drafters
+    d = build_drafter(None, model_name="other-model")
+    assert [m.name for m in d.drafters] == ["pld", "recycle"]
 
 
 def test_combinations_are_built_in_registry_order():
