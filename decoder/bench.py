@@ -518,27 +518,28 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
-def redraft_methods() -> dict[str, str]:
+def redraft_methods(model_name: str | None = None) -> dict[str, str]:
     """Method name -> drafter names for build_drafter: `redraft-NAME` for every registered
-    drafter, plus plain decoding, PLD + retrieval, and the default drafters. Any other
-    combination is `redraft-` + names joined by `+` (e.g. `redraft-pld+medusa`)."""
+    drafter, plus plain decoding, PLD + retrieval, and the default drafters (of `model_name`:
+    `hybrid` only where it has heads). Any other combination is `redraft-` + names joined by
+    `+` (e.g. `redraft-pld+medusa`)."""
     from redraft.decoder.registry import NONE, REGISTRY, default_drafters
 
     out = {f"redraft-{NONE}": NONE}
     out.update({f"redraft-{name}": name for name in REGISTRY})
     out["redraft-pld-rest"] = "pld,rest"
-    out["redraft-default"] = default_drafters(True)
+    out["redraft-default"] = default_drafters(True, model_name)
     out.update({name: drafters for name, (drafters, _) in VARIANTS.items()})
     return out
 
 
-def method_drafters(method: str) -> str | None:
-    """The drafter names of a redraft method, None for an unknown method (`X-nolearn` is X
-    with learned drafts off)."""
+def method_drafters(method: str, model_name: str | None = None) -> str | None:
+    """The drafter names of a redraft method for a model, None for an unknown method
+    (`X-nolearn` is X with learned drafts off)."""
     from redraft.decoder.bench_samples import split_learning
 
     method = split_learning(method)[0]
-    known = redraft_methods()
+    known = redraft_methods(model_name)
     if method in known:
         return known[method]
     if method.startswith("redraft-") and "+" in method:
@@ -670,7 +671,7 @@ def run_command(args: argparse.Namespace) -> int:
                                     10 if name == "hf-pld" else None))
             continue
         options = {**options_from_args(args), **VARIANTS.get(name, ("", {}))[1]}
-        drafter = build_drafter(method_drafters(name), model=model, tokenizer=tokenizer,
+        drafter = build_drafter(method_drafters(name, args.model), model=model, tokenizer=tokenizer,
                                 model_name=model_name,
                                 datastore=args.datastore, draft_service=args.draft_service,
                                 options=drafter_options(name, options, run_id))

@@ -182,8 +182,8 @@ def run_command(args: argparse.Namespace) -> int:
     generators, drafters = {}, []
     try:
         for m in methods:
-            drafter = build_drafter(method_drafters(split_learning(m)[0]), model=model,
-                                    tokenizer=tokenizer, model_name=name,
+            drafter = build_drafter(method_drafters(split_learning(m)[0], args.model),
+                                    model=model, tokenizer=tokenizer, model_name=name,
                                     datastore=args.datastore, draft_service=args.draft_service,
                                     options=drafter_options(m, options_from_args(args), run_id))
             drafters.append(drafter)

@@ -18,6 +18,7 @@ from redraft.decoder.bench import (
     load_questions,
     machine_state,
     markdown_table,
+    method_drafters,
     parse_methods,
     run_bench,
     summarize,
@@ -64,6 +65,11 @@ def test_methods_need_a_reference_and_retrieval_for_rest():
         parse_methods("hf-greedy,medusa2", False)
     with pytest.raises(BenchError, match="--datastore"):
         parse_methods("redraft-pld-rest", False)
+
+
+def test_the_default_method_is_the_models_default():
+    assert method_drafters("redraft-default") == "hybrid"  # the default model has heads
+    assert method_drafters("redraft-default", "models/other.gguf") == "pld,rest,recycle"
 
 
 def test_summary_divides_by_hf_greedy_measured_in_the_same_run(tmp_path):
