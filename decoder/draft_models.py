@@ -100,6 +100,14 @@ class Int8Linear(torch.nn.Module):
         self.reduce_range = not vnni
         self.out_features, self.in_features = w.shape
 
+    @classmethod
+    def fused(cls, *linears: torch.nn.Linear) -> Int8Linear:
+        """One int8 layer computing the given layers' outputs side by side (or one layer's)."""
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        biases = [lin.bias for lin in linears]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        return cls(weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x.float(), self._packed, self.reduce_range)
         return y.to(x.dtype)

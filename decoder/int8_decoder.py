@@ -38,14 +38,6 @@ class _Layer:
     down: Int8Linear
 
 
-def _fused(*linears: torch.nn.Linear) -> Int8Linear:
-    """One int8 layer computing the given layers' outputs side by side (or one layer's)."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    biases = [lin.bias for lin in linears]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    return Int8Linear(weight, bias)
-
-
 def _plain_stack(target) -> bool:
     """Whether every layer of the target is the plain Llama/Qwen2 layer this module runs."""
     cfg = target.config
@@ -89,14 +81,15 @@ class Int8Decoder:
         self.embed = body.embed_tokens.weight
         self.rotary = body.rotary_emb
         self.final_norm = body.norm.weight
-        self.lm_head = _fused(target.get_output_embeddings())
+        self.lm_head = Int8Linear.fused(target.get_output_embeddings())
         self.layers = [
             _Layer(layer.input_layernorm.weight,
-                   _fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                   _fused(layer.self_attn.o_proj),
+                   Int8Linear.fused(layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                    layer.self_attn.v_proj),
+                   Int8Linear.fused(layer.self_attn.o_proj),
                    layer.post_attention_layernorm.weight,
-                   _fused(layer.mlp.gate_proj, layer.mlp.up_proj),
-                   _fused(layer.mlp.down_proj))
+                   Int8Linear.fused(layer.mlp.gate_proj, layer.mlp.up_proj),
+                   Int8Linear.fused(layer.mlp.down_proj))
             for layer in body.layers
         ]
         self._keys: list[torch.Tensor] = []

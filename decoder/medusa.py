@@ -248,10 +248,10 @@ class HeadsPredictor:
     projection rows (the whole LM head, or the subset's rows) are read once per step. A step
     reads far more weight bytes than it computes with, so on a float32 CPU model it runs in
     int8 by default (`int8=None`): the K blocks as two stacked int8 matmuls and the
-    projection as a third, a quarter of the bytes (held-out head-1 top-1 0.551 against 0.555
-    exact on the default model); `int8=False` keeps the exact float path, on packed oneDNN
-    weights as the verifier does for the target's own layers. Drafts only: either way the
-    target decides what is accepted.
+    projection as a third, a quarter of the bytes (what that costs in accuracy:
+    `tools/bench_medusa.py --accuracy-docs N`); `int8=False` keeps the exact float path, on
+    packed oneDNN weights as the verifier does for the target's own layers. Drafts only:
+    either way the target decides what is accepted.
     """
 
     def __init__(self, heads: MedusaHeads, model, projection: str = "full",
@@ -316,10 +316,8 @@ class _Int8Blocks:
     def __init__(self, heads: MedusaHeads) -> None:
         blocks = heads.blocks
         self.shape = (heads.num_heads, heads.hidden_size)
-        self.w = Int8Linear(torch.cat([b.linear.weight for b in blocks]),
-                              torch.cat([b.linear.bias for b in blocks]))
-        self.u = Int8Linear(torch.cat([b.embed.weight for b in blocks])) \
-            if heads.next_token else None
+        self.w = Int8Linear.fused(*[b.linear for b in blocks])
+        self.u = Int8Linear.fused(*[b.embed for b in blocks]) if heads.next_token else None
 
     def __call__(self, hidden: torch.Tensor, embedded: torch.Tensor | None) -> torch.Tensor:
         z = self.w(hidden)
