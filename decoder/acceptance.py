@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from redraft.datastore.errors import RedraftError
 from redraft.decoder.kernels import packed_calls
+from redraft.proto.errors import RedraftError
 
 MT_BENCH = {
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from redraft.decoder.acceptance import Acceptance
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 # Dense at small sizes: CPU matrix kernels are not smooth there (on the default model with one
 # thread, 3 tokens cost more than 4: small-M GEMMs fall back to slower paths).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from redraft.datastore.errors import RedraftError
+from redraft.proto.errors import RedraftError
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

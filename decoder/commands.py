@@ -128,8 +128,8 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from redraft.datastore.tokenizer import load_tokenizer, resolve_model
     from redraft.decoder.registry import build_drafter, options_from_args
+    from redraft.proto.models import load_tokenizer, resolve_model
 
     logging.basicConfig(level=logging.WARNING, format="redraft: %(message)s")
     prompts = check_args(args)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from redraft.datastore.errors import RedraftError
-from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from redraft.decoder.drafters.base import UnknownDrafter
+from redraft.proto.errors import RedraftError
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
 INT8 = "int8"
 SKIP = "skip"

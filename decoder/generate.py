@@ -14,14 +14,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-from redraft.datastore.errors import RedraftError
 from redraft.decoder.acceptance import Acceptance, SamplingParams, accept
 from redraft.decoder.budget import Calibrator, CostModel, calibration_path
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
 from redraft.decoder.recycle import top_candidates
 from redraft.decoder.text import IncrementalText, StopStrings
-from redraft.decoder.tree import Tree, join
 from redraft.decoder.verify import TreeVerifier
+from redraft.proto.errors import RedraftError
+from redraft.proto.tree import Tree, join
 
 log = logging.getLogger("redraft.decoder")
 

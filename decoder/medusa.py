@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from redraft.datastore.errors import RedraftError
 from redraft.decoder.draft_models import Int8Linear
+from redraft.proto.errors import RedraftError
 from torch import nn
 
 FORMAT = "redraft-medusa"
@@ -229,7 +229,7 @@ def check_model(meta: dict, model, path: str | Path) -> None:
 
 def default_heads_path(model_name: str | None) -> Path | None:
     """The committed heads of a known model name (`decoder/heads/NAME.safetensors`), if any."""
-    from redraft.datastore.tokenizer import DEFAULT_MODEL
+    from redraft.proto.models import DEFAULT_MODEL
 
     name = model_name or DEFAULT_MODEL
     if "/" in name or name.endswith(".gguf"):

@@ -36,13 +36,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from redraft.datastore.errors import RedraftError
 from redraft.decoder.medusa import (
     DEFAULT_HEADS,
     MedusaHeads,
     model_fingerprint,
     save_heads,
 )
+from redraft.proto.errors import RedraftError
 
 LOSS_DECAY = 0.8
 TOP_N = 10  # accuracies recorded for ranks 1..TOP_N
@@ -422,8 +422,8 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
 
     `hidden_dtype` is the dtype of the training split's forwards (default: `fast_dtype`).
     """
-    from redraft.datastore.tokenizer import DEFAULT_MODEL, load_tokenizer
     from redraft.decoder.models import default_device, load_model, resolve_dtype
+    from redraft.proto.models import DEFAULT_MODEL, load_tokenizer
 
     if cfg.num_heads < 1 or cfg.epochs <= 0 or cfg.subset_size < 1 or cfg.batch_size < 1:
         raise TrainingError("--heads, --epochs, --subset and --batch-size must be positive")
@@ -494,7 +494,7 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
 def expected_accepted(cumulative: Sequence[Sequence[float]], nodes: int = 16) -> float:
     """Expected accepted tokens of the drafter's best `nodes`-node tree for these accuracies."""
     from redraft.decoder.drafters.medusa import sparse_tree
-    from redraft.decoder.tree import Tree
+    from redraft.proto.tree import Tree
 
     shape = sparse_tree(cumulative, nodes)
     return Tree([0] * len(shape), shape.parents, shape.probs, ["medusa"] * len(shape)

@@ -11,8 +11,8 @@ import contextlib
 import io
 
 import torch
-from redraft.datastore.errors import ModelNotFound
-from redraft.datastore.tokenizer import load_tokenizer, resolve_model
+from redraft.proto.errors import ModelNotFound
+from redraft.proto.models import load_tokenizer, resolve_model
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

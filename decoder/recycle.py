@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from redraft.decoder.budget import cache_dir
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 SOURCE = "recycle"
 

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from redraft.datastore.errors import RedraftError
 from redraft.decoder.kernels import packed_calls, packed_linears
-from redraft.decoder.tree import Tree
+from redraft.proto.errors import RedraftError
+from redraft.proto.tree import Tree
 
 
 class UnsupportedModel(RedraftError):

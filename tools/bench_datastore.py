@@ -30,7 +30,8 @@ import psutil
 from pydivsufsort import divsufsort
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore.build import BATCH_CHARS
-from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+from redraft.datastore.drafting import retrieval_tree
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint, vocab_size
 
 HOLD_OUT_EVERY = 40
 
@@ -107,7 +108,7 @@ def accepted(draft, truth: list[int]) -> int:
 
 def time_lookups(r: Reader, ctxs, repeats: int = 1) -> dict:
     for c, _ in ctxs[:200]:  # warm the code paths (not the whole page cache)
-        r.propose(c)
+        retrieval_tree(r, c)
     gc.collect()
     gc.disable()
     try:
@@ -116,7 +117,7 @@ def time_lookups(r: Reader, ctxs, repeats: int = 1) -> dict:
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter_ns()
-                d = r.propose(c, budget=64)
+                d = retrieval_tree(r, c, budget=64)
                 best = min(best, time.perf_counter_ns() - t0)
             lat.append(best / 1e3)
             lm.append(d.match_len)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.medusa import HeadsPredictor, default_heads_path, load_heads
 from redraft.decoder.medusa_train import (
     HiddenCache,
@@ -34,8 +33,9 @@ from redraft.decoder.medusa_train import (
     summary_table,
 )
 from redraft.decoder.models import load_model
-from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree
 
 
 def main() -> None:

@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     import contextlib
 
     import torch
-    from redraft.datastore.tokenizer import load_tokenizer, resolve_model
     from redraft.decoder.kernels import packed_linears
+    from redraft.proto.models import load_tokenizer, resolve_model
     from transformers import AutoModelForCausalLM
 
     torch.set_grad_enabled(False)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from redraft.datastore.errors import RedraftError
-from redraft.decoder.tree import Tree, join, merge
+from redraft.proto.errors import RedraftError
+from redraft.proto.tree import Tree, join, merge
 
 log = logging.getLogger("redraft.decoder")
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
 from redraft.decoder.int8_decoder import Int8Decoder
-from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
+from redraft.proto.tree import Tree
 
 SOURCE = "draft-model"  # the chain of top-1 tokens
 ALT_SOURCE = "draft-model-alt"  # the top-k siblings: calibrated apart, they hit far less often

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from redraft.decoder.drafters.base import Drafter, MergedDrafter
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 COMPARE_NODES = 16
 DECAY = 0.8

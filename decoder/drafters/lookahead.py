@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 SOURCE = "lookahead"
 WINDOW_SOURCE = "lookahead-window"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from redraft.decoder.drafters.base import Drafter
 from redraft.decoder.medusa import PROJECTIONS, HeadsError, HeadsPredictor, MedusaHeads
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 SOURCE = "medusa"
 MAX_TREE = 64  # nodes in the static tree; no cost curve on any device verifies more

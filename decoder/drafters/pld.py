@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 
 class PLDDrafter(Drafter):
@@ -14,7 +14,7 @@ class PLDDrafter(Drafter):
     name = "pld"
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, **lookup_kwargs) -> None:
-        from redraft.datastore.pld import PromptLookup
+        from redraft.datastore.drafting.prompt_lookup import PromptLookup
 
         self._factory = lambda: PromptLookup(**lookup_kwargs)
         self.max_depth = max_depth

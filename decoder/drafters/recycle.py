@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 
 class RecycleDrafter(Drafter):

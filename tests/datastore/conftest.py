@@ -119,7 +119,7 @@ class Ref:
 
 
 def draft_paths(d) -> dict[tuple, float]:
-    """Path (tuple of tokens from the root) -> path probability of every node of a Draft."""
+    """Path (tuple of tokens from the root) -> path probability of every node of a Tree."""
     paths: list[tuple] = []
     out = {}
     for t, p, pp in zip(d.tokens, d.parents, d.path_probs()):

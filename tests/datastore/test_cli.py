@@ -386,7 +386,7 @@ run("serve", "--help")
 
 
 def test_datastore_commands_do_not_import_torch(tmp_path, corpus):
-    from redraft.datastore.tokenizer import load_tokenizer
+    from redraft.proto.models import load_tokenizer
 
     load_tokenizer("smollm2-135m")  # the converted tokenizer is cached (first use imports torch)
     more = tmp_path / "more.txt"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from redraft.datastore.draft import LEARNED
-from redraft.datastore.learned import KEEP, LEVELS, PROMPT_TAIL, LearnedIndex
+from redraft.datastore.drafting.learned import KEEP, LEVELS, PROMPT_TAIL, LearnedIndex
+from redraft.proto.tree import LEARNED
 
 
 def paths(draft) -> list[tuple[int, ...]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from redraft.datastore.draft import PLD
-from redraft.datastore.pld import PromptLookup, match_confidence, prompt_lookup
+from redraft.datastore.drafting.prompt_lookup import PromptLookup, match_confidence, prompt_lookup
+from redraft.proto.tree import PLD
 
 
 def paths(draft):

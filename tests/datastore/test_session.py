@@ -7,11 +7,12 @@ import random
 
 import pytest
 from redraft.datastore import Reader, append_corpus, build_datastore
-from redraft.datastore.errors import InvalidQuery
-from redraft.datastore.learned import PROMPT_TAIL, LearnedIndex
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import PromptLookup
-from redraft.datastore.session import DraftSettings, SessionDrafter
+from redraft.datastore.drafting import REST_CALIBRATION, calibrate, retrieval_tree
+from redraft.datastore.drafting.learned import PROMPT_TAIL, LearnedIndex
+from redraft.datastore.drafting.prompt_lookup import PromptLookup
+from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
+from redraft.proto.errors import InvalidQuery
+from redraft.proto.tree import merge
 
 FP = "sha256:session-test"
 VOCAB = 400
@@ -54,9 +55,9 @@ def test_drafts_equal_the_sources_merged_independently(reader):
         ctx += accepted
         pl.extend(accepted)
         got = s.propose(budget)
-        want = merge_drafts([
-            calibrate(reader.propose(ctx[-16:], budget=budget, max_depth=8, max_occurrences=64,
-                                     corpora=["c"]), *REST_CALIBRATION),
+        want = merge([
+            calibrate(retrieval_tree(reader, ctx[-16:], budget=budget, max_depth=8,
+                                     max_occurrences=64, corpora=["c"]), *REST_CALIBRATION),
             pl.propose(budget, 8),
             learned.propose("t", ctx, budget, 8),
         ], budget)
@@ -75,7 +76,7 @@ def test_retrieval_never_reads_the_learned_corpus(reader):
     for i in range(20, 50, 3):
         s.extend(SECRET[i:i + 3])
         assert len(s.propose()) == 0
-    assert len(reader.propose(SECRET[:20], corpora=["learned"])) > 0  # it is there
+    assert len(retrieval_tree(reader, SECRET[:20], corpora=["learned"])) > 0  # it is there
     with pytest.raises(InvalidQuery, match="learned"):
         SessionDrafter([1, 2], DraftSettings(corpora=("learned",)), reader)
 

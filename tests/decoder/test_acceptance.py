@@ -10,8 +10,7 @@ from collections import Counter
 import pytest
 import torch
 from redraft.datastore import build_datastore
-from redraft.datastore.learned import LearnedIndex
-from redraft.datastore.tokenizer import load_tokenizer
+from redraft.datastore.drafting.learned import LearnedIndex
 from redraft.decoder.acceptance import (
     SamplingParams,
     accept_greedy,
@@ -27,7 +26,8 @@ from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
-from redraft.decoder.tree import Tree
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree
 
 from .conftest import tiny_model
 

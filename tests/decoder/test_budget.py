@@ -6,12 +6,12 @@ import json
 import time
 
 import pytest
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.acceptance import Acceptance
 from redraft.decoder.budget import Calibrator, CostModel
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.generate import Generator
-from redraft.decoder.tree import Tree
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree
 
 from .conftest import CPU_COST, tiny_model
 

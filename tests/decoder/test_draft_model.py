@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.budget import CostModel
 from redraft.decoder.draft_models import Int8Linear, first_layers, parse_spec
 from redraft.decoder.draft_models import quantized_int8 as int8_model
@@ -19,6 +18,7 @@ from redraft.decoder.drafters.draft_model import (
 )
 from redraft.decoder.generate import Generator
 from redraft.decoder.int8_decoder import Int8Decoder, lean_int8
+from redraft.proto.models import load_tokenizer
 
 from .conftest import tiny_model
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import MergedDrafter
 from redraft.decoder.drafters.base import UnknownDrafter
 from redraft.decoder.drafters.lookahead import SOURCE, LookaheadDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.generate import Generator
-from redraft.decoder.tree import Tree, join
 from redraft.decoder.verify import TreeVerifier, tree_mask_rows
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree, join
 
 from .conftest import tiny_model
 

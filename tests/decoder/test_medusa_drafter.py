@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import Drafter, MergedDrafter
 from redraft.decoder.drafters.fallback import FallbackDrafter, HitRate, matched_length
@@ -15,7 +14,8 @@ from redraft.decoder.drafters.medusa import MedusaDrafter, rank_accuracy, sparse
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.generate import Generator
 from redraft.decoder.medusa import HeadsError, MedusaHeads
-from redraft.decoder.tree import Tree
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree
 
 from .conftest import tiny_model
 

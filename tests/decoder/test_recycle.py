@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import MergedDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.generate import Generator
 from redraft.decoder.recycle import CandidateTable, top_candidates
+from redraft.proto.models import load_tokenizer
 
 from .conftest import tiny_model
 

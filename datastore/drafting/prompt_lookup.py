@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from redraft.datastore.draft import PLD, Draft, take_top
+from redraft.proto.tree import PLD, Tree, take_top, trie
 
 
 def _key(toks: list[int], end: int, n: int) -> int:
@@ -124,24 +124,24 @@ class PromptLookup:
         occ.sort(key=lambda o: (-o.match_len, -o.end))
         return occ[: self.max_occurrences]
 
-    def propose(self, budget: int = 16, max_depth: int = 16) -> Draft:
+    def propose(self, budget: int = 16, max_depth: int = 16) -> Tree:
         """A tree of at most `budget` nodes, each at most `max_depth` deep, best paths first."""
         if budget <= 0 or max_depth <= 0 or not self.tokens:
-            return Draft()
+            return Tree()
         max_depth = min(max_depth, budget)  # a deeper node could not fit with its ancestors
         occ = self.occurrences()
         if not occ:
-            return Draft()
+            return Tree()
         return self._tree(occ, budget, max_depth)
 
-    def _tree(self, occ: Sequence[_Occurrence], budget: int, max_depth: int) -> Draft:
+    def _tree(self, occ: Sequence[_Occurrence], budget: int, max_depth: int) -> Tree:
         toks = self.tokens
         return continuation_tree([(toks[o.end + 1 : o.end + 1 + max_depth], o.match_len)
                                   for o in occ], budget, PLD)
 
 
 def continuation_tree(continuations: Sequence[tuple[Sequence[int], int]], budget: int,
-                      source: str) -> Draft:
+                      source: str) -> Tree:
     """The trie of several copied continuations, as a tree of at most `budget` nodes.
 
     `continuations` are (the tokens that followed an earlier occurrence of the context's
@@ -150,7 +150,7 @@ def continuation_tree(continuations: Sequence[tuple[Sequence[int], int]], budget
     way from different token stores.
     """
     if not continuations:
-        return Draft()
+        return Tree()
     # Identical continuations (text that repeats) are walked once, with their summed weight:
     # the trie comes out the same, for a fraction of the work.
     votes: dict[tuple[int, ...], list[int]] = {}
@@ -161,34 +161,8 @@ def continuation_tree(continuations: Sequence[tuple[Sequence[int], int]], budget
         else:
             vote[0] += m * m
             vote[1] = max(vote[1], m)
-    # Each trie node: token, parent, depth, and the weight and best match length of the
-    # occurrences that pass through it.
-    tokens: list[int] = []
-    parents: list[int] = []
-    depth: list[int] = []
-    weight: list[float] = []
-    best: list[int] = []
-    children: dict[int, int] = {}
-    for cont, (w, m) in votes.items():
-        parent = -1
-        d = 0
-        for tok in cont:
-            key = ((parent + 1) << 32) | tok
-            node = children.get(key)
-            if node is None:
-                node = len(tokens)
-                children[key] = node
-                tokens.append(tok)
-                parents.append(parent)
-                depth.append(d)
-                weight.append(w)
-                best.append(m)
-            else:
-                weight[node] += w
-                if m > best[node]:
-                    best[node] = m
-            parent = node
-            d += 1
+    t = trie((cont, w, m) for cont, (w, m) in votes.items())
+    tokens, parents, depth, weight, best = t.tokens, t.parents, t.depth, t.weight, t.best
     # probs[i] = confidence of the supporting match (which grows with depth: after d
     # accepted tokens the match is d longer) x the node's share of its siblings' weight.
     # Lists with one extra last entry for the roots' parent (-1): no branch per node.
@@ -216,7 +190,7 @@ def prompt_lookup(
     max_ngram: int = 8,
     min_ngram: int = 1,
     max_occurrences: int = 8,
-) -> Draft:
+) -> Tree:
     """One-off prompt lookup over a whole context (builds a throwaway index)."""
     pl = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_occurrences=max_occurrences)
     pl.extend(context)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from redraft.datastore.draft import LEARNED, PLD, REST, Draft
-from redraft.datastore.errors import InvalidQuery
-from redraft.datastore.learned import LearnedIndex
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import PromptLookup
+from redraft.datastore.drafting.learned import LearnedIndex
+from redraft.datastore.drafting.prompt_lookup import PromptLookup
+from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
+from redraft.proto.errors import InvalidQuery
+from redraft.proto.tree import LEARNED, PLD, REST, Tree, merge
 
 SOURCES = (REST, PLD, LEARNED)
 LEARNED_CORPUS = "learned"  # the datastore corpus learned outputs are persisted as
@@ -36,7 +36,7 @@ class DraftSettings:
     # Occurrences of the longest match the Reader samples: 64 drafts as well as its default
     # 256 on held-out code (same accepted tokens per step) at ~70% of the lookup time.
     rest_max_occurrences: int = 64
-    # REST probabilities p become scale * p**power (merge.REST_CALIBRATION; (1, 1) = raw)
+    # REST probabilities p become scale * p**power (retrieval.REST_CALIBRATION; (1, 1) = raw)
     rest_calibration: tuple[float, float] = REST_CALIBRATION
 
 
@@ -94,17 +94,17 @@ class SessionDrafter:
         if self._writer is not None:
             self._writer.extend(accepted)
 
-    def propose(self, budget: int | None = None) -> Draft:
+    def propose(self, budget: int | None = None) -> Tree:
         """The merged tree of every source for the context so far, best nodes first."""
         s = self.settings
         budget = s.budget if budget is None else budget
         context = self.context
-        drafts: list[Draft] = []
+        drafts: list[Tree] = []
         self.rest_match_len = self.pld_match_len = self.learned_match_len = 0
         if self.reader is not None and self._corpora is not None and context:
             max_match = s.max_match or s.rest_max_match
-            rest = self.reader.propose(
-                context[-max_match:], budget=budget, max_depth=s.max_depth,
+            rest = retrieval_tree(
+                self.reader, context[-max_match:], budget=budget, max_depth=s.max_depth,
                 max_match_len=max_match, min_match_len=min(s.min_match or s.rest_min_match,
                                                            max_match),
                 max_occurrences=s.rest_max_occurrences, corpora=self._corpora)
@@ -118,7 +118,7 @@ class SessionDrafter:
             d = self.learned.propose(self.tenant, context, budget, s.max_depth)
             self.learned_match_len = d.match_len
             drafts.append(d)
-        tree = merge_drafts(drafts, budget)
+        tree = merge(drafts, budget)
         tree.match_len = self.rest_match_len
         return tree
 

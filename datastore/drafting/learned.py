@@ -26,8 +26,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-from redraft.datastore.draft import LEARNED, Draft
-from redraft.datastore.pld import continuation_tree
+from redraft.datastore.drafting.prompt_lookup import continuation_tree
+from redraft.proto.tree import LEARNED, Tree
 
 PROMPT_TAIL = 16  # prompt tokens stored in front of each output
 LEVELS = (4, 2)  # n-gram lengths indexed, longest first (`_key` packs exactly these)
@@ -147,17 +147,17 @@ class LearnedIndex:
 
     # ---- drafting -----------------------------------------------------------------------
     def propose(self, tenant: str, context: Sequence[int], budget: int, max_depth: int
-                ) -> Draft:
+                ) -> Tree:
         """A tree continuing `context` from the outputs of `tenant`'s pool."""
         if budget <= 0 or max_depth <= 0 or len(context) < LEVELS[-1]:
-            return Draft()
+            return Tree()
         max_depth = min(max_depth, budget)
         ctx = list(context[-MAX_MATCH:])
         n = len(ctx)
         with self._lock:
             pool = self._pools.get("" if self.shared else tenant)
             if not pool:
-                return Draft()
+                return Tree()
             docs = self._docs
             found: dict[int, tuple[int, _Doc, int]] = {}
             for level in LEVELS:
@@ -174,7 +174,7 @@ class LearnedIndex:
                     if m:
                         found[entry] = (m, doc, end)
             if not found:
-                return Draft()
+                return Tree()
             best = sorted(found.items(), key=lambda kv: (-kv[1][0], -kv[0]))[:MAX_OCCURRENCES]
             continuations = [(doc.tokens[end + 1 : end + 1 + max_depth], m)
                              for _, (m, doc, end) in best]

@@ -1,4 +1,4 @@
-"""Typed errors of the datastore side. The CLI prints them as one line, never a traceback."""
+"""Typed errors both halves raise. The CLI prints them as one line, never a traceback."""
 
 
 class RedraftError(Exception):
