@@ -27,6 +27,7 @@ import torch
 from redraft.decoder.kernels import packed_calls, packed_linears
 from redraft.proto.errors import RedraftError
 from redraft.proto.tree import Tree
+from transformers import DynamicCache
 
 
 class UnsupportedModel(RedraftError):
@@ -59,8 +60,6 @@ def _split_model(model):
 
 
 def _make_cache(model):
-    from transformers import DynamicCache
-
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # older signature without config

@@ -48,6 +48,17 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object], *
         _fsync(path.parent)
 
 
+def write_cache(path: str | os.PathLike, write: Callable[[Path], object]) -> bool:
+    """`write_atomically` for a cache entry, its folder created first: a cache that cannot
+    be written is no error (False), it only costs the next process its head start."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, write)
+        return True
+    except OSError:
+        return False
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -9,7 +9,6 @@ here: the datastore side never imports it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -20,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from redraft.proto.errors import ModelNotFound
-from redraft.proto.files import cache_root, write_atomically
+from redraft.proto.files import cache_root, write_cache
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {
@@ -125,8 +124,7 @@ def load_tokenizer(name: str | None = None):
     except Exception as exc:  # transformers raises many types; report one line
         raise ModelNotFound(f"cannot load tokenizer for {source.name!r}: {exc}") from exc
     if cache is not None and not cache.exists():
-        with contextlib.suppress(OSError):  # a cache that cannot be written is no error
-            write_atomically(cache, lambda tmp: tok.save_pretrained(str(tmp)))
+        write_cache(cache, lambda tmp: tok.save_pretrained(str(tmp)))
     return tok
 
 

@@ -31,7 +31,7 @@ from pydivsufsort import divsufsort
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore.build import BATCH_CHARS
 from redraft.datastore.drafting import retrieval_tree
-from redraft.proto.models import load_tokenizer, tokenizer_fingerprint, vocab_size
+from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, tokenizer_fingerprint, vocab_size
 
 HOLD_OUT_EVERY = 40
 
@@ -168,7 +168,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"cpus": os.cpu_count()}
 
-    tok = load_tokenizer("smollm2-135m")
+    tok = load_tokenizer(DEFAULT_MODEL)
     kept, held = stdlib_files()
     texts = [p.read_text() for p in kept]  # also warms the page cache for the build
     res["files"] = {"kept": len(kept), "held_out": len(held),
@@ -184,7 +184,7 @@ def main() -> None:
 
     ds = out / "stdlib"
     t0 = time.perf_counter()
-    m = build_datastore(kept, ds, tokenizer="smollm2-135m", corpus="stdlib")
+    m = build_datastore(kept, ds, tokenizer=DEFAULT_MODEL, corpus="stdlib")
     res["build_s"] = time.perf_counter() - t0
     res["build_ratio"] = res["build_s"] / (t_tok + t_sa)
     n_tok = m["n_tokens"]
@@ -208,7 +208,7 @@ def main() -> None:
         ds10 = out / "stdlib-10x"
         t0 = time.perf_counter()
         build_datastore(None, ds10, documents=big, fingerprint=tokenizer_fingerprint(tok),
-                        vocab_size=vocab, tokenizer="smollm2-135m", corpus="stdlib10x")
+                        vocab_size=vocab, tokenizer=DEFAULT_MODEL, corpus="stdlib10x")
         res["build_10x_s"] = time.perf_counter() - t0
         del big
         with Reader(ds10) as r:

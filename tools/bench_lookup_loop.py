@@ -17,7 +17,7 @@ import time
 from bench_datastore import contexts, stdlib_files
 from redraft.datastore import Reader
 from redraft.datastore.drafting import retrieval_tree
-from redraft.proto.models import load_tokenizer
+from redraft.proto.models import DEFAULT_MODEL, load_tokenizer
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, default=600)
     ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args()
-    tok = load_tokenizer("smollm2-135m")
+    tok = load_tokenizer(DEFAULT_MODEL)
     _, held = stdlib_files()
     ctxs = [c for c, _ in contexts([tok.encode(p.read_text()) for p in held], args.contexts)]
     with Reader(args.datastore) as r:

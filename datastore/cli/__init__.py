@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction, command: str | None = None) -> Non
     stats_cli.register(sub)
     if command in COMMANDS:
         return
-    try:  # lazy: gRPC, only when `serve` could be the command
+    try:
+        # lazy: gRPC, only when `serve` could be the command
         from redraft.datastore.service import serve_cli
     except ModuleNotFoundError as exc:
         if exc.name not in ("redraft.datastore.service", "redraft.datastore.service.serve_cli"):

@@ -63,71 +63,6 @@ def test_matches_never_cross_documents(make_store):
         assert d.match_len == 3 and len(d) == 0  # doc 0 ends after [1, 2, 3]: nothing follows
 
 
-def _compare_tree(helpers, d, L, want, budget):
-    d.validate()
-    assert d.match_len == L
-    assert set(d.sources) <= {"rest"}
-    got = helpers.draft_paths(d)
-    assert len(d) == min(budget, len(want))
-    for path, p in got.items():
-        assert path in want, path
-        assert p == pytest.approx(want[path], rel=1e-9, abs=1e-12), path
-    # the chosen nodes are the best ones: their scores are the top of the reference's
-    top = sorted(want.values(), reverse=True)[:len(d)]
-    assert sorted(got.values(), reverse=True) == pytest.approx(top, rel=1e-9, abs=1e-12)
-    # best first: path probabilities never increase along the output order
-    pp = d.path_probs()
-    assert all(a >= b - 1e-12 for a, b in zip(pp, pp[1:]))
-
-
-@pytest.mark.parametrize("shard_tokens", [10_000, 250])
-def test_propose_matches_brute_force(make_store, helpers, shard_tokens):
-    rng = np.random.default_rng(7)
-    docs = helpers.random_docs(rng, 30, 4, max_len=50)
-    path = make_store(docs, vocab=4, shard_tokens=shard_tokens)
-    with Reader(path) as r:
-        shard_docs = [list(range(s["first_doc"], s["first_doc"] + s["n_docs"]))
-                      for s in r.manifest["shards"]]
-        ref = helpers.Ref(docs, shard_docs=shard_docs, sep=r.separator)
-        checked = 0
-        for _ in range(40):
-            ctx = rng.integers(0, 4, size=int(rng.integers(2, 12))).tolist()
-            for kw in [dict(max_occurrences=10**6, min_support=1),
-                       dict(max_occurrences=7, min_support=1),
-                       dict(max_occurrences=10**6, min_support=50, max_depth=5)]:
-                if len(r.manifest["shards"]) > 1 and kw["max_occurrences"] == 7:
-                    continue  # cross-shard sampling order is covered in the 1-shard case
-                L, want = ref.propose_masses(ctx, **kw)
-                for budget in (1000, 9):
-                    d = retrieval_tree(r, ctx, budget=budget, **kw)
-                    _compare_tree(helpers, d, L, want, budget)
-                checked += bool(want)
-        assert checked > 20
-
-
-def test_sampling_spreads_over_the_whole_range(make_store):
-    """With more occurrences than max_occurrences, the sample covers all continuations."""
-    docs = [[7, t] for t in range(7)] * 20  # [7, t] for t = 0..6, 140 docs
-    with Reader(make_store(docs)) as r:
-        d = retrieval_tree(r, [7], budget=64, max_occurrences=7, min_match_len=1, min_support=1)
-        # the first 7 suffixes in SA order would all continue with 0; an even spread sees all
-        assert sorted(d.tokens) == list(range(7))
-        assert d.probs == pytest.approx([1 / 7] * 7)
-
-
-def test_backoff_when_support_is_low(make_store):
-    docs = [[1, 2, 3, 4], [9, 2, 3, 5], [8, 2, 3, 5], [7, 2, 3, 5]]
-    with Reader(make_store(docs, vocab=10)) as r:
-        only_long = retrieval_tree(r, [1, 2, 3], min_support=1)
-        assert only_long.match_len == 3 and only_long.tokens == [4]
-        mixed = retrieval_tree(r, [1, 2, 3], min_support=4)
-        assert mixed.match_len == 3
-        paths = dict(zip(mixed.tokens, mixed.probs))
-        # long match (n=1) gets 1/2; [2, 3] (4 occurrences: 4,5,5,5) shares the other half
-        assert paths[4] == pytest.approx(0.5 + 0.5 * 0.25)
-        assert paths[5] == pytest.approx(0.5 * 0.75)
-
-
 def test_corpus_filters_and_unknown_corpora(make_store, helpers, tmp_path):
     from redraft.datastore import append_corpus
 
@@ -151,7 +86,7 @@ def test_corpus_filters_and_unknown_corpora(make_store, helpers, tmp_path):
                                              max_occurrences=10**6, corpora=c)
                 d = retrieval_tree(r, pat, budget=10**4, min_match_len=1, min_support=1,
                               max_occurrences=10**6, corpora=corp)
-                _compare_tree(helpers, d, L, want, 10**4)
+                helpers.compare_tree(d, L, want, 10**4)
         with pytest.raises(InvalidQuery, match="unknown corpora"):
             r.count([1], corpora=["nope"])
         with pytest.raises(InvalidQuery, match="unknown corpora"):
@@ -180,7 +115,7 @@ def test_deleted_documents_are_invisible_to_every_verb(make_store, helpers):
                                          max_occurrences=10**6)
             d = retrieval_tree(r, pat, budget=10**4, min_match_len=1, min_support=1,
                           max_occurrences=10**6)
-            _compare_tree(helpers, d, L, want, 10**4)
+            helpers.compare_tree(d, L, want, 10**4)
         # a pattern unique to a deleted document is gone everywhere
         only = docs[3] + [3, 3, 3, 2, 1]
         assert r.count(docs[3]) == ref.count(docs[3])
