@@ -372,6 +372,8 @@ def run(*argv):
             rc = exc.code
     assert rc == 0, (argv, rc)
     assert "torch" not in sys.modules, f"{argv[0]} imported torch"
+    if argv[0] != "serve":
+        assert "grpc" not in sys.modules, f"{argv[0]} imported grpc"
     return out.getvalue()
 
 ds, src, more = sys.argv[1:]
@@ -385,7 +387,7 @@ run("serve", "--help")
 """
 
 
-def test_datastore_commands_do_not_import_torch(tmp_path, corpus):
+def test_datastore_commands_import_neither_torch_nor_grpc(tmp_path, corpus):
     from redraft.proto.models import load_tokenizer
 
     load_tokenizer("smollm2-135m")  # the converted tokenizer is cached (first use imports torch)
