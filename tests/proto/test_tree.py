@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from redraft.proto.tree import Tree, merge
+from redraft.proto.tree import Tree, grow, merge, trie
 
 
 def random_tree(rng: random.Random, n: int) -> Tree:
@@ -72,3 +72,25 @@ def test_validate_rejects_bad_trees():
         Tree([1], [-1], [], []).validate()  # a missing probability is never made up
     with pytest.raises(ValueError, match="outside \\[0, 1\\]"):
         Tree([1], [-1], [float("nan")], ["pld"]).validate()
+
+
+def test_trie_shares_prefixes_and_sums_weights():
+    t = trie([([1, 2, 3], 2.0, 1), ([1, 2, 4], 1.0, 5), ([7], 3.0, 2)])
+    assert t.tokens == [1, 2, 3, 4, 7]
+    assert t.parents == [-1, 0, 1, 1, -1]
+    assert t.depth == [0, 1, 2, 2, 0]
+    assert t.weight == [3.0, 3.0, 2.0, 1.0, 3.0]
+    assert t.best == [5, 5, 1, 5, 2]
+
+
+def test_grow_yields_the_most_probable_nodes_parents_first():
+    children = {None: [("a", 0.6), ("b", 0.4)], "a": [("c", 0.9), ("d", 0.1)], "b": [("e", 1.0)]}
+
+    def expand(label, depth, path):
+        return children.get(label, []) if depth < 2 else []
+
+    parents, labels, probs, depths = grow(expand, None, 4)
+    assert labels == ["a", "c", "b", "e"]  # path probabilities 0.6, 0.54, 0.4, 0.4
+    assert parents == [-1, 0, -1, 2] and depths == [1, 2, 1, 2]
+    assert probs == [0.6, 0.9, 0.4, 1.0]
+    assert grow(expand, None, 0) == ([], [], [], [])
