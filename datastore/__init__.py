@@ -1,4 +1,8 @@
-"""The datastore side: corpora -> suffix-array datastore (LMDB) -> lookups and drafts."""
+"""The datastore side: corpora -> suffix-array datastore (LMDB) -> exact lookups.
+
+Storage and exact search live here (format, lmdbfile, corpus, build, reader); drafting over
+them in `drafting/`, the gRPC draft service in `service/`, the commands in `cli/`.
+"""
 
 from redraft.datastore.build import (
     DEFAULT_SHARD_TOKENS,
@@ -6,8 +10,8 @@ from redraft.datastore.build import (
     build_datastore,
     delete_documents,
 )
-from redraft.datastore.draft import PLD, REST, Draft
-from redraft.datastore.errors import (
+from redraft.datastore.reader import Reader
+from redraft.proto.errors import (
     CorpusError,
     DatastoreCorrupt,
     DatastoreError,
@@ -17,17 +21,13 @@ from redraft.datastore.errors import (
     RedraftError,
     TokenizerMismatch,
 )
-from redraft.datastore.reader import Reader
 
 __all__ = [
     "DEFAULT_SHARD_TOKENS",
-    "PLD",
-    "REST",
     "CorpusError",
     "DatastoreCorrupt",
     "DatastoreError",
     "DatastoreNotFound",
-    "Draft",
     "InvalidQuery",
     "ModelNotFound",
     "Reader",

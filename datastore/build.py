@@ -30,18 +30,24 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
+import lmdb
 import numpy as np
 from pydivsufsort import divsufsort
 from pyroaring import BitMap
 from redraft.datastore import format as fmt
 from redraft.datastore.corpus import Document, expand_inputs, iter_documents
-from redraft.datastore.errors import (
+from redraft.datastore.reader import Reader
+from redraft.proto.errors import (
     CorpusError,
     DatastoreCorrupt,
     DatastoreError,
     InvalidQuery,
     TokenizerMismatch,
 )
+from redraft.proto.files import write_atomically
+from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, tokenizer_fingerprint
+from redraft.proto.models import vocab_size as tokenizer_vocab_size
+from tqdm import tqdm
 
 # One shard's suffix-array build peaks near 20-26 bytes per token: 128 Mi tokens ~ 3.3 GB.
 DEFAULT_SHARD_TOKENS = 128 * 1024 * 1024
@@ -53,20 +59,13 @@ TokenDocs = Iterable[Sequence[int] | np.ndarray | tuple[str, Sequence[int] | np.
 # ---- tokenization ---------------------------------------------------------------------
 def _tokenizer_info(tokenizer) -> tuple[object, str, str, int]:
     """(tokenizer object, name, fingerprint, vocab size) from a name or a loaded tokenizer."""
-    from redraft.datastore.tokenizer import (
-        DEFAULT_MODEL,
-        load_tokenizer,
-        tokenizer_fingerprint,
-        vocab_size,
-    )
-
     if tokenizer is None or isinstance(tokenizer, str):
         name = tokenizer or DEFAULT_MODEL
         tok = load_tokenizer(name)
     else:
         tok = tokenizer
         name = str(getattr(tok, "name_or_path", "") or type(tok).__name__)
-    return tok, name, tokenizer_fingerprint(tok), vocab_size(tok)
+    return tok, name, tokenizer_fingerprint(tok), tokenizer_vocab_size(tok)
 
 
 def _batches(docs: Iterable[Document], batch_chars: int) -> Iterator[list[Document]]:
@@ -336,39 +335,26 @@ def _locked(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _publish(tmp: str, final: str) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    dfd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def _run_writer(out: Path, manifest: dict, fill: Callable[[_StoreWriter], None],
                 progress: bool) -> dict:
     """Write a whole new file with `fill`, then publish it; on any failure remove it."""
-    import lmdb
-
-    tmp = str(out / f"{fmt.TMP_PREFIX}{os.getpid()}")
     writer = None
-    try:
-        writer = _StoreWriter(tmp, manifest, progress=progress)
+    result: dict = {}
+
+    def write(tmp: Path) -> None:
+        nonlocal writer
+        writer = _StoreWriter(str(tmp), manifest, progress=progress)
         fill(writer)
-        result = writer.finish()
-        _publish(tmp, str(out / fmt.DATA_FILE))
+        result.update(writer.finish())
+
+    try:
+        write_atomically(out / fmt.DATA_FILE, write, tmp=out / f"{fmt.TMP_PREFIX}{os.getpid()}",
+                         durable=True)
         return result
     except BaseException as exc:
         failed = _write_error(out, exc) if isinstance(exc, (OSError, lmdb.Error)) else None
         if writer is not None:
             writer.abort()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         if failed is not None:
             raise failed from exc
         raise
@@ -377,8 +363,6 @@ def _run_writer(out: Path, manifest: dict, fill: Callable[[_StoreWriter], None],
 def _progress_bar(enabled: bool, desc: str):
     if not enabled:
         return None
-    from tqdm import tqdm
-
     # disable=None: draw only on a terminal, so logs and piped stderr stay clean.
     return tqdm(desc=desc, unit="char", unit_scale=True, disable=None, file=sys.stderr)
 
@@ -490,8 +474,6 @@ def _remove_if_empty(out: Path) -> None:
 
 def _manifest_of(path: str | os.PathLike) -> tuple[Path, dict]:
     """Directory and manifest of an existing datastore (opened, not verified)."""
-    from redraft.datastore.reader import Reader
-
     with Reader(path) as r:
         return Path(os.path.dirname(r.file)), r.manifest
 
@@ -499,8 +481,6 @@ def _manifest_of(path: str | os.PathLike) -> tuple[Path, dict]:
 def _verified(out: Path):
     """The datastore at `out`, every checksum verified: a writer carries nothing damaged
     into the file it publishes."""
-    from redraft.datastore.reader import Reader
-
     try:
         return Reader(out, verify=True)
     except DatastoreCorrupt as exc:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from redraft.datastore.errors import CorpusError
+from redraft.proto.errors import CorpusError
 
 # Files a directory walk leaves out: caches and obvious binaries. Named files are never
 # filtered; a binary file named explicitly is reported as not UTF-8.

@@ -32,8 +32,9 @@ import struct
 import time
 import zlib
 
-from redraft.datastore.errors import DatastoreCorrupt, DatastoreNotFound
+import lmdb
 from redraft.datastore.lmdbfile import LmdbFile
+from redraft.proto.errors import DatastoreCorrupt, DatastoreNotFound
 
 MAGIC = b"redraft-datastore\x00"
 FORMAT_VERSION = 2
@@ -121,8 +122,6 @@ def write_header(txn, manifest: dict) -> None:
 
 def open_writer(file: str, map_size: int):
     """A new single-file environment to write (only ever on a file no reader sees yet)."""
-    import lmdb
-
     return lmdb.open(os.fsencode(file), subdir=False, lock=False, map_size=map_size,
                      sync=False, metasync=False, max_dbs=0, readahead=False)
 

@@ -26,7 +26,7 @@ import os
 import struct
 from bisect import bisect_left
 
-from redraft.datastore.errors import DatastoreCorrupt
+from redraft.proto.errors import DatastoreCorrupt
 
 MDB_MAGIC = 0xBEEFC0DE
 MDB_DATA_VERSION = 1

@@ -1,4 +1,4 @@
-"""Reading a datastore: exact suffix-array lookups and candidate trees, zero-copy.
+"""Reading a datastore: exact suffix-array lookups, zero-copy.
 
 Opening maps the file and reads the manifest and the arrays' locations through lmdbfile,
 whose parser checks every page number and length against the file (LMDB itself would
@@ -23,21 +23,21 @@ import sys
 import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from pyroaring import BitMap
 from redraft.datastore import format as fmt
-from redraft.datastore.draft import REST, Draft
-from redraft.datastore.errors import (
+from redraft.datastore.lmdbfile import LmdbFile
+from redraft.proto.errors import (
     DatastoreCorrupt,
     DatastoreError,
     InvalidQuery,
     TokenizerMismatch,
 )
-from redraft.datastore.lmdbfile import LmdbFile
+from redraft.proto.models import tokenizer_fingerprint
 
 _LITTLE = sys.byteorder == "little"
-_MASS = 1 << 40  # total integer weight of a tree's samples: exact sums, no float ties
 
 
 class _Shard:
@@ -268,8 +268,6 @@ class Reader:
     def check_tokenizer(self, fingerprint) -> None:
         """Raise TokenizerMismatch unless `fingerprint` (or a tokenizer's) is the datastore's."""
         if not isinstance(fingerprint, str):
-            from redraft.datastore.tokenizer import tokenizer_fingerprint
-
             fingerprint = tokenizer_fingerprint(fingerprint)
         if fingerprint != self.tokenizer_fingerprint:
             raise TokenizerMismatch(
@@ -436,58 +434,13 @@ class Reader:
                              min_len)[0]
 
     @_guarded
-    def propose(
-        self,
-        context: Sequence[int],
-        budget: int = 64,
-        max_depth: int = 16,
-        max_match_len: int = 16,
-        min_match_len: int = 2,
-        max_occurrences: int = 256,
-        corpora=None,
-        min_support: int = 4,
-    ) -> Draft:
-        """A candidate tree continuing `context`, scored by path probability.
-
-        The longest suffix of the context (max_match_len down to min_match_len) that occurs
-        is located; up to `max_occurrences` of its occurrences, evenly spread over its
-        suffix-array range, give their next `max_depth` tokens. Those continuations form a
-        trie whose node score is count(node) / count(root), i.e. the product of
-        count(child) / count(parent) along the path. When the match has fewer than
-        `min_support` occurrences, the continuations of the longest shorter suffix that has
-        that support are mixed in with weight 1 / (n + 1) (n = the long match's count).
-        The `budget` best nodes are returned, best first (so any prefix is a valid tree);
-        `probs[i]` is node i's score over its parent's. Empty when nothing matches.
-        """
-        if budget < 0 or max_depth < 1 or max_occurrences < 1:
-            raise InvalidQuery("budget must be >= 0; max_depth and max_occurrences >= 1")
-        if min_match_len < 1 or max_match_len < min_match_len:
-            raise InvalidQuery(
-                f"need 1 <= min_match_len ({min_match_len}) <= max_match_len ({max_match_len})")
-        if max_depth > 1024:
-            raise InvalidQuery("max_depth must be at most 1024")
-        tail = context[-max_match_len:] if len(context) > max_match_len else context
+    def suffixes(self, context: Sequence[int], max_len: int = 16, corpora=None) -> SuffixQuery:
+        """The last `max_len` tokens of `context` (ids checked) against the selected corpora,
+        for several lookups of its suffixes (the retrieval tree's)."""
+        tail = context[-max_len:] if len(context) > max_len else context
         arr = self._ids(tail, "context")
-        shards = self._select(corpora)
-        if budget == 0 or len(arr) < min_match_len:
-            return Draft()
-        key = arr.astype(self._be).tobytes()
-        L, ranges = self._longest(arr, key, shards, min_match_len)
-        if L == 0:
-            return Draft()
-        levels = [(L, ranges)]
-        support = sum(j - i for _, i, j in ranges)
-        if support < min_support and L > min_match_len:
-            w = self._dtype.itemsize
-            n = len(arr)
-            for L2 in range(L - 1, min_match_len - 1, -1):
-                r2 = self._ranges(key[(n - L2) * w:], int(arr[n - L2]), shards)
-                if sum(j - i for _, i, j in r2) >= min_support or L2 == min_match_len:
-                    levels.append((L2, r2))
-                    break
-        return self._tree(levels, support, budget, max_depth, max_occurrences)
+        return SuffixQuery(self, arr, self._select(corpora))
 
-    # ---- tree construction --------------------------------------------------------------
     def _sample(self, L: int, ranges, k_max: int, depth: int) -> np.ndarray | None:
         """Next `depth` tokens after up to k_max occurrences spread evenly over the ranges."""
         segs = [(sh, j - i, i) for sh, i, j in ranges if j > i]  # (shard, count, SA start)
@@ -513,75 +466,48 @@ class Reader:
             cols.append(sh.tokens[idx])
         return (cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)).astype(np.int64)
 
-    def _tree(self, levels, support: int, budget: int, depth: int, k_max: int) -> Draft:
-        """Continuation samples of each level (one column per occurrence) -> trie -> Draft."""
-        parts, shares = [], []
-        lam = support / (support + 1.0) if len(levels) > 1 else 1.0
-        for n, (L, ranges) in enumerate(levels):
-            W = self._sample(L, ranges, k_max, depth)
-            if W is None:
-                continue
-            parts.append(W)
-            shares.append(lam if n == 0 else 1.0 - lam)
-        if not parts:
-            return Draft()
-        L = levels[0][0]
-        if len(parts) == 1 and len(levels[0][1]) == 1:
-            # One SA range sampled in order: columns are already lexicographically sorted.
-            return _trie_draft(parts[0], None, self.separator, budget, L)
-        W = np.concatenate(parts, axis=1)
-        wt = np.concatenate([np.full(P.shape[1], max(1, int(_MASS * share) // P.shape[1]),
-                                     np.int64) for P, share in zip(parts, shares)])
-        order = np.lexsort(W[::-1])
-        return _trie_draft(W[:, order], wt[order], self.separator, budget, L)
+
+class Match(NamedTuple):
+    """Where one suffix of a context occurs: its length and its suffix-array ranges (one
+    per shard that holds it; length 0: nowhere)."""
+
+    length: int
+    ranges: list
+
+    @property
+    def count(self) -> int:
+        """Occurrences of the suffix."""
+        return sum(j - i for _, i, j in self.ranges)
 
 
-def _trie_draft(W: np.ndarray, wt: np.ndarray | None, sep: int, budget: int,
-                match_len: int) -> Draft:
-    """Top-`budget` trie nodes of continuations given as sorted columns of W (depth x k).
+class SuffixQuery:
+    """A context validated once against a Reader's shards; `Reader.suffixes` makes one."""
 
-    Column i opens a new node at depth d unless it equals column i-1 on rows 0..d; a node's
-    mass is the weight of the columns it spans (unit weights when `wt` is None). Cells after
-    a document's end (the separator) belong to no node.
-    """
-    D, k = W.shape
-    valid = np.logical_and.accumulate(W != sep, axis=0)
-    new = valid.copy()
-    if k > 1:
-        new[:, 1:] &= np.logical_or.accumulate(W[:, 1:] != W[:, :-1], axis=0)
-    flat = new.ravel()  # depth-major: every parent precedes its children
-    starts = flat.nonzero()[0]
-    if not len(starts):
-        return Draft(match_len=match_len)
-    # Cells between two starts belong to the first (cells no node spans are empty).
-    if wt is None:
-        mass = np.add.reduceat(valid.ravel(), starts, dtype=np.int64)
-        root = k
-    else:
-        mass = np.add.reduceat((valid * wt).ravel(), starts)
-        root = int(wt.sum())
-    dep = starts // k
-    nid = np.cumsum(flat) - 1
-    parent = nid[starts - k]
-    parent[dep == 0] = -1
-    # Ranked by mass, then shallower first (parents precede): ascending order of
-    # dep - mass * (D + 1), i.e. of -(mass * (D + 1) + D - dep) shifted by D.
-    neg = dep - mass * (D + 1)
-    nn = len(starts)
-    if nn > budget:
-        sel = np.argpartition(neg, budget - 1)[:budget]
-        sel = sel[np.argsort(neg[sel], kind="stable")]
-    else:
-        sel = np.argsort(neg, kind="stable")
-    remap = np.empty(nn + 1, dtype=np.int64)
-    remap[sel] = np.arange(len(sel))
-    remap[-1] = -1  # parent -1 maps to -1
-    par = parent[sel]
-    pmass = np.concatenate((mass, (root,)))[par]
-    return Draft(
-        tokens=W.ravel()[starts[sel]].tolist(),
-        parents=remap[par].tolist(),
-        probs=(mass[sel] / pmass).tolist(),
-        sources=[REST] * len(sel),
-        match_len=match_len,
-    )
+    def __init__(self, reader: Reader, arr: np.ndarray, shards: list[_Shard]) -> None:
+        self.reader = reader
+        self.file = reader.file
+        self.separator = reader.separator
+        self._arr = arr
+        self._key = arr.astype(reader._be).tobytes()
+        self._shards = shards
+
+    def __len__(self) -> int:
+        return len(self._arr)
+
+    @_guarded
+    def longest(self, min_len: int) -> Match:
+        """The longest suffix of at least `min_len` tokens that occurs (length 0: none)."""
+        return Match(*self.reader._longest(self._arr, self._key, self._shards, min_len))
+
+    @_guarded
+    def occurrences(self, length: int) -> Match:
+        """Where the suffix of `length` tokens occurs."""
+        n, w = len(self._arr), self.reader._dtype.itemsize
+        return Match(length, self.reader._ranges(self._key[(n - length) * w:],
+                                                 int(self._arr[n - length]), self._shards))
+
+    @_guarded
+    def continuations(self, match: Match, limit: int, depth: int) -> np.ndarray | None:
+        """The `depth` tokens after up to `limit` of the match's occurrences, spread evenly
+        over them, as the columns of a [depth, k] array (None: no occurrence)."""
+        return self.reader._sample(match.length, match.ranges, limit, depth)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-from redraft.decoder.tree import Tree
+from redraft.proto.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -165,3 +166,12 @@ def accept(
     if params.greedy:
         return accept_greedy(logits, tree)
     return accept_sampling(logits, tree, params, generator)
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely next tokens after each row of `logits`, with their probabilities
+    (what the loop hands drafters that learn from the forward: `Drafter.observe`)."""
+    logits = logits.float()
+    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+    probs = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True))
+    return ids.cpu().numpy().astype(np.int32), probs.cpu().numpy().astype(np.float32)

@@ -2,17 +2,12 @@
 
 A tree forward of N tokens costs cost(N) seconds; a tree whose nodes have path probabilities
 p_i yields 1 + sum(p_i) tokens in expectation. Each step keeps the k best nodes that
-maximise (1 + sum of their p_i) / cost(k + 1). On a CPU cost grows quickly with N (the
-DESIGN notes 64 tokens at ~3x one), on a GPU it is nearly flat up to ~64, so the same
+maximise (1 + sum of their p_i) / cost(k + 1). On a CPU cost grows quickly with N (on the
+default model 64 tokens cost about 3x one), on a GPU it is nearly flat up to ~64, so the same
 rule drafts little on one and a lot on the other. The cost curve is measured once per
 (model, device, dtype, threads, kernels) and cached on disk, then kept honest by the forwards
 the decoder times anyway (`CostModel.observe`): a curve measured while the machine was busy
 is corrected within a few dozen steps and written back, instead of staying pessimistic.
-
-The drafters' probabilities are estimates. `Calibrator` corrects them online from what the
-target actually accepted (per source, binned by the predicted probability), so a drafter
-whose guesses never hit is soon given a budget of zero: with nothing accepted, decoding
-costs no more than plain decoding plus the drafter's own (small) lookup time.
 """
 
 from __future__ import annotations
@@ -21,34 +16,21 @@ import bisect
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from redraft.decoder.acceptance import Acceptance
-from redraft.decoder.tree import Tree
+from redraft.decoder.kernels import packed_linears
+from redraft.decoder.verify import TreeVerifier
+from redraft.proto.files import cache_root, write_cache
+from redraft.proto.tree import Tree
 
 # Dense at small sizes: CPU matrix kernels are not smooth there (on the default model with one
 # thread, 3 tokens cost more than 4: small-M GEMMs fall back to slower paths).
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 MAX_TREE_NODES = 256  # the largest fixed tree (`CostModel.flat`) a command accepts
-
-
-def cache_dir() -> Path:
-    """Where measured cost curves live (REDRAFT_CACHE overrides, as for tokenizers)."""
-    root = os.environ.get("REDRAFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "redraft"
-    )
-    return Path(root) / "costs"
-
-
-def calibration_path(model_name: str, drafter_name: str) -> Path:
-    """Where the calibration of one drafter combination on one model is kept."""
-    key = hashlib.sha256(f"{model_name}|{drafter_name}".encode()).hexdigest()[:16]
-    return cache_dir().parent / "calibration" / f"{key}.json"
 
 
 @dataclass
@@ -191,7 +173,7 @@ class CostModel:
         """Write the curve back to its cache file if forwards have corrected it since."""
         if self.path is None or self.corrections == self._saved_corrections:
             return
-        _write_json(self.path, self.to_json())
+        write_cache(self.path, _json_writer(self.to_json()))
         self._saved_corrections = self.corrections
 
     def describe(self) -> dict:
@@ -226,8 +208,6 @@ class CostModel:
         does (its first rounds try both), so each size gets the faster kind's time;
         without it, packed kernels run every forward where they apply.
         """
-        from redraft.decoder.verify import TreeVerifier
-
         verifier = TreeVerifier(model, packed_kernels, choose_kernels)
         vocab = int(model.config.vocab_size)
         gen = torch.Generator().manual_seed(0)
@@ -248,8 +228,6 @@ class CostModel:
         choose_kernels: bool = True,
     ) -> CostModel:
         """The cached curve for this model on this device and kernels, measured on first use."""
-        from redraft.decoder.kernels import packed_linears
-
         kernels = "stock"
         if packed_kernels and packed_linears(model) is not None:
             kernels = "chosen per size" if choose_kernels else "packed"
@@ -262,7 +240,7 @@ class CostModel:
              torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "", kernels]
         )
         key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-        path = (directory or cache_dir()) / f"{key}.json"
+        path = (directory or cache_root() / "costs") / f"{key}.json"
         try:
             curve = cls.from_json(json.loads(path.read_text()))
             curve.source = "cached"
@@ -271,110 +249,11 @@ class CostModel:
             curve = cls.measure(model, packed_kernels=packed_kernels,
                                 choose_kernels=choose_kernels)
             curve.source, curve.measure_seconds = "measured", time.perf_counter() - start
-            _write_json(path, curve.to_json())
+            write_cache(path, _json_writer(curve.to_json()))
         curve.path = path
         return curve
 
 
-def _write_json(path: Path, data: dict) -> None:
-    """Replace a cache file atomically; a cache that cannot be written is no error."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-# -- calibration ------------------------------------------------------------------------
-
-
-@dataclass
-class _Bins:
-    """Hit / trial counts per predicted-probability bin, seeded with a weak prior."""
-
-    hits: list[float]
-    trials: list[float]
-    observed_hits: int = 0
-    observed_trials: int = 0
-
-
-@dataclass
-class Calibrator:
-    """Maps a drafter's predicted acceptance probability to the observed one, per source."""
-
-    bins: int = 10
-    prior_weight: float = 2.0
-    _table: dict[str, _Bins] = field(default_factory=dict)
-
-    def _get(self, source: str) -> _Bins:
-        table = self._table.get(source)
-        if table is None:
-            centers = [(i + 0.5) / self.bins for i in range(self.bins)]
-            table = _Bins([c * self.prior_weight for c in centers], [self.prior_weight] * self.bins)
-            self._table[source] = table
-        return table
-
-    def _bin(self, p: float) -> int:
-        return min(self.bins - 1, max(0, int(p * self.bins)))
-
-    def apply(self, tree: Tree) -> Tree:
-        """A copy of the tree whose probs are the calibrated ones."""
-        probs = []
-        for p, src in zip(tree.probs, tree.sources):
-            t = self._get(src)
-            b = self._bin(p)
-            probs.append(t.hits[b] / t.trials[b])
-        return Tree(tree.tokens, tree.parents, probs, tree.sources)
-
-    def observe(self, raw: Tree, verified: Tree, acc: Acceptance) -> None:
-        """Record, for every verified node whose parent was accepted, whether it was accepted.
-
-        `raw` holds the drafter's original probs for the same nodes as `verified`.
-        """
-        accepted = set(acc.nodes)
-        for i, parent in enumerate(verified.parents):
-            if parent >= 0 and parent not in accepted:
-                continue
-            t = self._get(raw.sources[i])
-            b = self._bin(raw.probs[i])
-            t.trials[b] += 1.0
-            t.observed_trials += 1
-            if i in accepted:
-                t.hits[b] += 1.0
-                t.observed_hits += 1
-
-    # -- persistence: a new process starts from what earlier runs learned ----------------
-
-    def to_json(self) -> dict:
-        return {src: {"hits": t.hits, "trials": t.trials} for src, t in self._table.items()}
-
-    def load(self, path: Path) -> bool:
-        """Merge in saved counts (a missing or damaged file is ignored)."""
-        try:
-            data = json.loads(Path(path).read_text())
-            for src, t in data.items():
-                if len(t["hits"]) == len(t["trials"]) == self.bins:
-                    self._table[str(src)] = _Bins([float(h) for h in t["hits"]],
-                                                  [float(n) for n in t["trials"]])
-            return True
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return False
-
-    def save(self, path: Path, max_trials: float = 500.0) -> None:
-        """Write the counts, scaled down per bin past `max_trials` so old runs fade out."""
-        data = {}
-        for src, t in self._table.items():
-            hits, trials = [], []
-            for h, n in zip(t.hits, t.trials):
-                f = min(1.0, max_trials / n) if n > 0 else 1.0
-                hits.append(h * f)
-                trials.append(n * f)
-            data[src] = {"hits": hits, "trials": trials}
-        _write_json(Path(path), data)
-
-    def rate(self, source: str) -> float:
-        """Observed acceptance rate of the source's verified nodes (0 before any)."""
-        t = self._get(source)
-        return t.observed_hits / t.observed_trials if t.observed_trials else 0.0
+def _json_writer(data: dict):
+    text = json.dumps(data)
+    return lambda tmp: tmp.write_text(text)

@@ -14,14 +14,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-from redraft.datastore.errors import RedraftError
-from redraft.decoder.acceptance import Acceptance, SamplingParams, accept
-from redraft.decoder.budget import Calibrator, CostModel, calibration_path
-from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
-from redraft.decoder.recycle import top_candidates
-from redraft.decoder.text import IncrementalText, StopStrings
-from redraft.decoder.tree import Tree, join
+from redraft.decoder.acceptance import Acceptance, SamplingParams, accept, top_candidates
+from redraft.decoder.budget import CostModel
+from redraft.decoder.calibration import Calibrator, calibration_path
+from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
+from redraft.decoder.text import IncrementalText, StopStrings, chat_ids
 from redraft.decoder.verify import TreeVerifier
+from redraft.proto.errors import RedraftError
+from redraft.proto.tree import Tree, join
 
 log = logging.getLogger("redraft.decoder")
 
@@ -119,6 +119,35 @@ def speculative_decode(
 
 
 # -- the generator ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """One generation in progress: what the loop's stages read and update."""
+
+    ids: list[int]  # the prompt
+    max_new: int
+    params: SamplingParams
+    sampler: torch.Generator
+    eos_ids: set[int]
+    stats: GenerationStats
+    drafter: Drafter | None
+    cost: CostModel | None  # None without a drafter
+    text: IncrementalText
+    stops: StopStrings
+    context: list[int]  # prompt + output so far
+    packed_before: int
+    root: int = 0  # the last token, not yet in the cache
+    drafting: bool = False  # the drafter is started and has not failed
+    out: list[int] = field(default_factory=list)
+    shown: list[str] = field(default_factory=list)  # text pieces released so far
+    finish: str = "length"
+    started: float = 0.0
+    failures_before: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.out)
 
 
 class TextStream:
@@ -230,12 +259,7 @@ class Generator:
             raise GenerationError("this model's tokenizer has no chat template")
         if not any(str(m.get("content", "")).strip() for m in messages):
             raise GenerationError("empty prompt")
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return [int(t) for t in out]
+        return chat_ids(self.tokenizer, messages)
 
     # -- decoding ----------------------------------------------------------------------
 
@@ -280,7 +304,28 @@ class Generator:
         seed: int | None = 0,
         typical: bool = False,
     ):
+        """The decoding loop: `_start` (checks, prefill), then one `_step` per target forward
+        until the length, EOS or a stop string, then `_finish` (the result)."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical)
+        run = self._start(prompt, max_new_tokens, params, stop, eos, chat, seed)
+        try:
+            while run.remaining > 0:
+                new = self._step(run)
+                yield new, run.shown[-1]
+                if run.finish != "length":
+                    break
+        finally:
+            if run.drafter is not None:
+                self._safe(run.stats, run.drafter.end)
+                run.stats.drafter_errors += run.drafter.failures - run.failures_before
+        return self._finish(run)
+
+    # -- the stages of one generation ---------------------------------------------------
+
+    def _start(self, prompt, max_new_tokens: int, params: SamplingParams,
+               stop: Sequence[str] | None, eos: bool, chat: bool | None,
+               seed: int | None) -> _Run:
+        """Check the request, prefill the prompt, start the drafter."""
         try:
             params.validate()
         except ValueError as exc:
@@ -292,124 +337,158 @@ class Generator:
             raise GenerationError(
                 f"prompt is {len(ids)} tokens; the model's context is {self.context_limit}"
             )
-        max_new = min(int(max_new_tokens), self.context_limit - len(ids))
-        text, stops = IncrementalText(self.tokenizer), StopStrings(stop or [])
-        shown: list[str] = []
-        eos_ids = self.eos_ids if eos else set()
-        generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
         drafter = self.drafter
-        stats = GenerationStats(prompt_tokens=len(ids))
-        cost = self.cost if drafter is not None else None
-        packed_before = self.verifier.packed_forwards
+        run = _Run(
+            ids=ids,
+            max_new=min(int(max_new_tokens), self.context_limit - len(ids)),
+            params=params,
+            sampler=torch.Generator().manual_seed(0 if seed is None else int(seed)),
+            eos_ids=self.eos_ids if eos else set(),
+            stats=GenerationStats(prompt_tokens=len(ids)),
+            drafter=drafter,
+            cost=self.cost if drafter is not None else None,
+            text=IncrementalText(self.tokenizer),
+            stops=StopStrings(stop or []),
+            context=list(ids),
+            packed_before=self.verifier.packed_forwards,
+        )
+        t0 = time.perf_counter()
+        run.root = prefill(self.verifier, ids)
+        _sync(self.verifier.device)
+        run.stats.prefill_seconds = time.perf_counter() - t0
+        run.started = time.perf_counter()
+        if drafter is not None:
+            run.failures_before = drafter.failures
+            run.drafting = self._safe(run.stats, drafter.begin, run.context)
+        return run
 
+    def _step(self, run: _Run) -> list[int]:
+        """One target forward: draft, choose the tree, verify it, accept, inform the drafter;
+        returns the new tokens."""
+        step_start = time.perf_counter()
+        raw, side = self._draft(run)
+        raw, tree = self._choose(run, raw, side)
+        acc = self._verify(run, tree, side)
+        new = self._accept(run, acc, raw, tree)
+        self._inform_drafter(run, acc, new)
+        if run.cost is not None:
+            run.cost.observe(len(tree) + len(side) + 1, self.verifier.last_forward_cost)
+            self._learn_overhead(run.cost, time.perf_counter() - step_start,
+                                 self.verifier.last_forward_seconds)
+        return new
+
+    def _draft(self, run: _Run) -> tuple[Tree, Tree]:
+        """The drafter's tree and side rows for this step, within the budget and checked; a
+        drafter that fails is dropped for the rest of the generation."""
+        raw = side = Tree()
+        remaining = run.remaining
+        budget = 0
+        if run.drafting and remaining > 1:
+            budget = run.cost.max_nodes
+            if self.max_nodes is not None:
+                budget = min(budget, self.max_nodes)
+        if budget <= 0:
+            return raw, side
+        drafter, stats = run.drafter, run.stats
         t0 = time.perf_counter()
-        root = prefill(self.verifier, ids)
-        _sync(self.verifier.device)
-        stats.prefill_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        context = list(ids)
-        out: list[int] = []
-        finish = "length"
-        drafter_ok = drafter is not None
-        failures_before = drafter.failures if drafter is not None else 0
-        if drafter_ok:
-            drafter_ok = self._safe(stats, drafter.begin, context)
         try:
-            while len(out) < max_new:
-                step_start = time.perf_counter()
-                remaining = max_new - len(out)
-                raw = side = Tree()
-                budget = 0
-                if drafter_ok and remaining > 1:
-                    budget = cost.max_nodes
-                    if self.max_nodes is not None:
-                        budget = min(budget, self.max_nodes)
-                if budget > 0:
-                    t0_draft = time.perf_counter()
-                    try:
-                        vocab = int(self.model.config.vocab_size)
-                        side = drafter.side_rows(context)
-                        side.validate(vocab)
-                        if len(side) > budget:  # a forward capped below the drafter's rows
-                            side = Tree()
-                        raw = drafter.propose(context, budget - len(side))
-                        raw.validate(vocab)
-                    except Exception as exc:  # drafts are optional: never fail a generation
-                        self._drafter_failed(stats, exc)
-                        drafter_ok, raw, side = False, Tree(), Tree()
-                    stats.draft_seconds += time.perf_counter() - t0_draft
-                    raw = raw.limit_depth(min(self.max_depth, remaining - 1))
-                tree = raw
-                if len(raw):
-                    calibrated = self.calibrator.apply(raw)
-                    keep = cost.select(calibrated, self.max_nodes, self.step_overhead, len(side))
-                    raw, tree = raw.subset(keep), calibrated.subset(keep)
-                want = drafter.candidates_wanted if drafter_ok else 0
-                want_hidden = drafter_ok and drafter.hidden_wanted
-                acc = speculative_decode(self.verifier, root, tree, params, generator, want,
-                                         want_hidden, side)
-                forward_seconds = self.verifier.last_forward_seconds
-                stats.forward_seconds += forward_seconds
-                t0_draft = time.perf_counter()
-                if acc.candidates is not None:
-                    drafter_ok = self._safe(stats, drafter.observe, context, tree,
-                                            *acc.candidates)
-                if drafter_ok and acc.side is not None:
-                    drafter_ok = self._safe(stats, drafter.observe_side, *acc.side)
-                stats.draft_seconds += time.perf_counter() - t0_draft
-                stats.steps += 1
-                new = acc.tokens[:remaining]
-                for i, t in enumerate(new):
-                    if t in eos_ids:
-                        new, finish = new[: i + 1], "eos"
-                        break
-                if len(tree):
-                    stats.drafted += len(tree)
-                    self.calibrator.observe(raw, tree, acc)
-                    for node in acc.nodes[: len(new)]:  # drafts past an EOS are not output
-                        src = tree.sources[node]
-                        stats.accepted[src] = stats.accepted.get(src, 0) + 1
-                    reached = {-1, *acc.nodes}
-                    for parent, src in zip(tree.parents, tree.sources):
-                        if parent in reached:
-                            stats.tried[src] = stats.tried.get(src, 0) + 1
-                out.extend(new)
-                context.extend(new)
-                root = new[-1]
-                shown.append(stops.feed(text.push(new)))
-                if stops.stopped:
-                    finish = "stop"
-                t0_draft = time.perf_counter()
-                if drafter_ok:  # the last step's tokens too: drafters that learn keep them
-                    drafter_ok = self._safe(stats, drafter.update, new)
-                if drafter_ok and finish == "length" and len(out) < max_new:
-                    if acc.hidden is not None and len(new) == len(acc.tokens):
-                        drafter_ok = self._safe(stats, drafter.observe_hidden, context,
-                                                acc.hidden)
-                stats.draft_seconds += time.perf_counter() - t0_draft
-                if cost is not None:
-                    cost.observe(len(tree) + len(side) + 1, self.verifier.last_forward_cost)
-                    self._learn_overhead(cost, time.perf_counter() - step_start, forward_seconds)
-                yield new, shown[-1]
-                if finish != "length":
-                    break
-        finally:
-            if drafter is not None:
-                self._safe(stats, drafter.end)
-                stats.drafter_errors += drafter.failures - failures_before
+            vocab = int(self.model.config.vocab_size)
+            side = drafter.side_rows(run.context)
+            side.validate(vocab)
+            if len(side) > budget:  # a forward capped below the drafter's rows
+                side = Tree()
+            raw = drafter.propose(run.context, budget - len(side))
+            raw.validate(vocab)
+        except Exception as exc:  # drafts are optional: never fail a generation
+            self._drafter_failed(stats, exc)
+            run.drafting, raw, side = False, Tree(), Tree()
+        stats.draft_seconds += time.perf_counter() - t0
+        return raw.limit_depth(min(self.max_depth, remaining - 1)), side
+
+    def _choose(self, run: _Run, raw: Tree, side: Tree) -> tuple[Tree, Tree]:
+        """The nodes worth verifying: (raw, calibrated) sub-trees the cost curve picks."""
+        if not len(raw):
+            return raw, raw
+        calibrated = self.calibrator.apply(raw)
+        keep = run.cost.select(calibrated, self.max_nodes, self.step_overhead, len(side))
+        return raw.subset(keep), calibrated.subset(keep)
+
+    def _verify(self, run: _Run, tree: Tree, side: Tree) -> Acceptance:
+        """The forward over root + tree (+ side rows), acceptance, and the drafter's hooks on
+        what the forward computed."""
+        drafter, stats = run.drafter, run.stats
+        want = drafter.candidates_wanted if run.drafting else 0
+        want_hidden = run.drafting and drafter.hidden_wanted
+        acc = speculative_decode(self.verifier, run.root, tree, run.params, run.sampler, want,
+                                 want_hidden, side)
+        stats.forward_seconds += self.verifier.last_forward_seconds
+        t0 = time.perf_counter()
+        if acc.candidates is not None:
+            run.drafting = self._safe(stats, drafter.observe, run.context, tree,
+                                      *acc.candidates)
+        if run.drafting and acc.side is not None:
+            run.drafting = self._safe(stats, drafter.observe_side, *acc.side)
+        stats.draft_seconds += time.perf_counter() - t0
+        stats.steps += 1
+        return acc
+
+    def _accept(self, run: _Run, acc: Acceptance, raw: Tree, tree: Tree) -> list[int]:
+        """The step's new tokens (cut at EOS), counted per source, added to the context and
+        the text."""
+        stats = run.stats
+        new = acc.tokens[: run.remaining]
+        for i, t in enumerate(new):
+            if t in run.eos_ids:
+                new, run.finish = new[: i + 1], "eos"
+                break
+        if len(tree):
+            stats.drafted += len(tree)
+            self.calibrator.observe(raw, tree, acc)
+            for node in acc.nodes[: len(new)]:  # drafts past an EOS are not output
+                src = tree.sources[node]
+                stats.accepted[src] = stats.accepted.get(src, 0) + 1
+            reached = {-1, *acc.nodes}
+            for parent, src in zip(tree.parents, tree.sources):
+                if parent in reached:
+                    stats.tried[src] = stats.tried.get(src, 0) + 1
+        run.out.extend(new)
+        run.context.extend(new)
+        run.root = new[-1]
+        run.shown.append(run.stops.feed(run.text.push(new)))
+        if run.stops.stopped:
+            run.finish = "stop"
+        return new
+
+    def _inform_drafter(self, run: _Run, acc: Acceptance, new: list[int]) -> None:
+        """The accepted tokens, and the hidden state for the next step, to the drafter."""
+        if not run.drafting:
+            return
+        drafter, stats = run.drafter, run.stats
+        t0 = time.perf_counter()
+        # the last step's tokens too: drafters that learn keep them
+        run.drafting = self._safe(stats, drafter.update, new)
+        if run.drafting and run.finish == "length" and run.remaining > 0:
+            if acc.hidden is not None and len(new) == len(acc.tokens):
+                run.drafting = self._safe(stats, drafter.observe_hidden, run.context,
+                                          acc.hidden)
+        stats.draft_seconds += time.perf_counter() - t0
+
+    def _finish(self, run: _Run) -> GenerationResult:
+        """Time and counters, what was learned saved, the text flushed."""
+        stats = run.stats
         _sync(self.verifier.device)
-        stats.seconds = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        stats.packed_forwards = self.verifier.packed_forwards - packed_before
+        stats.seconds = time.perf_counter() - run.started
+        stats.new_tokens = len(run.out)
+        stats.packed_forwards = self.verifier.packed_forwards - run.packed_before
         if self._calibration_file is not None:
             self.calibrator.save(self._calibration_file)
-        if cost is not None:
-            cost.save()  # what the timed forwards corrected, for the next process
-        shown.append(stops.feed(text.flush()))
-        if stops.stopped:
-            finish = "stop"
-        shown.append(stops.flush())
-        return GenerationResult(out, "".join(shown), stats, finish, ids)
+        if run.cost is not None:
+            run.cost.save()  # what the timed forwards corrected, for the next process
+        run.shown.append(run.stops.feed(run.text.flush()))
+        if run.stops.stopped:
+            run.finish = "stop"
+        run.shown.append(run.stops.flush())
+        return GenerationResult(run.out, "".join(run.shown), stats, run.finish, run.ids)
 
     def _learn_overhead(self, cost: CostModel, step_seconds: float, forward_seconds: float
                         ) -> None:

@@ -1,4 +1,4 @@
-"""Text of a generation as it grows: incremental detokenization and stop strings.
+"""Text of a generation: chat messages to prompt ids, incremental detokenization, stop strings.
 
 Decoding the whole output again at every step costs O(length) per step, O(length²) per
 generation. `IncrementalText` decodes only the tokens since the previous step, with the
@@ -73,3 +73,13 @@ class StopStrings:
         """The held-back text, once no stop string can complete it (the generation ended)."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template; with
+    `add_generation_prompt`, ending where the assistant's answer starts."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]

@@ -24,9 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from redraft.datastore.errors import RedraftError
 from redraft.decoder.kernels import packed_calls, packed_linears
-from redraft.decoder.tree import Tree
+from redraft.proto.errors import RedraftError
+from redraft.proto.tree import Tree
+from transformers import DynamicCache
 
 
 class UnsupportedModel(RedraftError):
@@ -59,8 +60,6 @@ def _split_model(model):
 
 
 def _make_cache(model):
-    from transformers import DynamicCache
-
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # older signature without config

@@ -30,7 +30,8 @@ import psutil
 from pydivsufsort import divsufsort
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore.build import BATCH_CHARS
-from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+from redraft.datastore.drafting import retrieval_tree
+from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, tokenizer_fingerprint, vocab_size
 
 HOLD_OUT_EVERY = 40
 
@@ -107,7 +108,7 @@ def accepted(draft, truth: list[int]) -> int:
 
 def time_lookups(r: Reader, ctxs, repeats: int = 1) -> dict:
     for c, _ in ctxs[:200]:  # warm the code paths (not the whole page cache)
-        r.propose(c)
+        retrieval_tree(r, c)
     gc.collect()
     gc.disable()
     try:
@@ -116,7 +117,7 @@ def time_lookups(r: Reader, ctxs, repeats: int = 1) -> dict:
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter_ns()
-                d = r.propose(c, budget=64)
+                d = retrieval_tree(r, c, budget=64)
                 best = min(best, time.perf_counter_ns() - t0)
             lat.append(best / 1e3)
             lm.append(d.match_len)
@@ -167,7 +168,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"cpus": os.cpu_count()}
 
-    tok = load_tokenizer("smollm2-135m")
+    tok = load_tokenizer(DEFAULT_MODEL)
     kept, held = stdlib_files()
     texts = [p.read_text() for p in kept]  # also warms the page cache for the build
     res["files"] = {"kept": len(kept), "held_out": len(held),
@@ -183,7 +184,7 @@ def main() -> None:
 
     ds = out / "stdlib"
     t0 = time.perf_counter()
-    m = build_datastore(kept, ds, tokenizer="smollm2-135m", corpus="stdlib")
+    m = build_datastore(kept, ds, tokenizer=DEFAULT_MODEL, corpus="stdlib")
     res["build_s"] = time.perf_counter() - t0
     res["build_ratio"] = res["build_s"] / (t_tok + t_sa)
     n_tok = m["n_tokens"]
@@ -207,7 +208,7 @@ def main() -> None:
         ds10 = out / "stdlib-10x"
         t0 = time.perf_counter()
         build_datastore(None, ds10, documents=big, fingerprint=tokenizer_fingerprint(tok),
-                        vocab_size=vocab, tokenizer="smollm2-135m", corpus="stdlib10x")
+                        vocab_size=vocab, tokenizer=DEFAULT_MODEL, corpus="stdlib10x")
         res["build_10x_s"] = time.perf_counter() - t0
         del big
         with Reader(ds10) as r:

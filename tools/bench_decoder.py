@@ -94,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
 
+    from redraft.decoder.drafters.registry import build_drafter
     from redraft.decoder.generate import Generator
-    from redraft.decoder.models import load_model
-    from redraft.decoder.registry import build_drafter
+    from redraft.decoder.models.loading import load_model
+    from redraft.proto.models import DEFAULT_MODEL
 
     torch.set_num_threads(args.threads)
-    name = args.model or "smollm2-135m"
+    name = args.model or DEFAULT_MODEL
     model, tok = load_model(args.model, device="cpu", dtype="float32")
     counter = CountForwards(model)
     tmp = tempfile.mkdtemp(prefix="redraft-bench-")

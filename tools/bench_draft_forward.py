@@ -15,10 +15,10 @@ import statistics
 import time
 
 import torch
-from redraft.decoder.draft_models import quantized_int8
 from redraft.decoder.drafters.draft_model import ModelRunner
-from redraft.decoder.int8_decoder import lean_int8
-from redraft.decoder.models import load_model
+from redraft.decoder.models.int8 import quantized_int8
+from redraft.decoder.models.int8_decoder import lean_int8
+from redraft.decoder.models.loading import load_model
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from redraft.decoder.budget import CostModel
-    from redraft.decoder.models import load_model
+    from redraft.decoder.models.loading import load_model
 
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     curves: dict[str, CostModel] = {}

@@ -16,7 +16,8 @@ import time
 
 from bench_datastore import contexts, stdlib_files
 from redraft.datastore import Reader
-from redraft.datastore.tokenizer import load_tokenizer
+from redraft.datastore.drafting import retrieval_tree
+from redraft.proto.models import DEFAULT_MODEL, load_tokenizer
 
 
 def main() -> None:
@@ -25,19 +26,19 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, default=600)
     ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args()
-    tok = load_tokenizer("smollm2-135m")
+    tok = load_tokenizer(DEFAULT_MODEL)
     _, held = stdlib_files()
     ctxs = [c for c, _ in contexts([tok.encode(p.read_text()) for p in held], args.contexts)]
     with Reader(args.datastore) as r:
         for c in ctxs[:100]:
-            r.propose(c, budget=64)
+            retrieval_tree(r, c, budget=64)
         for k in range(args.passes):
             t0 = time.perf_counter()
             for c in ctxs:
                 r.longest_match(c, max_len=16, min_len=2)
             t1 = time.perf_counter()
             for c in ctxs:
-                r.propose(c, budget=64)
+                retrieval_tree(r, c, budget=64)
             t2 = time.perf_counter()
             print(f"pass {k + 1}: longest match {(t1 - t0) / len(ctxs) * 1e6:.0f} us, "
                   f"propose (budget 64) {(t2 - t1) / len(ctxs) * 1e6:.0f} us per call")

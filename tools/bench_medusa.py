@@ -24,18 +24,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from redraft.datastore.tokenizer import load_tokenizer
-from redraft.decoder.medusa import HeadsPredictor, default_heads_path, load_heads
-from redraft.decoder.medusa_train import (
-    HiddenCache,
-    Positions,
-    read_documents,
-    split_held_out,
-    summary_table,
-)
-from redraft.decoder.models import load_model
-from redraft.decoder.tree import Tree
+from redraft.decoder.heads.committed import default_heads_path
+from redraft.decoder.heads.heads_file import load_heads
+from redraft.decoder.heads.hidden_cache import HiddenCache
+from redraft.decoder.heads.predictor import HeadsPredictor
+from redraft.decoder.heads.training import summary_table
+from redraft.decoder.heads.training_data import Positions, read_documents, split_held_out
+from redraft.decoder.models.loading import load_model
 from redraft.decoder.verify import TreeVerifier
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree
 
 
 def main() -> None:

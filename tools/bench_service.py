@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def held_out_tokens(tokenizer_name: str) -> list[list[int]]:
     """Token ids of this repository's Python sources (code the datastore has never seen)."""
-    from redraft.datastore.tokenizer import load_tokenizer
+    from redraft.proto.models import load_tokenizer
 
     tok = load_tokenizer(tokenizer_name)
     files = sorted(glob.glob(os.path.join(ROOT, "datastore", "*.py"))

@@ -32,6 +32,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from redraft.proto.models import DEFAULT_MODEL
+
 TOPICS = [
     "photosynthesis", "the French Revolution", "machine learning", "climate change",
     "the water cycle", "personal budgeting", "healthy sleep habits", "the Roman Empire",
@@ -156,7 +158,7 @@ def interleave(*sources: Iterator[tuple[str, str]]) -> Iterator[tuple[str, str]]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--out", required=True)
     ap.add_argument("--gsm8k", help="GSM8K train.jsonl (training split only)")
     ap.add_argument("--limit", type=int, default=1000, help="total prompts to answer")
@@ -169,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     import contextlib
 
     import torch
-    from redraft.datastore.tokenizer import load_tokenizer, resolve_model
     from redraft.decoder.kernels import packed_linears
+    from redraft.proto.models import load_tokenizer, resolve_model
     from transformers import AutoModelForCausalLM
 
     torch.set_grad_enabled(False)

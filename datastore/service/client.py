@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from redraft.datastore.draft import LEARNED, PLD, REST, Draft, source_label
-from redraft.datastore.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto import draft_pb2, draft_pb2_grpc
+from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
+from redraft.proto.tree import LEARNED, PLD, REST, Tree, source_label
 
 _SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD,
                 LEARNED: draft_pb2.SOURCE_LEARNED}
@@ -131,14 +131,14 @@ class ServiceInfo:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
-def draft_from_proto(reply: draft_pb2.DraftReply) -> Draft:
-    """Proto DraftReply -> Draft (sources as 'rest', 'pld', 'pld+rest'), 1:1.
+def tree_from_proto(reply: draft_pb2.DraftReply) -> Tree:
+    """Proto DraftReply -> Tree (sources as 'rest', 'pld', 'pld+rest'), 1:1.
 
     A reply whose tree is not a valid tree (arrays of different lengths, a missing
     probability, a parent after its child) is a server error, never filled in.
     """
     t = reply.tree
-    draft = Draft(
+    draft = Tree(
         tokens=list(t.tokens),
         parents=list(t.parents),
         probs=list(t.probs),
@@ -243,7 +243,7 @@ class DraftClient:
 
     def propose(self, context: Sequence[int], params: DraftParams | None = None,
                 tokenizer_fingerprint: str = "", timeout: float | None = None,
-                tenant: str = "") -> Draft:
+                tenant: str = "") -> Tree:
         """One-off draft for a full context (no server-side state; nothing is learned)."""
         req = draft_pb2.ProposeRequest(
             context=_check_ids(context, "context"),
@@ -251,7 +251,7 @@ class DraftClient:
             tokenizer_fingerprint=tokenizer_fingerprint,
             tenant=tenant,
         )
-        return draft_from_proto(self._unary(self._stub.Propose, req, timeout))
+        return tree_from_proto(self._unary(self._stub.Propose, req, timeout))
 
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
         """The server's counters (requests, sessions, errors, hit rate, latency, ...)."""
@@ -317,7 +317,7 @@ class DraftSession:
         self.timeout = timeout
         self.context: list[int] = _check_ids(prompt, "prompt")
         self._proto_params = params.to_proto()
-        self.draft: Draft = Draft()
+        self.draft: Tree = Tree()
         self.session_id = ""
         self.context_len = 0
         self.pld_match_len = 0
@@ -337,7 +337,7 @@ class DraftSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def open(self) -> Draft:
+    def open(self) -> Tree:
         """Open the stream with the whole context; returns (and keeps) the first draft."""
         self.close()
         requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -370,7 +370,7 @@ class DraftSession:
         self._deadline = None
 
     # ---- steps -------------------------------------------------------------------------
-    def step(self, accepted: Sequence[int], budget: int | None = None) -> Draft:
+    def step(self, accepted: Sequence[int], budget: int | None = None) -> Tree:
         """Append the tokens accepted since the last step; returns the next draft.
 
         The tokens count as part of the context even when the step fails (the decoder
@@ -396,7 +396,7 @@ class DraftSession:
                 raise
             return self._reopen(budget)  # server restarted or failed over: try once more
 
-    def _reopen(self, budget: int | None) -> Draft:
+    def _reopen(self, budget: int | None) -> Tree:
         """Open a fresh stream with the whole context (this step's budget, if any)."""
         self.reconnects += 1
         saved = self._proto_params
@@ -409,7 +409,7 @@ class DraftSession:
         finally:
             self._proto_params = saved
 
-    def _exchange(self, req: draft_pb2.SessionRequest) -> Draft:
+    def _exchange(self, req: draft_pb2.SessionRequest) -> Tree:
         call, requests = self._call, self._requests
         if call is None or requests is None:
             raise ServiceError("session is closed")
@@ -438,7 +438,7 @@ class DraftSession:
         self.pld_match_len = int(reply.draft.pld_match_len)
         self.learned_match_len = int(reply.draft.learned_match_len)
         self.expected_accepted = float(reply.draft.expected_accepted)
-        self.draft = draft_from_proto(reply.draft)
+        self.draft = tree_from_proto(reply.draft)
         return self.draft
 
     def _check_deadline(self, now: float) -> bool:

@@ -1,13 +1,6 @@
-"""Drafters: one module per source of drafts, behind the `Drafter` interface (`base`).
+"""Drafters: one module per source of drafts, each behind the `Drafter` interface
+(`redraft.decoder.drafter`) and each holding its own algorithm.
 
-Which drafters exist, their options and how to build them: `redraft.decoder.registry`.
+Which drafters exist, their options and how to build them: `registry` (`REGISTRY`,
+`build_drafter`); nothing else lists them.
 """
-
-from redraft.decoder.drafters.base import (
-    DEFAULT_MAX_DEPTH,
-    Drafter,
-    MergedDrafter,
-    UnknownDrafter,
-)
-
-__all__ = ["DEFAULT_MAX_DEPTH", "Drafter", "MergedDrafter", "UnknownDrafter"]

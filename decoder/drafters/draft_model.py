@@ -1,5 +1,14 @@
 """`draft-model`: an independent causal LM drafting autoregressively, with its own KV cache.
 
+What `--draft-model` names (`draft_model`):
+
+- a model name (anything `load_model` resolves): it must share the target's tokenizer, which
+  is checked by fingerprint before the model is loaded;
+- `int8`: the target with every linear layer in int8 (on the lean int8 decoder where the
+  architecture allows, else module by module): the same weights with cheaper arithmetic;
+- `skip:L`: the target's first L decoder layers, its final norm and LM head, sharing the
+  target's weights (no copy): an early exit without training.
+
 Each step the draft model first catches up with what the target accepted (its cache keeps
 the longest prefix it shares with the context; the rest is fed in one forward, whose last row
 already predicts the first draft token), then drafts greedily: a chain of its top-1 tokens,
@@ -18,13 +27,19 @@ wrong for its forward to pay drafts nothing (probing now and then to notice a ch
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
-from redraft.decoder.int8_decoder import Int8Decoder
-from redraft.decoder.tree import Tree
+from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
+from redraft.decoder.models.early_exit import first_layers
+from redraft.decoder.models.int8 import quantized_int8
+from redraft.decoder.models.int8_decoder import Int8Decoder, lean_int8
+from redraft.decoder.models.loading import load_model
 from redraft.decoder.verify import TreeVerifier
+from redraft.proto.errors import RedraftError
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
+from redraft.proto.tree import Tree
 
 SOURCE = "draft-model"  # the chain of top-1 tokens
 ALT_SOURCE = "draft-model-alt"  # the top-k siblings: calibrated apart, they hit far less often
@@ -32,6 +47,60 @@ DECAY = 0.9  # weight of the past in the running estimates (a few dozen steps of
 PROBE_EVERY = 8  # steps between drafts when drafting does not pay, to notice a change
 COLD_VALUE = 0.3  # tokens a draft forward's time is worth before any step was measured
 CHUNK = 64  # rows per call when the draft model catches up with a long context
+
+
+# -- what --draft-model names ------------------------------------------------------------
+
+INT8 = "int8"
+SKIP = "skip"
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """("int8", None), ("skip", L) or ("name", None); a malformed skip:L is an error."""
+    spec = spec.strip()
+    if not spec:
+        raise UnknownDrafter("--draft-model needs a value: int8, skip:L or a model name")
+    if spec.lower() == INT8:
+        return INT8, None
+    if spec.lower().startswith(SKIP + ":"):
+        value = spec.split(":", 1)[1]
+        if not value.isdigit() or int(value) < 1:
+            raise UnknownDrafter(f"--draft-model {spec}: skip:L needs a layer count L >= 1")
+        return SKIP, int(value)
+    return "name", None
+
+
+def check_tokenizer(name: str, target_tokenizer) -> None:
+    """Refuse a draft model whose token ids mean something else than the target's."""
+    try:
+        theirs = tokenizer_fingerprint(load_tokenizer(name))
+    except RedraftError as exc:
+        raise UnknownDrafter(f"draft model {name!r}: {exc}") from None
+    ours = tokenizer_fingerprint(target_tokenizer)
+    if theirs != ours:
+        raise UnknownDrafter(f"draft model {name!r} has another tokenizer than the target "
+                             f"(fingerprint {theirs} vs {ours}); it must share the target's")
+
+
+def draft_model(spec: str, load_target: Callable[[], Any], target_tokenizer):
+    """The draft model a `--draft-model` value names, in eval mode.
+
+    The target is loaded (`load_target()`) only after the value and the tokenizer check out.
+    A named model goes on the target's device, in its dtype.
+    """
+    kind, layers = parse_spec(spec)
+    if kind == "name":
+        check_tokenizer(spec, target_tokenizer)
+    target = load_target()
+    if kind == INT8:
+        return lean_int8(target) or quantized_int8(target)
+    if kind == SKIP:
+        return first_layers(target, layers)
+    p = next(target.parameters())
+    return load_model(spec, device=str(p.device), dtype=p.dtype)[0]
+
+
+# -- the drafter -----------------------------------------------------------------------------
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -229,8 +298,6 @@ class ModelRunner:
 
 
 def make(ctx) -> DraftModelDrafter:
-    from redraft.decoder.draft_models import draft_model
-
     top_k, steps = int(ctx.option("draft_top_k")), int(ctx.option("draft_branch_steps"))
     depth = int(ctx.option("draft_depth"))
     if top_k < 1 or steps < 0 or depth < 0:

@@ -22,8 +22,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from redraft.decoder.drafters.base import Drafter, MergedDrafter
-from redraft.decoder.tree import Tree
+from redraft.decoder.drafter import Drafter, MergedDrafter
+from redraft.decoder.drafters import medusa
+from redraft.decoder.drafters.hybrid import copying_members
+from redraft.proto.tree import Tree
 
 COMPARE_NODES = 16
 DECAY = 0.8
@@ -135,9 +137,6 @@ class FallbackDrafter(Drafter):
 
 
 def make(ctx) -> FallbackDrafter:
-    from redraft.decoder.drafters import medusa
-    from redraft.decoder.drafters.hybrid import copying_members
-
     members = copying_members(ctx, "fallback")
     copying = MergedDrafter(members)
     try:

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from redraft.decoder.drafters.base import Drafter, MergedDrafter, UnknownDrafter
+from redraft.decoder.drafter import Drafter, MergedDrafter, UnknownDrafter
+from redraft.decoder.drafters import medusa, pld, recycle, rest
+from redraft.decoder.drafters.registry import copying_drafters
 
 
 def copying_members(ctx, composite: str) -> list[Drafter]:
     """pld, rest (when a datastore or draft service is given) and recycle, built as the
     registry builds them."""
-    from redraft.decoder.drafters import pld, recycle, rest
-    from redraft.decoder.registry import copying_drafters
-
     if len(ctx.names) > 1:
         raise UnknownDrafter(f"'{composite}' already combines drafters: name it alone")
     retrieval = bool(ctx.datastore or ctx.draft_service)
@@ -38,8 +37,6 @@ def copying_members(ctx, composite: str) -> list[Drafter]:
 
 
 def make(ctx) -> MergedDrafter:
-    from redraft.decoder.drafters import medusa
-
     members = copying_members(ctx, "hybrid")
     try:
         members.append(medusa.make(ctx))

@@ -26,8 +26,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
-from redraft.decoder.tree import Tree
+from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
+from redraft.proto.tree import Tree, trie
 
 SOURCE = "lookahead"
 WINDOW_SOURCE = "lookahead-window"
@@ -89,23 +89,20 @@ class LookaheadDrafter(Drafter):
         """The pool's n-grams after the root token, as a trie; a node's probability is its
         share of its parent's n-grams (the budget's calibration turns it into a rate)."""
         grams = self.pool.get(int(context[-1]))
-        tree = Tree()
         if not grams or budget <= 0:
-            return tree
-        counts: dict[tuple[int, ...], int] = {}  # path from the root -> n-grams through it
-        for rest, count in grams.items():
-            for d in range(1, min(len(rest), self.max_depth) + 1):
-                counts[rest[:d]] = counts.get(rest[:d], 0) + count
+            return Tree()
+        # the n-grams' trie (a node weighs the count of n-grams through it), taken
+        # shallower nodes first, so parents come first
+        t = trie((rest[: self.max_depth], count, 0) for rest, count in grams.items())
         total = sum(grams.values())
-        index: dict[tuple[int, ...], int] = {}
-        for path in sorted(counts, key=len):  # parents first
-            if len(tree) >= budget:
-                break
-            above = counts[path[:-1]] if len(path) > 1 else total
-            index[path] = len(tree)
-            tree.tokens.append(path[-1])
-            tree.parents.append(index[path[:-1]] if len(path) > 1 else -1)
-            tree.probs.append(counts[path] / above)
+        tree = Tree()
+        index: dict[int, int] = {}
+        for i in sorted(range(len(t.tokens)), key=t.depth.__getitem__)[:budget]:
+            parent = t.parents[i]
+            index[i] = len(tree)
+            tree.tokens.append(t.tokens[i])
+            tree.parents.append(index[parent] if parent >= 0 else -1)
+            tree.probs.append(t.weight[i] / (t.weight[parent] if parent >= 0 else total))
             tree.sources.append(SOURCE)
         return tree
 

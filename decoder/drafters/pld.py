@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter
-from redraft.decoder.tree import Tree
+from redraft.datastore.drafting import PromptLookup
+from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter
+from redraft.proto.tree import Tree
 
 
 class PLDDrafter(Drafter):
@@ -14,8 +15,6 @@ class PLDDrafter(Drafter):
     name = "pld"
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, **lookup_kwargs) -> None:
-        from redraft.datastore.pld import PromptLookup
-
         self._factory = lambda: PromptLookup(**lookup_kwargs)
         self.max_depth = max_depth
         self._lookup = self._factory()

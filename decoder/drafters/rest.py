@@ -2,7 +2,7 @@
 outputs learned from earlier generations.
 
 `DatastoreDrafter` reads a datastore directory in process (`--datastore DIR`) through the
-same session drafter the draft service runs (`redraft.datastore.session`), so both paths
+same session drafter the draft service runs (`redraft.datastore.drafting`), so both paths
 draft with the same tunings; it learns from this process's generations. `ServiceDrafter`
 asks the draft service (`--draft-service ADDR`), one streaming session per generation,
 which learns from every session it serves; if the service cannot be reached or fails
@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from redraft.datastore.draft import LEARNED, REST
-from redraft.datastore.learned import LearnedIndex
-from redraft.decoder.drafters.base import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
+from redraft.datastore import Reader
+from redraft.datastore.drafting import DraftSettings, LearnedIndex, SessionDrafter
+from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
-from redraft.decoder.tree import Tree
+from redraft.proto.errors import TokenizerMismatch
+from redraft.proto.models import tokenizer_fingerprint
+from redraft.proto.tree import LEARNED, REST, Tree
 
 log = logging.getLogger("redraft.decoder")
 
@@ -36,9 +38,6 @@ class DatastoreDrafter(Drafter):
     def __init__(self, path: str, tokenizer=None, max_depth: int = DEFAULT_MAX_DEPTH,
                  corpora: Sequence[str] | None = None,
                  learned: LearnedIndex | None = None) -> None:
-        from redraft.datastore.reader import Reader
-        from redraft.datastore.session import DraftSettings
-
         self.reader = Reader(path)
         if tokenizer is not None:
             try:
@@ -53,8 +52,6 @@ class DatastoreDrafter(Drafter):
         self._session = None
 
     def begin(self, prompt: Sequence[int]) -> None:
-        from redraft.datastore.session import SessionDrafter
-
         self.end()
         self._session = SessionDrafter(prompt, self.settings, self.reader, self.learned)
 
@@ -104,7 +101,7 @@ class ServiceDrafter(Drafter):
         sources: Sequence[str] = (REST, LEARNED),
         tenant: str = "",
     ) -> None:
-        from redraft.datastore.service.client import DraftClient
+        from redraft.datastore.service.client import DraftClient  # lazy: gRPC only for a service
 
         self.address = address
         self.fingerprint = fingerprint
@@ -125,8 +122,7 @@ class ServiceDrafter(Drafter):
 
         An unreachable server is not an error here: generation falls back to local drafts.
         """
-        from redraft.datastore.errors import TokenizerMismatch
-        from redraft.datastore.service.client import ServiceError
+        from redraft.datastore.service.client import ServiceError  # lazy: gRPC, as above
 
         try:
             info = self.client.info()
@@ -141,7 +137,7 @@ class ServiceDrafter(Drafter):
             )
 
     def begin(self, prompt: Sequence[int]) -> None:
-        from redraft.datastore.service.client import DraftParams
+        from redraft.datastore.service.client import DraftParams  # lazy: gRPC, as above
 
         self._close_session()
         self._failed = False
@@ -227,8 +223,6 @@ def make(ctx) -> Drafter:
         return DatastoreDrafter(ctx.datastore, ctx.tokenizer, max_depth=ctx.max_depth,
                                 learned=learned)
     if ctx.draft_service:
-        from redraft.datastore.tokenizer import tokenizer_fingerprint
-
         fallback = None if "pld" in ctx.names else PLDDrafter(max_depth=ctx.max_depth)
         sources = (REST, LEARNED) if learn == "on" else (REST,)
         service = ServiceDrafter(ctx.draft_service, tokenizer_fingerprint(ctx.tokenizer),

@@ -119,7 +119,7 @@ class Ref:
 
 
 def draft_paths(d) -> dict[tuple, float]:
-    """Path (tuple of tokens from the root) -> path probability of every node of a Draft."""
+    """Path (tuple of tokens from the root) -> path probability of every node of a Tree."""
     paths: list[tuple] = []
     out = {}
     for t, p, pp in zip(d.tokens, d.parents, d.path_probs()):
@@ -149,6 +149,25 @@ def make_store(tmp_path):
     return make
 
 
+def compare_tree(d, L, want, budget):
+    """A retrieval tree against the reference's path masses: the best `budget` of them."""
+    d.validate()
+    assert d.match_len == L
+    assert set(d.sources) <= {"rest"}
+    got = draft_paths(d)
+    assert len(d) == min(budget, len(want))
+    for path, p in got.items():
+        assert path in want, path
+        assert p == pytest.approx(want[path], rel=1e-9, abs=1e-12), path
+    # the chosen nodes are the best ones: their scores are the top of the reference's
+    top = sorted(want.values(), reverse=True)[:len(d)]
+    assert sorted(got.values(), reverse=True) == pytest.approx(top, rel=1e-9, abs=1e-12)
+    # best first: path probabilities never increase along the output order
+    pp = d.path_probs()
+    assert all(a >= b - 1e-12 for a, b in zip(pp, pp[1:]))
+
+
 @pytest.fixture
 def helpers():
-    return SimpleNamespace(Ref=Ref, draft_paths=draft_paths, random_docs=random_docs, MASS=MASS)
+    return SimpleNamespace(Ref=Ref, draft_paths=draft_paths, random_docs=random_docs, MASS=MASS,
+                           compare_tree=compare_tree)

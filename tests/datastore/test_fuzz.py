@@ -30,7 +30,7 @@ import pytest
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore import format as fmt
 from redraft.datastore.lmdbfile import NODE_HEADER, P_BRANCH, P_LEAF, PAGE_HEADER, LmdbFile
-from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
 CASES = int(os.environ.get("REDRAFT_FUZZ_CASES", "200"))
 SEED = int(os.environ.get("REDRAFT_FUZZ_SEED", "0"))
@@ -39,7 +39,7 @@ TIMEOUT_S = 120.0  # per command: a hang, not a slow machine
 _FORK_SERVER = r"""
 import io, json, os, signal, sys, time, traceback
 from redraft.decoder.cli import main
-from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 import redraft.datastore.build, redraft.datastore.cli, redraft.datastore.reader
 
 tokenizer_fingerprint(load_tokenizer("smollm2-135m"))  # both remembered across forks

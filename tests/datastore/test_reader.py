@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from redraft.datastore import InvalidQuery, Reader
+from redraft.datastore.drafting import retrieval_tree
 
 
 def _patterns(rng, docs, n, max_len=6, vocab=5):
@@ -58,73 +59,8 @@ def test_matches_never_cross_documents(make_store):
         assert r.find([3, 4]) == [(2, 0)]
         assert r.next_token_counts([3]) == {4: 1}  # doc 0's final 3 is followed by nothing
         assert r.longest_match([1, 2, 3, 4, 5]) == 2  # [4, 5] in doc 1; [3, 4, 5] nowhere
-        d = r.propose([7, 1, 2, 3], budget=10, min_support=1)
+        d = retrieval_tree(r, [7, 1, 2, 3], budget=10, min_support=1)
         assert d.match_len == 3 and len(d) == 0  # doc 0 ends after [1, 2, 3]: nothing follows
-
-
-def _compare_tree(helpers, d, L, want, budget):
-    d.validate()
-    assert d.match_len == L
-    assert set(d.sources) <= {"rest"}
-    got = helpers.draft_paths(d)
-    assert len(d) == min(budget, len(want))
-    for path, p in got.items():
-        assert path in want, path
-        assert p == pytest.approx(want[path], rel=1e-9, abs=1e-12), path
-    # the chosen nodes are the best ones: their scores are the top of the reference's
-    top = sorted(want.values(), reverse=True)[:len(d)]
-    assert sorted(got.values(), reverse=True) == pytest.approx(top, rel=1e-9, abs=1e-12)
-    # best first: path probabilities never increase along the output order
-    pp = d.path_probs()
-    assert all(a >= b - 1e-12 for a, b in zip(pp, pp[1:]))
-
-
-@pytest.mark.parametrize("shard_tokens", [10_000, 250])
-def test_propose_matches_brute_force(make_store, helpers, shard_tokens):
-    rng = np.random.default_rng(7)
-    docs = helpers.random_docs(rng, 30, 4, max_len=50)
-    path = make_store(docs, vocab=4, shard_tokens=shard_tokens)
-    with Reader(path) as r:
-        shard_docs = [list(range(s["first_doc"], s["first_doc"] + s["n_docs"]))
-                      for s in r.manifest["shards"]]
-        ref = helpers.Ref(docs, shard_docs=shard_docs, sep=r.separator)
-        checked = 0
-        for _ in range(40):
-            ctx = rng.integers(0, 4, size=int(rng.integers(2, 12))).tolist()
-            for kw in [dict(max_occurrences=10**6, min_support=1),
-                       dict(max_occurrences=7, min_support=1),
-                       dict(max_occurrences=10**6, min_support=50, max_depth=5)]:
-                if len(r.manifest["shards"]) > 1 and kw["max_occurrences"] == 7:
-                    continue  # cross-shard sampling order is covered in the 1-shard case
-                L, want = ref.propose_masses(ctx, **kw)
-                for budget in (1000, 9):
-                    d = r.propose(ctx, budget=budget, **kw)
-                    _compare_tree(helpers, d, L, want, budget)
-                checked += bool(want)
-        assert checked > 20
-
-
-def test_sampling_spreads_over_the_whole_range(make_store):
-    """With more occurrences than max_occurrences, the sample covers all continuations."""
-    docs = [[7, t] for t in range(7)] * 20  # [7, t] for t = 0..6, 140 docs
-    with Reader(make_store(docs)) as r:
-        d = r.propose([7], budget=64, max_occurrences=7, min_match_len=1, min_support=1)
-        # the first 7 suffixes in SA order would all continue with 0; an even spread sees all
-        assert sorted(d.tokens) == list(range(7))
-        assert d.probs == pytest.approx([1 / 7] * 7)
-
-
-def test_backoff_when_support_is_low(make_store):
-    docs = [[1, 2, 3, 4], [9, 2, 3, 5], [8, 2, 3, 5], [7, 2, 3, 5]]
-    with Reader(make_store(docs, vocab=10)) as r:
-        only_long = r.propose([1, 2, 3], min_support=1)
-        assert only_long.match_len == 3 and only_long.tokens == [4]
-        mixed = r.propose([1, 2, 3], min_support=4)
-        assert mixed.match_len == 3
-        paths = dict(zip(mixed.tokens, mixed.probs))
-        # long match (n=1) gets 1/2; [2, 3] (4 occurrences: 4,5,5,5) shares the other half
-        assert paths[4] == pytest.approx(0.5 + 0.5 * 0.25)
-        assert paths[5] == pytest.approx(0.5 * 0.75)
 
 
 def test_corpus_filters_and_unknown_corpora(make_store, helpers, tmp_path):
@@ -148,13 +84,13 @@ def test_corpus_filters_and_unknown_corpora(make_store, helpers, tmp_path):
                 assert r.longest_match(pat, corpora=corp) == ref.longest(pat, 16, 1, c)
                 L, want = ref.propose_masses(pat, min_match_len=1, min_support=1,
                                              max_occurrences=10**6, corpora=c)
-                d = r.propose(pat, budget=10**4, min_match_len=1, min_support=1,
+                d = retrieval_tree(r, pat, budget=10**4, min_match_len=1, min_support=1,
                               max_occurrences=10**6, corpora=corp)
-                _compare_tree(helpers, d, L, want, 10**4)
+                helpers.compare_tree(d, L, want, 10**4)
         with pytest.raises(InvalidQuery, match="unknown corpora"):
             r.count([1], corpora=["nope"])
         with pytest.raises(InvalidQuery, match="unknown corpora"):
-            r.propose([1, 2], corpora="nope")
+            retrieval_tree(r, [1, 2], corpora="nope")
 
 
 def test_deleted_documents_are_invisible_to_every_verb(make_store, helpers):
@@ -177,9 +113,9 @@ def test_deleted_documents_are_invisible_to_every_verb(make_store, helpers):
             assert r.longest_match(pat) == ref.longest(pat)
             L, want = ref.propose_masses(pat, min_match_len=1, min_support=1,
                                          max_occurrences=10**6)
-            d = r.propose(pat, budget=10**4, min_match_len=1, min_support=1,
+            d = retrieval_tree(r, pat, budget=10**4, min_match_len=1, min_support=1,
                           max_occurrences=10**6)
-            _compare_tree(helpers, d, L, want, 10**4)
+            helpers.compare_tree(d, L, want, 10**4)
         # a pattern unique to a deleted document is gone everywhere
         only = docs[3] + [3, 3, 3, 2, 1]
         assert r.count(docs[3]) == ref.count(docs[3])
@@ -219,7 +155,7 @@ def test_deleted_documents_have_no_influence(make_store, helpers):
         assert a.n_docs == b.n_docs and a.n_tokens == b.n_tokens
         for ctx in _contexts(rng, docs, 3000):
             for kw in variants:
-                assert a.propose(ctx, **kw) == b.propose(ctx, **kw), (ctx, kw)
+                assert retrieval_tree(a, ctx, **kw) == retrieval_tree(b, ctx, **kw), (ctx, kw)
             tail = ctx[-3:]
             assert a.count(tail) == b.count(tail) and a.longest_match(ctx) == b.longest_match(ctx)
             assert a.next_token_counts(tail) == b.next_token_counts(tail), tail
@@ -266,7 +202,7 @@ def test_bad_queries_raise_invalid_query(make_store):
     with Reader(make_store([[1, 2, 3]], vocab=8)) as r:
         for bad in ([1, 8], [-1, 2], [1.5, 2.0], [[1, 2]], ["a"], [2**70]):
             with pytest.raises(InvalidQuery):
-                r.propose(bad)
+                retrieval_tree(r, bad)
             with pytest.raises(InvalidQuery):
                 r.count(bad)
         with pytest.raises(InvalidQuery, match="token id 99 is out of range"):
@@ -276,12 +212,12 @@ def test_bad_queries_raise_invalid_query(make_store):
         with pytest.raises(InvalidQuery, match="empty"):
             r.count([])
         with pytest.raises(InvalidQuery):
-            r.propose([1, 2], min_match_len=3, max_match_len=2)
+            retrieval_tree(r, [1, 2], min_match_len=3, max_match_len=2)
         with pytest.raises(InvalidQuery):
-            r.propose([1, 2], max_depth=0)
-        assert r.propose([]).tokens == []
-        assert r.propose([1, 2], budget=0).tokens == []
-        assert r.propose(np.array([1, 2], dtype=np.uint32), min_support=1).tokens == [3]
+            retrieval_tree(r, [1, 2], max_depth=0)
+        assert retrieval_tree(r, []).tokens == []
+        assert retrieval_tree(r, [1, 2], budget=0).tokens == []
+        assert retrieval_tree(r, np.array([1, 2], dtype=np.uint32), min_support=1).tokens == [3]
 
 
 def test_concurrent_threads_get_the_serial_answers(make_store, helpers):
@@ -289,9 +225,9 @@ def test_concurrent_threads_get_the_serial_answers(make_store, helpers):
     docs = helpers.random_docs(rng, 200, 6, max_len=200)
     ctxs = [rng.integers(0, 6, size=12).tolist() for _ in range(300)]
     with Reader(make_store(docs, vocab=6, shard_tokens=5000)) as r:
-        serial = [r.propose(c, budget=32) for c in ctxs]
+        serial = [retrieval_tree(r, c, budget=32) for c in ctxs]
         with ThreadPoolExecutor(8) as ex:
-            parallel = list(ex.map(lambda c: r.propose(c, budget=32), ctxs * 3))
+            parallel = list(ex.map(lambda c: retrieval_tree(r, c, budget=32), ctxs * 3))
     assert parallel == serial * 3
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from redraft.datastore import Reader, TokenizerMismatch, append_corpus, build_datastore
-from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+from redraft.datastore.drafting import retrieval_tree
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 INDEXED = ["bisect.py", "colorsys.py", "keyword.py", "heapq.py"]
@@ -66,7 +67,7 @@ def test_real_sequences_match_brute_force(real_store, tok, helpers):
         for ctx in contexts:
             assert r.longest_match(ctx, max_len=16, min_len=1) == ref.longest(ctx, 16, 1)
             L, want = ref.propose_masses(ctx, max_occurrences=10**6, min_support=4)
-            d = r.propose(ctx, budget=10**5, max_occurrences=10**6, min_support=4)
+            d = retrieval_tree(r, ctx, budget=10**5, max_occurrences=10**6, min_support=4)
             d.validate()
             assert d.match_len == L
             assert helpers.draft_paths(d) == pytest.approx(want, rel=1e-9)

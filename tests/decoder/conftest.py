@@ -45,7 +45,7 @@ def default_model():
     """(model, tokenizer) of the default model, fp32 on CPU; loaded once per test session."""
     if not have_default_model():
         pytest.skip("default model package not installed (make install)")
-    from redraft.decoder.models import load_model
+    from redraft.decoder.models.loading import load_model
 
     return load_model(None, device="cpu", dtype="float32")
 
@@ -63,8 +63,8 @@ CODE_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with tests.",
 ]
 
-# The CPU cost ratios measured for the default model (DESIGN.md), as a fixed curve: tests
-# then choose the same trees on every machine, and skip the ~10 s measurement.
+# The CPU cost ratios measured for the default model (64 tokens cost ~3x one), as a fixed
+# curve: tests then choose the same trees on every machine, and skip the ~10 s measurement.
 CPU_COST = ([1, 8, 16, 32, 64], [0.06, 0.06 * 1.36, 0.06 * 1.62, 0.06 * 2.14, 0.06 * 3.1])
 
 

@@ -7,19 +7,20 @@ import itertools
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from redraft.datastore import build_datastore
-from redraft.datastore.learned import LearnedIndex
-from redraft.datastore.tokenizer import load_tokenizer
+from redraft.datastore.drafting.learned import LearnedIndex
 from redraft.decoder.acceptance import (
     SamplingParams,
     accept_greedy,
     accept_sampling,
     target_probs,
+    top_candidates,
 )
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafters import Drafter, MergedDrafter
+from redraft.decoder.drafter import Drafter, MergedDrafter
 from redraft.decoder.drafters.draft_model import DraftModelDrafter
 from redraft.decoder.drafters.fallback import FallbackDrafter
 from redraft.decoder.drafters.lookahead import LookaheadDrafter
@@ -27,7 +28,8 @@ from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
-from redraft.decoder.tree import Tree
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree
 
 from .conftest import tiny_model
 
@@ -178,7 +180,7 @@ def test_sampling_with_learned_drafts_is_lossless(tmp_path):
 def _medusa(model):
     from redraft.decoder.drafters.medusa import MedusaDrafter
 
-    from .test_medusa_drafter import tiny_heads
+    from .drafters.test_medusa_drafter import tiny_heads
 
     # heads that read the next token (the root), as the committed ones do
     return MedusaDrafter(tiny_heads(model, accuracy=[[0.5, 0.8, 1.0]] * 3, next_token=True),
@@ -229,3 +231,11 @@ def test_typical_acceptance_is_detectably_lossy():
     counts, exact, _ = sample_sequences(SamplingParams(temperature=1.0, typical=True), n)
     stat, df = chi_square(counts, exact, n)
     assert stat > chi_square_critical(df), f"chi2={stat:.1f} df={df}: typical looked lossless"
+
+
+def test_top_candidates_are_the_softmax_top_k():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    ids, probs = top_candidates(logits, 4)
+    want_p, want_i = torch.softmax(logits, -1).topk(4, dim=-1)
+    assert ids.shape == (5, 4) and (ids == want_i.numpy()).all()
+    assert np.allclose(probs, want_p.numpy(), atol=1e-6)

@@ -6,12 +6,11 @@ import json
 import time
 
 import pytest
-from redraft.datastore.tokenizer import load_tokenizer
-from redraft.decoder.acceptance import Acceptance
-from redraft.decoder.budget import Calibrator, CostModel
+from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.generate import Generator
-from redraft.decoder.tree import Tree
+from redraft.proto.models import load_tokenizer
+from redraft.proto.tree import Tree
 
 from .conftest import CPU_COST, tiny_model
 
@@ -68,29 +67,6 @@ def test_cost_curve_interpolates_and_prefers_cheaper_bigger_forwards():
     assert len(CostModel([1, 2, 3, 4], [1.0, 1.5, 2.0, 1.6]).choose(tree)) == 3
 
 
-def test_calibrator_learns_that_a_source_never_hits():
-    cal = Calibrator()
-    cpu = CostModel(*CPU_COST)
-    raw = chain([0.9] * 8, source="rest")
-    assert len(cpu.choose(cal.apply(raw))) > 0
-    for _ in range(30):  # the target rejects the first node every time
-        tree = cal.apply(raw)
-        cal.observe(raw, tree, Acceptance(nodes=[], tokens=[1]))
-    assert len(cpu.choose(cal.apply(raw))) == 0
-    assert cal.rate("rest") < 0.2
-    # another source is unaffected
-    assert len(cpu.choose(cal.apply(chain([0.9] * 8, source="pld")))) > 0
-
-
-def test_calibrator_learns_a_reliable_source():
-    cal = Calibrator()
-    raw = chain([0.35] * 6)
-    for _ in range(40):
-        tree = cal.apply(raw)
-        cal.observe(raw, tree, Acceptance(nodes=list(range(6)), tokens=list(range(7))))
-    assert min(cal.apply(raw).probs) > 0.9
-
-
 def test_cost_curve_is_measured_once_and_cached(tmp_path):
     model = tiny_model("llama")
     curve = CostModel.for_model(model, "tiny", directory=tmp_path)
@@ -101,20 +77,6 @@ def test_cost_curve_is_measured_once_and_cached(tmp_path):
     files[0].write_text(json.dumps(data))
     again = CostModel.for_model(model, "tiny", directory=tmp_path)
     assert again.seconds == [7.0] * len(curve.sizes)  # read from the cache, not re-measured
-
-
-def test_calibration_persists_and_old_counts_fade(tmp_path):
-    cal = Calibrator()
-    raw = chain([0.95] * 4, source="rest")
-    for _ in range(1000):
-        cal.observe(raw, cal.apply(raw), Acceptance(nodes=[], tokens=[1]))
-    path = tmp_path / "cal.json"
-    cal.save(path, max_trials=100)
-    again = Calibrator()
-    assert again.load(path)
-    assert again.apply(raw).probs[0] == pytest.approx(cal.apply(raw).probs[0], rel=1e-6)
-    assert sum(again._get("rest").trials) < 200  # scaled down: new evidence still counts
-    assert not Calibrator().load(tmp_path / "missing.json")
 
 
 def test_a_per_step_overhead_makes_bigger_trees_worth_it():

@@ -9,13 +9,13 @@ import pytest
 import torch
 from redraft.datastore import Reader
 from redraft.datastore.service.server import ServerThread
-from redraft.datastore.tokenizer import tokenizer_fingerprint
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafters import MergedDrafter
+from redraft.decoder.drafter import MergedDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
+from redraft.decoder.drafters.registry import build_drafter
 from redraft.decoder.drafters.rest import DatastoreDrafter, ServiceDrafter
 from redraft.decoder.generate import GenerationError, Generator
-from redraft.decoder.registry import build_drafter
+from redraft.proto.models import tokenizer_fingerprint
 
 from .conftest import CODE_PROMPTS, CPU_COST
 

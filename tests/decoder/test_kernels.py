@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 from redraft.decoder.kernels import KernelChoice, packed_calls, packed_linears
-from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier
+from redraft.proto.tree import Tree
 
 from .conftest import tiny_model
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from redraft.datastore.tokenizer import load_tokenizer
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.generate import Generator
 from redraft.decoder.text import IncrementalText, StopStrings
+from redraft.proto.models import load_tokenizer
 
 from .conftest import CODE_PROMPTS, CPU_COST
 

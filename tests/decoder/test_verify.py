@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from redraft.decoder.tree import Tree
 from redraft.decoder.verify import TreeVerifier, tree_mask_rows
+from redraft.proto.tree import Tree
 
 from .conftest import tiny_model
 

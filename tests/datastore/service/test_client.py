@@ -18,8 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redraft.datastore import Reader, build_datastore
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import prompt_lookup
+from redraft.datastore.drafting import REST_CALIBRATION, calibrate, retrieval_tree
+from redraft.datastore.drafting.prompt_lookup import prompt_lookup
 from redraft.datastore.service.client import (
     DraftClient,
     DraftParams,
@@ -30,6 +30,7 @@ from redraft.datastore.service.client import (
 )
 from redraft.datastore.service.server import ServerThread
 from redraft.decoder.cli import main as redraft_main
+from redraft.proto.tree import merge
 
 FP = "sha256:client-test"
 VOCAB = 300
@@ -58,7 +59,7 @@ def free_port() -> int:
 
 
 def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
-    from redraft.datastore.service.cli import TOKEN_ENV, read_tokens
+    from redraft.datastore.service.serve_cli import TOKEN_ENV, read_tokens
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     assert read_tokens(None) == ()
@@ -107,8 +108,9 @@ def test_session_reopens_after_a_server_restart(reader):
             d = s.step(DOCS[0][32:34])
             assert s.reconnects == 1
             ctx = prompt + more
-            rest = calibrate(reader.propose(ctx, budget=16, max_occurrences=64), *REST_CALIBRATION)
-            want = merge_drafts([rest, prompt_lookup(ctx, 16)], 16)
+            rest = calibrate(retrieval_tree(reader, ctx, budget=16, max_occurrences=64),
+                             *REST_CALIBRATION)
+            want = merge([rest, prompt_lookup(ctx, 16)], 16)
             assert d.tokens == want.tokens and d.parents == want.parents
             assert s.context_len == len(ctx)
             assert len(s.step(DOCS[0][34:35])) > 0
@@ -188,9 +190,9 @@ def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, reader, cap
             d = s.step(DOCS[2][23:24])
             ctx = DOCS[2][:24]
             assert s.reconnects == 1 and s.context_len == 24 and s.context == ctx
-            rest = calibrate(reader.propose(ctx, budget=8, max_occurrences=64),
+            rest = calibrate(retrieval_tree(reader, ctx, budget=8, max_occurrences=64),
                              *REST_CALIBRATION)
-            want = merge_drafts([rest, prompt_lookup(ctx, 8)], 8)
+            want = merge([rest, prompt_lookup(ctx, 8)], 8)
             assert (d.tokens, d.parents) == (want.tokens, want.parents) and len(d) > 0
             assert redraft_main(["stats", "--server", address]) == 0
             printed = json.loads(capsys.readouterr().out)

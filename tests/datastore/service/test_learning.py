@@ -12,7 +12,8 @@ import grpc
 import pytest
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore.service.client import DraftClient, DraftParams, InvalidRequest
-from redraft.datastore.service.server import ServerThread, ServiceConfig
+from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.server import ServerThread
 from redraft.decoder.cli import main as redraft_main
 from redraft.proto import draft_pb2, draft_pb2_grpc
 

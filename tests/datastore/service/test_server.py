@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from redraft.datastore import Reader, build_datastore
-from redraft.datastore.merge import REST_CALIBRATION, calibrate, merge_drafts
-from redraft.datastore.pld import PromptLookup, prompt_lookup
+from redraft.datastore.drafting import REST_CALIBRATION, calibrate, retrieval_tree
+from redraft.datastore.drafting.prompt_lookup import PromptLookup, prompt_lookup
 from redraft.datastore.service.client import (
     AuthenticationFailed,
     DraftClient,
@@ -26,8 +26,10 @@ from redraft.datastore.service.client import (
     LimitExceeded,
     ServiceUnavailable,
 )
-from redraft.datastore.service.server import ServerThread, ServiceConfig, TLSFiles
+from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.server import ServerThread, TLSFiles
 from redraft.proto import draft_pb2, draft_pb2_grpc
+from redraft.proto.tree import merge
 
 FP = "sha256:service-test"
 VOCAB = 512
@@ -97,7 +99,7 @@ def same_tree(got, want) -> None:
 def rest_draft(reader, ctx, **kw):
     """The Reader's tree with the service's default calibration of REST probabilities."""
     kw.setdefault("max_occurrences", ServiceConfig().rest_max_occurrences)
-    return calibrate(reader.propose(ctx, **kw), *REST_CALIBRATION)
+    return calibrate(retrieval_tree(reader, ctx, **kw), *REST_CALIBRATION)
 
 
 def local_draft(reader, ctx, pl: PromptLookup | None, budget=64, depth=16, corpora=None,
@@ -108,7 +110,7 @@ def local_draft(reader, ctx, pl: PromptLookup | None, budget=64, depth=16, corpo
         drafts.append(rest_draft(reader, ctx, budget=budget, max_depth=depth, corpora=corpora))
     if "pld" in sources:
         drafts.append(pl.propose(budget, depth) if pl else prompt_lookup(ctx, budget, depth))
-    return merge_drafts(drafts, budget)
+    return merge(drafts, budget)
 
 
 def test_info_reports_the_manifest(client, reader):
@@ -139,11 +141,12 @@ def test_uncalibrated_server_returns_the_readers_own_trees(reader):
     config = ServiceConfig(rest_calibration=(1.0, 1.0), rest_max_occurrences=2)
     with ServerThread(reader, config=config) as srv, DraftClient(srv.address) as c:
         ctx = DOCS_A[9][:30]
-        want = reader.propose(ctx, budget=20, max_occurrences=2)
-        assert want != reader.propose(ctx, budget=20)  # the setting matters for this context
+        want = retrieval_tree(reader, ctx, budget=20, max_occurrences=2)
+        # the setting matters for this context
+        assert want != retrieval_tree(reader, ctx, budget=20)
         same_tree(c.propose(ctx, DraftParams(budget=20, sources=["rest"])), want)
         with c.session(ctx, DraftParams(budget=20, max_depth=6, sources=["rest"]), FP) as s:
-            same_tree(s.step(DOCS_A[9][30:33]), reader.propose(DOCS_A[9][:33], budget=20,
+            same_tree(s.step(DOCS_A[9][30:33]), retrieval_tree(reader, DOCS_A[9][:33], budget=20,
                                                                 max_depth=6, max_occurrences=2))
 
 

@@ -1,0 +1,92 @@
+"""`redraft index`: build a datastore from corpora, append to it, or delete documents."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from redraft.datastore.build import (
+    DEFAULT_SHARD_TOKENS,
+    append_corpus,
+    build_datastore,
+    delete_documents,
+)
+from redraft.datastore.reader import Reader
+from redraft.proto.errors import InvalidQuery
+from redraft.proto.models import DEFAULT_MODEL
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("index", help="build a datastore from corpora (or append / delete)",
+                       description="Tokenize corpora with the target model's tokenizer and "
+                       "index them as suffix arrays in an LMDB datastore. Replaces any "
+                       "datastore at --out atomically unless --append or --delete is given.")
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
+                   help="files, directories (recursive) or globs; .jsonl: one record per document")
+    p.add_argument("--out", required=True, metavar="DIR", help="datastore directory")
+    p.add_argument("--tokenizer", metavar="MODEL", default=None,
+                   help=f"model whose tokenizer to use (default: {DEFAULT_MODEL}; with --append: "
+                   "the datastore's)")
+    p.add_argument("--corpus", default="default", metavar="NAME",
+                   help="name of this corpus, for restricting lookups (default: default)")
+    p.add_argument("--field", default=None, metavar="NAME",
+                   help=".jsonl field holding the text (default: text, then messages/turns, "
+                   "then question+answer)")
+    p.add_argument("--append", action="store_true", help="add to the existing datastore")
+    p.add_argument("--delete", metavar="IDS", default=None,
+                   help="delete these comma-separated document ids (their tokens are removed) "
+                   "instead of indexing")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="leave out files matching GLOB (repeatable)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip unreadable or non-UTF-8 files and malformed .jsonl records with a "
+                   "warning instead of failing")
+    p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+                   help="maximum tokens per shard (default: 128 Mi)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=cmd_index)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    progress = not args.quiet
+    t0 = time.perf_counter()
+    if args.delete is not None:
+        if args.inputs or args.append:
+            raise InvalidQuery("--delete takes no inputs and no --append")
+        return _delete(args.out, set(int_list(args.delete, "--delete")))
+    common = dict(tokenizer=args.tokenizer, corpus=args.corpus, field=args.field,
+                  exclude=args.exclude, skip_bad=args.skip_bad, progress=progress)
+    if args.append:
+        m = append_corpus(args.inputs, args.out, shard_tokens=args.shard_tokens, **common)
+        verb = "appended to"
+    else:
+        m = build_datastore(args.inputs, args.out,
+                            shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, **common)
+        verb = "built"
+    last = m["build"]["history"][-1]
+    skipped = last.get("skipped", 0)
+    print(f"{verb} {args.out}: +{last['n_docs']:,} documents, +{last['n_tokens']:,} tokens "
+          f"(corpus {args.corpus}); total {m['n_docs']:,} documents, {m['n_tokens']:,} tokens "
+          f"in {m['n_shards']} shard(s), {time.perf_counter() - t0:.1f} s"
+          + (f"; skipped {skipped:,} bad file(s) or record(s)" if skipped else ""))
+    return 0
+
+
+def _delete(out: str, ids: set[int]) -> int:
+    if not ids:
+        raise InvalidQuery("--delete: no document ids given")
+    with Reader(out) as r:
+        before = len(r.deleted)
+    m = delete_documents(out, ids)
+    new = m["n_deleted"] - before
+    already = f" ({len(ids) - new} already deleted)" if len(ids) > new else ""
+    print(f"deleted {new} document(s){already} from {out}: {m['n_docs']:,} documents, "
+          f"{m['n_tokens']:,} tokens live")
+    return 0
+
+
+def int_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError as exc:
+        raise InvalidQuery(f"{what}: expected comma-separated integers, got {text!r}") from exc

@@ -1,0 +1,253 @@
+"""Learned drafts: an in-memory suffix index over the outputs already generated.
+
+Why: a corpus indexed offline knows nothing of what this model is saying now, and prompt
+lookup only sees the current generation. Workloads that answer the same prompt many times
+(best-of-N, self-consistency, reinforcement-learning rollouts) or repeat themselves (agents
+calling the same tools) keep producing text they produced before; drafting from earlier
+outputs turns that into accepted tokens.
+
+Each generation's output is one document: the last `PROMPT_TAIL` tokens of its prompt (so
+the start of an answer is found from the question it answers), then every token the decoder
+accepted, appended as soon as it is accepted. An n-gram index maps each `LEVELS`-gram that
+ends at a position to its most recent `KEEP` positions; a lookup finds the context's suffix
+there, measures each occurrence's match (up to `MAX_MATCH` tokens) and merges the best
+occurrences' continuations into one trie with prompt lookup's tree builder, labelled
+`learned`.
+
+Documents live in pools: one per tenant, so that text one tenant generated is never drafted
+for another (`shared=True` puts every tenant in one pool). Memory is bounded by `max_tokens`:
+whole documents are evicted oldest first, their index entries with them. All methods are
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+
+from redraft.datastore.drafting.prompt_lookup import continuation_tree
+from redraft.proto.tree import LEARNED, Tree
+
+PROMPT_TAIL = 16  # prompt tokens stored in front of each output
+LEVELS = (4, 2)  # n-gram lengths indexed, longest first (`_key` packs exactly these)
+KEEP = 16  # positions kept per n-gram (the most recent; a lookup scans no more)
+MAX_MATCH = 32  # longest match measured
+MAX_OCCURRENCES = 8  # occurrences merged into one tree
+_POS_BITS = 24  # an index entry is doc_id << _POS_BITS | position
+_POS_MASK = (1 << _POS_BITS) - 1
+MAX_DOC_TOKENS = _POS_MASK  # a longer output stops being recorded
+
+
+def _ending_keys(tokens: Sequence[int], end: int) -> Iterator[int]:
+    """The keys of the indexed n-grams ending at `end` (those with n tokens up to it)."""
+    for n in LEVELS:
+        if end + 1 >= n:
+            yield _key(tokens, end, n)
+
+
+def _key(tokens: Sequence[int], end: int, n: int) -> int:
+    """The n tokens ending at `end` packed into one int (exact for ids below 2^21; a larger
+    id can collide, which only proposes a candidate: every match is checked on the tokens)."""
+    if n == 2:
+        return tokens[end - 1] << 21 | tokens[end]
+    return ((tokens[end - 3] << 21 | tokens[end - 2]) << 21 | tokens[end - 1]) << 21 | tokens[end]
+
+
+class _Doc:
+    """One generation's output in the index."""
+
+    __slots__ = ("id", "tenant", "pool", "tokens", "closed", "persisted")
+
+    def __init__(self, doc_id: int, tenant: str, pool: dict, tokens: list[int]) -> None:
+        self.id = doc_id
+        self.tenant = tenant
+        self.pool = pool  # this doc's n-gram index: key -> positions (entries)
+        self.tokens = tokens
+        self.closed = False
+        self.persisted = False
+
+
+class LearnedIndex:
+    """Outputs of many generations, indexed for drafting; bounded to `max_tokens` tokens."""
+
+    def __init__(self, max_tokens: int = 1_000_000, shared: bool = False) -> None:
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.max_tokens = int(max_tokens)
+        self.shared = shared
+        self.n_tokens = 0
+        self._docs: OrderedDict[int, _Doc] = OrderedDict()  # oldest first
+        self._pools: dict[str, dict[int, list[int]]] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def _pool(self, tenant: str) -> dict[int, list[int]]:
+        name = "" if self.shared else tenant
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = {}
+        return pool
+
+    # ---- writing ------------------------------------------------------------------------
+    def writer(self, tenant: str, prompt: Sequence[int]) -> LearnedWriter:
+        """A handle that records one generation's accepted tokens for `tenant`."""
+        return LearnedWriter(self, tenant, list(prompt[-PROMPT_TAIL:]))
+
+    def _new_doc(self, tenant: str, head: list[int]) -> _Doc:
+        doc = _Doc(self._next_id, tenant, self._pool(tenant), [])
+        self._next_id += 1
+        self._docs[doc.id] = doc
+        self._append(doc, head)
+        return doc
+
+    def _append(self, doc: _Doc, tokens: Iterable[int]) -> None:
+        toks, pool, base = doc.tokens, doc.pool, doc.id << _POS_BITS
+        for t in tokens:
+            if len(toks) >= MAX_DOC_TOKENS:
+                break
+            toks.append(int(t))
+            end = len(toks) - 1
+            for key in _ending_keys(toks, end):
+                positions = pool.get(key)
+                if positions is None:
+                    pool[key] = [base | end]
+                else:
+                    positions.append(base | end)
+                    if len(positions) > KEEP:
+                        del positions[0]
+            self.n_tokens += 1
+
+    def _evict(self, keep: _Doc | None) -> None:
+        """Drop the oldest documents until the bound holds (never `keep`, the one being
+        written, unless it alone is over the bound)."""
+        while self.n_tokens > self.max_tokens and self._docs:
+            doc = next(iter(self._docs.values()))
+            if doc is keep and len(self._docs) > 1:
+                self._docs.move_to_end(doc.id)
+                continue
+            self._drop(doc)
+
+    def _drop(self, doc: _Doc) -> None:
+        del self._docs[doc.id]
+        self.n_tokens -= len(doc.tokens)
+        toks, pool, base = doc.tokens, doc.pool, doc.id << _POS_BITS
+        for end in range(len(toks)):
+            for key in _ending_keys(toks, end):
+                positions = pool.get(key)
+                if positions is None:
+                    continue
+                try:
+                    positions.remove(base | end)
+                except ValueError:  # already pushed out by newer positions
+                    continue
+                if not positions:
+                    del pool[key]
+        doc.tokens = toks[-PROMPT_TAIL:]  # what a writer still on this output continues from
+
+    # ---- drafting -----------------------------------------------------------------------
+    def propose(self, tenant: str, context: Sequence[int], budget: int, max_depth: int
+                ) -> Tree:
+        """A tree continuing `context` from the outputs of `tenant`'s pool."""
+        if budget <= 0 or max_depth <= 0 or len(context) < LEVELS[-1]:
+            return Tree()
+        max_depth = min(max_depth, budget)
+        ctx = list(context[-MAX_MATCH:])
+        n = len(ctx)
+        with self._lock:
+            pool = self._pools.get("" if self.shared else tenant)
+            if not pool:
+                return Tree()
+            docs = self._docs
+            found: dict[int, tuple[int, _Doc, int]] = {}
+            for level in LEVELS:
+                if n < level or found:  # a shorter n-gram only when the longer found nothing
+                    continue
+                for entry in reversed(pool.get(_key(ctx, n - 1, level), ())):
+                    if entry in found:
+                        continue
+                    doc = docs.get(entry >> _POS_BITS)
+                    end = entry & _POS_MASK
+                    if doc is None or end + 1 >= len(doc.tokens):
+                        continue  # evicted, or nothing follows yet
+                    m = _match_len(doc.tokens, end, ctx, level)
+                    if m:
+                        found[entry] = (m, doc, end)
+            if not found:
+                return Tree()
+            best = sorted(found.items(), key=lambda kv: (-kv[1][0], -kv[0]))[:MAX_OCCURRENCES]
+            continuations = [(doc.tokens[end + 1 : end + 1 + max_depth], m)
+                             for _, (m, doc, end) in best]
+        return continuation_tree(continuations, budget, LEARNED)
+
+    # ---- persistence --------------------------------------------------------------------
+    def take_unpersisted(self, include_open: bool = False) -> list[tuple[str, list[int]]]:
+        """(tenant, tokens) of finished documents not handed out before, oldest first; they
+        count as persisted from now on. `include_open`: also those still being written (at
+        shutdown)."""
+        out = []
+        with self._lock:
+            for doc in self._docs.values():
+                if not doc.persisted and (doc.closed or include_open) and doc.tokens:
+                    doc.persisted = True
+                    out.append((doc.tenant, list(doc.tokens)))
+        return out
+
+    def load(self, documents: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Add finished, already persisted documents (tenant, tokens), oldest first."""
+        with self._lock:
+            for tenant, tokens in documents:
+                doc = self._new_doc(tenant, list(tokens))
+                doc.closed = doc.persisted = True
+            self._evict(None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"learned_tokens": self.n_tokens, "learned_docs": len(self._docs),
+                    "learned_max_tokens": self.max_tokens, "learned_pools": len(self._pools)}
+
+
+def _match_len(doc_tokens: list[int], end: int, ctx: list[int], level: int) -> int:
+    """How many tokens before and at `end` equal the context's last ones: 0 if fewer than
+    `level` (a hash collision), else `level` doubled while whole slices still agree (a lower
+    bound of the true length, found with a few slice comparisons instead of a loop)."""
+    n = len(ctx)
+    if end + 1 < level or doc_tokens[end + 1 - level : end + 1] != ctx[n - level :]:
+        return 0
+    m = level
+    while m < n and m < end + 1:
+        m2 = min(2 * m, n, end + 1)
+        if doc_tokens[end + 1 - m2 : end + 1] != ctx[n - m2 :]:
+            break
+        m = m2
+    return m
+
+
+class LearnedWriter:
+    """Records one generation's accepted tokens; the document is created by the first
+    accepted token (a generation that produced nothing leaves nothing)."""
+
+    def __init__(self, index: LearnedIndex, tenant: str, head: list[int]) -> None:
+        self.index = index
+        self.tenant = tenant
+        self._head = head
+        self._doc: _Doc | None = None
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if not tokens:
+            return
+        index = self.index
+        with index._lock:
+            doc = self._doc
+            if doc is None or doc.id not in index._docs:  # new, or evicted meanwhile
+                head = self._head if doc is None else doc.tokens[-PROMPT_TAIL:]
+                doc = self._doc = index._new_doc(self.tenant, head)
+            index._append(doc, tokens)
+            index._evict(doc)
+
+    def close(self) -> None:
+        """The generation ended: its document is final (and may be persisted)."""
+        doc, self._doc = self._doc, None
+        if doc is not None:
+            with self.index._lock:
+                doc.closed = True

@@ -1,0 +1,45 @@
+"""What one draft server allows: its limits and defaults (every limit enforced, never just
+advertised), and the service's name on the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redraft.datastore.drafting import DraftSettings
+from redraft.proto import draft_pb2
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+@dataclass
+class ServiceConfig:
+    """Limits and defaults of one server. Every limit is enforced, never just advertised."""
+
+    # A session costs ~300 bytes per context token (context + prompt-lookup index), so the
+    # worst case is about max_sessions * max_context_len * 300 B (64 * 128 Ki: ~2.5 GB).
+    max_context_len: int = 1 << 17  # tokens a session may hold
+    max_budget: int = 1024  # nodes per tree a client may ask for
+    max_depth: int = 128
+    max_sessions: int = 64
+    idle_timeout_s: float = 300.0
+    max_message_bytes: int = 16 << 20
+    default_budget: int = 64
+    default_depth: int = 16
+    grace_s: float = 5.0  # how long in-flight calls may finish after SIGTERM
+    rest_max_occurrences: int = DraftSettings.rest_max_occurrences
+    rest_calibration: tuple[float, float] = DraftSettings.rest_calibration
+    # Shared secrets expected as "authorization: Bearer <token>"; each one is a tenant.
+    token: str | tuple[str, ...] | None = None
+    # Learning from served outputs: "tenant" (drafts only for the same tenant), "global"
+    # (shared by all) or "off"; at most learn_max_tokens tokens kept, oldest evicted first.
+    learn: str = "tenant"
+    learn_max_tokens: int = 1_000_000
+    # Append what was learned to the datastore (corpus "learned") this often and at
+    # shutdown; 0 = keep it in memory only.
+    learn_persist_s: float = 0.0
+    # Check every array's crc32 in the background once serving (opening stays O(1)); a
+    # damaged datastore turns health NOT_SERVING and drafting UNAVAILABLE.
+    verify_checksums: bool = True
+
+
+LEARN_MODES = ("tenant", "global", "off")

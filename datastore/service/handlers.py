@@ -1,0 +1,260 @@
+"""The servicer of redraft.v1.Drafter: each RPC from the wire to drafting and back.
+
+Each session drafts through `redraft.datastore.drafting.SessionDrafter` (the decoder's
+in-process path runs the same class); around it the service validates every request before
+it touches the datastore (`validation`), keeps sessions in bounds (`sessions`), shares the
+learned outputs between them (`learning`) and stops drafting from a datastore found damaged
+(`verification`). A bad request ends only its own call with INVALID_ARGUMENT /
+FAILED_PRECONDITION / RESOURCE_EXHAUSTED and a message that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+
+import grpc
+from grpc_health.v1 import health
+from redraft.datastore.drafting import SessionDrafter
+from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
+from redraft.datastore.service.learning import LearnedOutputs
+from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
+from redraft.datastore.service.sessions import Sessions
+from redraft.datastore.service.stats import ServiceStats
+from redraft.datastore.service.validation import RequestValidator
+from redraft.datastore.service.verification import BackgroundVerification
+from redraft.proto import draft_pb2, draft_pb2_grpc
+from redraft.proto.errors import DatastoreError
+from redraft.proto.tree import source_bits
+
+
+class DrafterService(draft_pb2_grpc.DrafterServicer):
+    """Implements redraft.v1.Drafter over one open datastore Reader."""
+
+    def __init__(self, reader, config: ServiceConfig, stats: ServiceStats) -> None:
+        self.reader = reader
+        self.config = config
+        self.stats = stats
+        self.checks = RequestValidator(reader, config)
+        self.sessions = Sessions(config, stats)
+        self.verification = BackgroundVerification(reader, config.verify_checksums)
+        self.learning = LearnedOutputs(reader, config, stats, self.verification)
+        self.stopping = False
+
+    def _check_serving(self) -> None:
+        if self.stopping:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        damage = self.verification.damage
+        if damage is not None:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {damage}")
+
+    # ---- drafting ----------------------------------------------------------------------
+    def _draft(self, drafter: SessionDrafter, budget: int, out: draft_pb2.DraftReply,
+               kind: str | None) -> None:
+        """Tree from the session's sources under the budget, count, fill `out`."""
+        t0 = time.perf_counter()
+        try:
+            tree = drafter.propose(budget)
+        except DatastoreError as exc:
+            raise bad(str(exc)) from exc
+        expected = tree.expected_accepted
+        t = out.tree
+        t.tokens.extend(tree.tokens)
+        t.parents.extend(tree.parents)
+        t.probs.extend(tree.probs)
+        t.sources.extend([source_bits(s) for s in tree.sources])
+        out.match_len = drafter.rest_match_len
+        out.expected_accepted = expected
+        out.pld_match_len = drafter.pld_match_len
+        out.learned_match_len = drafter.learned_match_len
+        sources = {name for label in set(tree.sources) for name in label.split("+")}
+        self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
+
+    def _drafter(self, tokens, noun: str, field: str, params, tenant) -> SessionDrafter:
+        """A session drafter over `tokens` (the context or an opening prompt, message `field`),
+        checked first: length within max_context_len, every id in the vocabulary."""
+        self.checks.check_context(tokens, noun, field)
+        try:
+            return SessionDrafter(tokens, params, self.reader, self.learning.index, tenant)
+        except DatastoreError as exc:
+            raise bad(str(exc)) from exc
+
+    # ---- RPCs --------------------------------------------------------------------------
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: Refusal) -> None:
+        self.stats.add(errors=1)
+        await context.abort(exc.code, exc.message)
+
+    async def Propose(self, request, context):
+        try:
+            tenant = self.checks.auth(context)
+            check_parsed(request)
+            self._check_serving()
+            self.checks.check_fingerprint(request.tokenizer_fingerprint, required=False)
+            p = self.checks.settings(request.params)
+            tenant = self.checks.tenant(tenant, request.tenant)
+            # learns nothing: no tokens are accepted in a one-off call
+            drafter = self._drafter(request.context, "context", "context", p, tenant)
+            reply = draft_pb2.DraftReply()
+            self._draft(drafter, p.budget, reply, "propose_calls")
+            return reply
+        except Refusal as exc:
+            await self._fail(context, exc)
+
+    async def Session(self, request_iterator, context):
+        try:
+            tenant = self.checks.auth(context)
+            await self._session(context, tenant)
+        except Refusal as exc:
+            await self._fail(context, exc)
+
+    async def _session(self, context, tenant: str) -> None:
+        self._check_serving()
+        sessions = self.sessions
+        waiter = sessions.waiter()
+        first = await sessions.read(context, waiter)
+        if first is None:
+            return
+        if first.WhichOneof("kind") != "open":
+            raise bad("a session must start with an `open` message (got "
+                      f"`{first.WhichOneof('kind') or 'nothing'}`)")
+        opening = first.open
+        self.checks.check_fingerprint(opening.tokenizer_fingerprint, required=True)
+        p = self.checks.settings(opening.params)
+        tenant = self.checks.tenant(tenant, opening.tenant)
+        drafter = self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
+        session_id = sessions.open()
+        try:
+            # Headers go out on their own first: gRPC marks them sent only when a write
+            # completes, so ending a session whose first write was interrupted (by the
+            # sweeper or shutdown) would otherwise send them twice and fail.
+            await context.send_initial_metadata(())
+            ctx = drafter.context
+            msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
+            self._draft(drafter, p.budget, msg.draft, None)
+            await sessions.wait(waiter, context.write(msg), writing=True)
+            while not self.stopping:
+                req = await sessions.read(context, waiter)
+                if req is None:
+                    return
+                if req.WhichOneof("kind") != "step":
+                    raise bad(f"session {session_id} is already open: send `step` messages")
+                step = req.step
+                self.checks.check_tokens(step.accepted, "step.accepted")
+                self.checks.check_budget(step.budget, "step.budget")
+                if len(ctx) + len(step.accepted) > self.config.max_context_len:
+                    raise Refusal(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"session context would reach {len(ctx) + len(step.accepted)} tokens, "
+                        f"over max_context_len {self.config.max_context_len}",
+                    )
+                drafter.extend(step.accepted)  # learned at once, for every session
+                msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
+                self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
+                await sessions.wait(waiter, context.write(msg), writing=True)
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        finally:
+            drafter.close()
+            sessions.close()
+
+    async def Info(self, request, context):
+        try:
+            self.checks.auth(context)
+            check_parsed(request)
+        except Refusal as exc:
+            await self._fail(context, exc)
+        return self.info_reply()
+
+    def info_reply(self) -> draft_pb2.InfoReply:
+        r = self.reader
+        manifest = dict(getattr(r, "manifest", {}) or {})
+        c = self.config
+        return draft_pb2.InfoReply(
+            tokenizer_fingerprint=self.checks.fingerprint,
+            tokenizer_name=str(getattr(r, "tokenizer_name", "") or ""),
+            vocab_size=self.checks.vocab_size,
+            n_tokens=int(getattr(r, "n_tokens", 0) or 0),
+            n_docs=int(getattr(r, "n_docs", 0) or 0),
+            n_shards=len(manifest.get("shards", []) or []),
+            corpora=[
+                draft_pb2.Corpus(name=name, n_docs=int(v.get("n_docs", 0)),
+                                 n_tokens=int(v.get("n_tokens", 0)))
+                for name, v in sorted((getattr(r, "corpora", {}) or {}).items())
+            ],
+            format_version=int(manifest.get("version", 0) or 0),
+            manifest_json=json.dumps(manifest, default=str, sort_keys=True),
+            learn=self.config.learn,
+            limits=draft_pb2.Limits(
+                max_context_len=c.max_context_len,
+                max_budget=c.max_budget,
+                max_sessions=c.max_sessions,
+                idle_timeout_s=int(c.idle_timeout_s),
+                max_message_bytes=c.max_message_bytes,
+            ),
+        )
+
+    async def Stats(self, request, context):
+        try:
+            self.checks.auth(context)
+            check_parsed(request)
+        except Refusal as exc:
+            await self._fail(context, exc)
+        s = self.stats
+        limits = {k: v for k, v in asdict(self.config).items() if k != "token"}
+        return draft_pb2.StatsReply(
+            requests=int(s.get("requests")),
+            sessions_opened=int(s.get("sessions_opened")),
+            sessions_active=int(s.get("sessions_active")),
+            errors=int(s.get("errors")),
+            hits=int(s.get("hits")),
+            latency_p50_us=s.percentile_us(0.5),
+            latency_p99_us=s.percentile_us(0.99),
+            uptime_s=time.time() - s.started,
+            stats_json=s.to_json({
+                "limits": limits, "datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
+                "checksums": self.verification.status, "learn": self.config.learn,
+                **self.learning.counters()}),
+        )
+
+    def start_background(self, health_servicer: health.aio.HealthServicer) -> None:
+        """Work that must not delay serving: verifying the datastore's checksums, reloading
+        persisted learned outputs, persisting new ones periodically."""
+        self.verification.start(health_servicer)
+        self.learning.start()
+
+    async def shutdown(self) -> None:
+        """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE.
+
+        A checksum verification still running is awaited: its thread reads the Reader's
+        map, which the caller may close once the server has stopped.
+        """
+        self.stopping = True
+        self.sessions.end_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        await self.verification.wait()
+
+    async def finish(self) -> None:
+        """After the server stopped: persist what was learned."""
+        await self.learning.finish()
+
+
+def add_drafter_service(service: DrafterService, server: grpc.aio.Server) -> None:
+    """Register the Drafter methods as the generated stubs do, but with lenient request
+    parsing: undecodable bytes reach the handler, which answers INVALID_ARGUMENT."""
+    pb = draft_pb2
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            service.Session, request_deserializer=lenient(pb.SessionRequest),
+            response_serializer=pb.SessionReply.SerializeToString),
+        "Propose": grpc.unary_unary_rpc_method_handler(
+            service.Propose, request_deserializer=lenient(pb.ProposeRequest),
+            response_serializer=pb.DraftReply.SerializeToString),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            service.Info, request_deserializer=lenient(pb.InfoRequest),
+            response_serializer=pb.InfoReply.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats, request_deserializer=lenient(pb.StatsRequest),
+            response_serializer=pb.StatsReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

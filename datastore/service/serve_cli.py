@@ -1,0 +1,271 @@
+"""`redraft serve`: run the draft service over a datastore directory.
+
+With `--workers N > 1` the parent starts N server processes (spawned, each opening its own
+Reader: LMDB environments must not cross fork) on one port with SO_REUSEPORT, sharing
+counters and the session limit; SIGTERM to the parent is passed on, each child finishes its
+in-flight steps, and the parent exits 0 when they have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+
+from redraft.datastore.reader import Reader
+from redraft.datastore.service.client import DraftClient
+from redraft.datastore.service.config import LEARN_MODES, ServiceConfig
+from redraft.datastore.service.server import TLSFiles, serve_forever
+from redraft.datastore.service.stats import ServiceStats
+from redraft.proto.errors import RedraftError
+
+TOKEN_ENV = "REDRAFT_TOKEN"
+UINT32 = (1 << 32) - 1
+UINT64 = (1 << 64) - 1
+INT32 = (1 << 31) - 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `serve` subcommand to the `redraft` parser."""
+    d = ServiceConfig()
+    p = sub.add_parser(
+        "serve",
+        help="serve a datastore's drafts over gRPC",
+        description="Serve REST and PLD candidate trees over gRPC (redraft.v1.Drafter), with "
+        "health checking and reflection. Binds loopback unless --host says otherwise.",
+    )
+    p.add_argument("--datastore", required=True, metavar="DIR", help="datastore directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="server processes sharing the port (default 1)")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain (enables TLS)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key (with --tls-cert)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help=f"file holding a shared secret clients must send as 'authorization: "
+                   f"Bearer <token>' (or set ${TOKEN_ENV})")
+    p.add_argument("--max-context", type=int, default=d.max_context_len, metavar="TOKENS",
+                   help=f"longest session/request context (default {d.max_context_len})")
+    p.add_argument("--max-budget", type=int, default=d.max_budget, metavar="NODES",
+                   help=f"largest tree a client may ask for (default {d.max_budget})")
+    p.add_argument("--max-depth", type=int, default=d.max_depth,
+                   help=f"deepest tree a client may ask for (default {d.max_depth})")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                   help=f"open sessions at once, all workers (default {d.max_sessions})")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, metavar="SECONDS",
+                   help=f"close sessions idle this long (default {d.idle_timeout_s:g})")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help=f"largest gRPC message (default {d.max_message_bytes})")
+    p.add_argument("--budget", type=int, default=d.default_budget,
+                   help=f"default tree budget (default {d.default_budget})")
+    p.add_argument("--depth", type=int, default=d.default_depth,
+                   help=f"default tree depth (default {d.default_depth})")
+    p.add_argument("--rest-occurrences", type=int, default=d.rest_max_occurrences, metavar="N",
+                   help="occurrences of the longest match sampled per retrieval "
+                   f"(default {d.rest_max_occurrences})")
+    p.add_argument("--rest-calibration", default=",".join(f"{x:g}" for x in d.rest_calibration),
+                   metavar="SCALE,POWER",
+                   help="map retrieval probabilities p to SCALE*p**POWER so they compare "
+                   "with prompt lookup's (default %(default)s; 1,1 = raw)")
+    p.add_argument("--learn", choices=LEARN_MODES, default=d.learn,
+                   help="learn from served outputs and draft them for the same tenant (bearer "
+                   "token, or the session's declared tenant without auth), for everyone "
+                   "(global), or not at all (default %(default)s)")
+    p.add_argument("--learn-max-tokens", type=int, default=d.learn_max_tokens, metavar="N",
+                   help="tokens of learned outputs kept in memory, oldest evicted first "
+                   f"(default {d.learn_max_tokens:,})")
+    p.add_argument("--learn-persist-seconds", type=float, default=300.0, metavar="SECONDS",
+                   help="append learned outputs to the datastore (corpus 'learned') this "
+                   "often and at shutdown; 0 = memory only (default %(default)g)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the background check of the datastore's checksums (by default "
+                   "a damaged datastore turns health NOT_SERVING)")
+    p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
+                   help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    # Upper bounds are what the wire and gRPC can carry (uint32 fields in Limits and
+    # DraftParams; gRPC's message limit is a C int): a larger value would start fine and
+    # then fail every Info call.
+    bounded = {
+        "--max-context": (args.max_context, UINT64), "--max-budget": (args.max_budget, UINT32),
+        "--max-depth": (args.max_depth, UINT32), "--max-sessions": (args.max_sessions, UINT32),
+        "--idle-timeout": (args.idle_timeout, UINT32),
+        "--max-message-bytes": (args.max_message_bytes, INT32),
+        "--budget": (args.budget, UINT32), "--depth": (args.depth, UINT32),
+        "--workers": (args.workers, 1024), "--rest-occurrences": (args.rest_occurrences, INT32),
+        "--learn-max-tokens": (args.learn_max_tokens, UINT64),
+    }
+    for flag, (value, most) in bounded.items():
+        if not 0 < value <= most:  # also false for nan
+            raise RedraftError(f"{flag} must be positive and at most {most}, got {value}")
+    for flag, value in (("--grace", args.grace),
+                        ("--learn-persist-seconds", args.learn_persist_seconds)):
+        if not 0 <= value <= UINT32:
+            raise RedraftError(f"{flag} must be between 0 and {UINT32} seconds, got {value}")
+    if not 0 <= args.port < 65536:
+        raise RedraftError(f"--port must be in 0..65535, got {args.port}")
+    if args.budget > args.max_budget or args.depth > args.max_depth:
+        raise RedraftError("--budget/--depth must not exceed --max-budget/--max-depth")
+    if args.workers > 1 and args.port == 0:
+        raise RedraftError("--workers > 1 needs a fixed --port (the processes share it)")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise RedraftError("--tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key):
+        if path and not os.path.isfile(path):
+            raise RedraftError(f"TLS file not found: {path}")
+    try:
+        scale, power = (float(x) for x in args.rest_calibration.split(","))
+    except ValueError:
+        raise RedraftError(
+            f"--rest-calibration takes SCALE,POWER, got {args.rest_calibration!r}") from None
+    if not (0 < scale <= 1 and power > 0):
+        raise RedraftError("--rest-calibration needs 0 < SCALE <= 1 and POWER > 0")
+    return ServiceConfig(
+        rest_calibration=(scale, power),
+        rest_max_occurrences=args.rest_occurrences,
+        max_context_len=args.max_context,
+        max_budget=args.max_budget,
+        max_depth=args.max_depth,
+        max_sessions=args.max_sessions,
+        idle_timeout_s=args.idle_timeout,
+        max_message_bytes=args.max_message_bytes,
+        default_budget=args.budget,
+        default_depth=args.depth,
+        grace_s=args.grace,
+        verify_checksums=not args.no_verify,
+        token=read_tokens(args.token_file) or None,
+        learn=args.learn,
+        learn_max_tokens=args.learn_max_tokens,
+        learn_persist_s=args.learn_persist_seconds,
+    )
+
+
+def read_tokens(path: str | None) -> tuple[str, ...]:
+    """The shared secrets in --token-file (one per line, each its own tenant), else the one
+    in the environment, else none."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                tokens = tuple(line.strip() for line in f if line.strip())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RedraftError(f"cannot read --token-file: {exc}") from exc
+        if not tokens:
+            raise RedraftError(f"--token-file {path} is empty")
+        return tokens
+    token = os.environ.get(TOKEN_ENV)
+    return (token,) if token else ()
+
+
+def _announce(line: str) -> None:
+    """One write per line: several workers share stdout, and print() may split a line."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on, before gRPC tries it.
+
+    gRPC's own failure is a log line plus an exception in every worker process; this is
+    one clear error. It also keeps `--workers N` (SO_REUSEPORT) from joining another
+    server's port: the probe binds without SO_REUSEPORT, so any listener makes it fail.
+    """
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RedraftError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise RedraftError(
+                        f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _worker(datastore: str, host: str, port: int, config: ServiceConfig,
+            stats: ServiceStats | None, tls: TLSFiles | None, reuse_port: bool,
+            errors=None) -> None:
+    """One server process: open the Reader here (never inherit one), serve until signalled.
+
+    A worker process (`errors` given) reports a user error as one line to its parent and
+    exits 2, instead of printing a traceback.
+    """
+    try:
+        reader = Reader(datastore)
+        parent = os.getppid() if stats is not None else None
+        asyncio.run(serve_forever(reader, host, port, config, stats, tls, reuse_port,
+                                  _announce, parent_pid=parent))
+    except RedraftError as exc:
+        if errors is None:
+            raise
+        errors.put(str(exc))
+        sys.exit(2)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    tls = TLSFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
+    with Reader(args.datastore):  # fail fast, with the datastore's own error
+        pass
+    check_port_free(args.host, args.port)
+    if args.workers == 1:
+        _worker(args.datastore, args.host, args.port, config, None, tls, False)
+        return 0
+    ctx = mp.get_context("spawn")
+    stats = ServiceStats(ctx)
+    errors = ctx.SimpleQueue()
+    procs = [
+        ctx.Process(target=_worker, name=f"redraft-serve-{i}",
+                    args=(args.datastore, args.host, args.port, config, stats, tls, True,
+                          errors))
+        for i in range(args.workers)
+    ]
+    for proc in procs:
+        proc.start()
+
+    def forward(signum, _frame) -> None:
+        for proc in procs:
+            if proc.is_alive() and proc.pid:
+                os.kill(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    running = list(procs)
+    while running:
+        mp.connection.wait([p.sentinel for p in running])
+        for proc in [p for p in running if not p.is_alive()]:
+            running.remove(proc)
+            if proc.exitcode:  # one worker failed: stop the others rather than limp on
+                forward(signal.SIGTERM, None)
+    for proc in procs:
+        proc.join()
+    if not errors.empty():
+        raise RedraftError(errors.get())
+    failed = [p.exitcode for p in procs if p.exitcode]
+    if failed:
+        print(f"redraft serve: workers exited with {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_server_stats(address: str, timeout: float = 5.0) -> int:
+    """`redraft stats --server ADDR`: the service's counters as JSON on stdout."""
+    with DraftClient(address, token=os.environ.get(TOKEN_ENV) or None, timeout=timeout) as c:
+        json.dump(c.stats(), sys.stdout, indent=2, sort_keys=True)
+    print()
+    return 0

@@ -1,0 +1,7 @@
+"""`python -m redraft.decoder.cli`: the `redraft` command."""
+
+import sys
+
+from redraft.decoder.cli.main import main
+
+sys.exit(main())

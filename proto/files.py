@@ -1,0 +1,75 @@
+"""Files redraft writes for itself: where its caches live, and how a file is replaced.
+
+Why one place: every cache (tokenizer conversions, cost curves, calibration, recycling
+tables, Medusa hidden states) must honour the same `REDRAFT_CACHE`, and every file a reader
+may open (a datastore, a heads file, a cache entry) must appear whole or not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE_ENV = "REDRAFT_CACHE"
+
+
+def cache_root() -> Path:
+    """Where redraft keeps its caches: $REDRAFT_CACHE, else $XDG_CACHE_HOME/redraft, else
+    ~/.cache/redraft."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "redraft")
+    return Path(root)
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], object], *,
+                     tmp: str | os.PathLike | None = None, durable: bool = False) -> None:
+    """Create `path` whole or not at all: `write(tmp)` fills a temporary sibling (a file or a
+    directory), which is then renamed over `path`; on any failure it is removed.
+
+    The temporary name keeps `path`'s suffix (some writers append one otherwise) unless `tmp`
+    names it. `durable`: the file and the rename are synced to disk before returning (for
+    data, not caches).
+    """
+    path = Path(path)
+    tmp = Path(tmp) if tmp is not None else path.with_name(
+        f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        if durable:
+            _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    if durable:
+        _fsync(path.parent)
+
+
+def write_cache(path: str | os.PathLike, write: Callable[[Path], object]) -> bool:
+    """`write_atomically` for a cache entry, its folder created first: a cache that cannot
+    be written is no error (False), it only costs the next process its head start."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, write)
+        return True
+    except OSError:
+        return False
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
