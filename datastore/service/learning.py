@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 
 from redraft.datastore.drafting import LearnedIndex
 from redraft.datastore.service.config import ServiceConfig
@@ -35,7 +36,9 @@ class LearnedOutputs:
         self.verification = verification  # a damaged datastore is never appended to
         self.token_keys = list(token_keys)  # to map outputs persisted before tenant keys
         self.fingerprint = str(reader.tokenizer_fingerprint)
-        self.path = getattr(reader, "path", None)
+        path = getattr(reader, "path", None)  # the datastore directory, or its file
+        self.path = (None if path is None else
+                     path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
         self.index = (None if config.learn == "off" else
                       LearnedIndex(config.learn_max_tokens, shared=config.learn == "global"))
         self.journal: OutputJournal | None = None

@@ -8,8 +8,12 @@ import random
 import time
 
 import pytest
-from redraft.datastore import build_datastore
+from redraft.datastore import Reader, build_datastore
+from redraft.datastore.drafting import LearnedIndex
+from redraft.datastore.learned_log import list_logs
 from redraft.datastore.service.client import DraftClient, DraftParams
+from redraft.datastore.service.persisting import persist_outputs
+from redraft.datastore.service.sharing import LogFollower, OutputJournal
 
 FP = "sha256:sharing-test"
 VOCAB = 3000
@@ -96,3 +100,43 @@ def test_workers_of_one_server_draft_what_each_other_learns(store, servers):
         for c in clients:
             c.close()
     assert serve.stop() == 0
+
+
+def test_a_process_rotates_its_log_and_a_retired_log_goes_once_persisted(store):
+    """The journal and a follower as two processes see them (each its own open files): a
+    full log is retired, released when its last open output ends, then persisted and
+    removed; the follower replays every output once, across the rotation."""
+    journal = OutputJournal(store, rotate_bytes=1000)
+    index = LearnedIndex()
+    follower = LogFollower(store, index, own=set())
+    long_running = journal.begin("t:long")
+    journal.append(long_running, SECRET[:20])
+    outputs = {"t:long": SECRET[:20]}
+    for i in range(6):  # ~185 bytes each: the fifth fills the first log
+        out = journal.begin(f"t:{i}")
+        journal.append(out, DOCS[i][:40])
+        journal.end(out)
+        outputs[f"t:{i}"] = DOCS[i][:40]
+        journal.flush()
+    first, second = sorted(journal.names, key=lambda n: n != long_running.log.file.name)
+    assert len(journal.names) == 2 and journal.locked_names() == {first, second}
+    persist_outputs(store, journal.locked_names(), FP, 5.0)
+    assert {p.name for p in list_logs(store)} == {first, second}  # `long` still open
+    journal.append(long_running, SECRET[20:40])
+    journal.end(long_running)
+    outputs["t:long"] = SECRET[:40]
+    journal.flush()
+    assert journal.locked_names() == {second}  # the retired log is released
+    follower.poll()
+    for tenant, tokens in outputs.items():
+        assert index.propose(tenant, tokens[:10], 8, 8).tokens[:4] == tokens[10:14], tenant
+    assert index.stats()["learned_docs"] == len(outputs)
+    done = persist_outputs(store, journal.locked_names(), FP, 5.0)
+    assert done.removed_logs == 1 and {p.name for p in list_logs(store)} == {second}
+    follower.poll()  # it reads the rest of a removed log, then lets it go
+    assert index.stats()["learned_docs"] == len(outputs)
+    journal.close()
+    assert persist_outputs(store, set(), FP, 5.0).outputs == 0 and list_logs(store) == []
+    with Reader(store) as r:
+        found = sorted((name, tokens) for _, name, tokens in r.documents("learned"))
+    assert found == sorted(outputs.items())
