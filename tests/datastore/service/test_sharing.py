@@ -79,10 +79,14 @@ def test_a_replica_drafts_what_another_replica_is_learning(store, servers):
         for s in (alice_b, bob_b, carol_a):
             s.close()
     assert a.stop() == 0 and b.stop() == 0
+    assert list_logs(store) == []  # persisted at shutdown, then removed
+    with Reader(store) as r:
+        assert r.corpora["learned"]["n_docs"] == 5  # each session's output, once
 
 
 def test_workers_of_one_server_draft_what_each_other_learns(store, servers):
-    serve = servers.start(store, "--port", str(servers.free_port()), "--workers", "2")
+    serve = servers.start(store, "--port", str(servers.free_port()), "--workers", "2",
+                          "--learn-persist-seconds", "0")  # memory only: logs share still
     by_pid: dict[int, DraftClient] = {}
     clients = []
     try:
@@ -100,6 +104,9 @@ def test_workers_of_one_server_draft_what_each_other_learns(store, servers):
         for c in clients:
             c.close()
     assert serve.stop() == 0
+    assert list_logs(store) == []  # each worker removed its own log
+    with Reader(store) as r:
+        assert "learned" not in r.corpora
 
 
 def test_a_process_rotates_its_log_and_a_retired_log_goes_once_persisted(store):
