@@ -69,8 +69,12 @@ class LearnedOutputs:
                 self._persist_every(self.config.learn_persist_s)))
 
     def counters(self) -> dict:
-        """The index's sizes and bound (none with learning off)."""
-        return self.index.stats() if self.index is not None else {}
+        """The index's sizes and bound, and what this process replayed from the other
+        processes' logs (none with learning off)."""
+        if self.index is None:
+            return {}
+        shared = self.follower.counters() if self.follower is not None else {}
+        return {**self.index.stats(), **shared}
 
     # ---- start ---------------------------------------------------------------------------
     def _load(self) -> None:

@@ -156,6 +156,11 @@ class LogFollower:
         self._tails: dict[str, LogTail] = {}
         self._writers: dict[tuple[str, int], LearnedWriter] = {}
         self._reported: set[str] = set()  # damaged logs already logged once
+        self.replayed = 0  # records applied so far
+
+    def counters(self) -> dict:
+        return {"learned_logs_followed": len(self._tails),
+                "learned_records_replayed": self.replayed}
 
     def open_all(self) -> None:
         """Open every log there now: it stays readable if a persister removes it next."""
@@ -182,6 +187,7 @@ class LogFollower:
                 self._reported.add(name)
                 log.error("redraft serve: learned-output log %s is damaged after byte %d; "
                           "the rest of it is not replayed", path, tail.offset)
+        self.replayed += n
         return n
 
     def _apply(self, name: str, records: list[Record]) -> int:

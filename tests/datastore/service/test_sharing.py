@@ -72,6 +72,8 @@ def test_a_replica_drafts_what_another_replica_is_learning(store, servers):
         writing.close()
         time.sleep(1.0)  # twice the bound's worth of syncs: nothing reaches another tenant
         assert bob_b.step([]).tokens == []
+        replayed = on_b.stats()
+        assert replayed["learned_logs_followed"] == 1 and replayed["learned_records_replayed"] > 0
         # and the other way round, for a new tenant
         carol_a = watcher(on_a, "carol")
         learn(on_b, "carol")
