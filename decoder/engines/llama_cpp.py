@@ -30,6 +30,7 @@ position's logits there, which fails once the context passes `n_batch` tokens.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("redraft's llama.cpp adapter needs llama-cpp-python: "
                       "pip install 'redraft[llamacpp]'") from exc
 
+from redraft.datastore.errors import ModelNotFound
 from redraft.decoder.engines.chain import Chain, best_chain
 from redraft.decoder.engines.pacing import ChainPacer
 from redraft.decoder.engines.streams import (
@@ -51,6 +53,8 @@ from redraft.decoder.engines.streams import (
     DraftStream,
     EngineConfigError,
 )
+
+log = logging.getLogger("redraft.engines")
 
 MAX_DRAFTS = 62  # one sampled token + 62 drafts: 63 query rows, below the tiled kernel's 64
 
@@ -195,7 +199,10 @@ def Llama(model: str | None = None, *, draft_model: LlamaDraftModel | None = Non
                                 "fails once the context passes n_batch tokens")
     path = model_path(model)
     if isinstance(draft_model, RedraftDraft) and not draft_model.tokenizer_checked:
-        draft_model.check_model(path)
+        try:
+            draft_model.check_model(path)
+        except ModelNotFound as exc:  # transformers cannot read this GGUF's vocabulary:
+            log.warning("not checking the datastore's tokenizer against %s: %s", path, exc)
     kwargs["flash_attn"] = True
     if draft_model is not None:
         kwargs["logits_all"] = True
