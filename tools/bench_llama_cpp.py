@@ -40,6 +40,9 @@ class Turn:
     new_tokens: int
     forwards: int  # decoding forwards (the prompt's excluded)
     seconds: float
+    # this process's CPU time for the turn: with one thread it leaves out the time other
+    # processes held the core, so it is the steadier clock on a shared machine
+    cpu_seconds: float = 0.0
     identical: bool | None = None
     tokens: list[int] = field(default_factory=list)
 
@@ -58,25 +61,27 @@ class Runner:
 
         llm.eval = counted  # Llama.generate calls self.eval once per forward
 
-    def run(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], int, float]:
+    def run(self, prompt: list[int], max_new_tokens: int
+            ) -> tuple[list[int], int, float, float]:
         llm = self.llm
         llm.reset()  # every method evaluates the whole prompt, the same way
         self.evals = 0
         out: list[int] = []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0):
             if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
                 break
             out.append(int(token))
             if len(out) >= max_new_tokens:
                 break
-        seconds = time.perf_counter() - t0
-        return out, max(self.evals - 1, 0), seconds
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return out, max(self.evals - 1, 0), seconds, cpu
 
 
 def cost_curve(path: str, threads: int, prompt: list[int], rounds: int) -> dict:
-    """Seconds of an n-token forward after `prompt`, the fastest of `rounds` interleaved rounds,
-    with logits for every row (as drafting needs) and, for n=1, for the last row only."""
+    """Milliseconds of an n-token forward after `prompt`, the fastest of `rounds` interleaved
+    rounds (wall clock and this process's CPU time), with logits for every row (as drafting
+    needs) and, for n=1, for the last row only (as plain decoding runs)."""
     out = {}
     for logits_all in (True, False):
         llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_threads=threads,
@@ -85,18 +90,22 @@ def cost_curve(path: str, threads: int, prompt: list[int], rounds: int) -> dict:
         llm.eval(prompt)
         base = llm.n_tokens
         sizes = SIZES if logits_all else (1,)
-        best = {n: float("inf") for n in sizes}
+        wall = {n: float("inf") for n in sizes}
+        cpu = dict(wall)
         for _ in range(rounds):
             for n in sizes:
                 llm.n_tokens = base  # eval drops the cache past n_tokens first
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 llm.eval(prompt[:n])
-                best[n] = min(best[n], time.perf_counter() - t0)
+                wall[n] = min(wall[n], time.perf_counter() - t0)
+                cpu[n] = min(cpu[n], time.process_time() - c0)
         key = "logits_all" if logits_all else "last_row_only"
-        out[key] = {str(n): round(best[n] * 1000, 3) for n in sizes}
+        out[key] = {"wall": {str(n): round(wall[n] * 1000, 3) for n in sizes},
+                    "cpu": {str(n): round(cpu[n] * 1000, 3) for n in sizes}}
         llm.close()
-    ms = out["logits_all"]
-    out["relative"] = {n: round(v / ms["1"], 2) for n, v in ms.items()}
+    for clock in ("wall", "cpu"):
+        ms = out["logits_all"][clock]
+        out[f"relative_{clock}"] = {n: round(v / ms["1"], 2) for n, v in ms.items()}
     return out
 
 
@@ -114,18 +123,22 @@ def prompts(args, tokenizer) -> list[tuple[str, str, list[list[str]]]]:
 
 
 def summarize(turns: list[Turn], methods: list[str]) -> dict:
+    def rate(rs: list[Turn], clock: str) -> float:
+        return sum(t.new_tokens for t in rs) / sum(getattr(t, clock) for t in rs)
+
     plain = [t for t in turns if t.method == "plain"]
-    plain_tps = sum(t.new_tokens for t in plain) / sum(t.seconds for t in plain)
     out = {}
     for m in methods:
         rs = [t for t in turns if t.method == m]
         tokens = sum(t.new_tokens for t in rs)
-        tps = tokens / sum(t.seconds for t in rs)
         out[m] = {"turns": len(rs), "identical": all(t.identical is not False for t in rs),
                   "different_turns": [t.key for t in rs if t.identical is False],
                   "new_tokens": tokens,
                   "tokens_per_forward": round(tokens / max(1, sum(t.forwards for t in rs)), 3),
-                  "tokens_per_second": round(tps, 2), "speedup": round(tps / plain_tps, 3)}
+                  "tokens_per_second": round(rate(rs, "seconds"), 2),
+                  "speedup": round(rate(rs, "seconds") / rate(plain, "seconds"), 3),
+                  "tokens_per_cpu_second": round(rate(rs, "cpu_seconds"), 2),
+                  "cpu_speedup": round(rate(rs, "cpu_seconds") / rate(plain, "cpu_seconds"), 3)}
     return out
 
 
@@ -182,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in order:
                 messages = histories.get((key, r.name), []) + [{"role": "user", "content": text}]
                 ids = chat_ids(tokenizer, messages)
-                tokens, forwards, seconds = r.run(ids, args.max_new_tokens)
+                tokens, forwards, seconds, cpu = r.run(ids, args.max_new_tokens)
                 results[r.name] = Turn(f"{key}.{ti}", category, r.name, len(tokens), forwards,
-                                       seconds, tokens=tokens)
+                                       seconds, cpu, tokens=tokens)
                 histories[(key, r.name)] = messages + [
                     {"role": "assistant", "content": tokenizer.decode(tokens)}]
             reference = results["plain"].tokens
@@ -192,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 t.identical = t.tokens == reference
                 turns.append(t)
             line = "  ".join(f"{m} {results[m].new_tokens}/{results[m].forwards} "
-                             f"{results[m].seconds:.2f}s{'' if results[m].identical else ' DIFF'}"
-                             for m in methods)
+                             f"{results[m].seconds:.2f}s {results[m].cpu_seconds:.2f}cpu"
+                             f"{'' if results[m].identical else ' DIFF'}" for m in methods)
             print(f"{key}.{ti} [{category}] {line}", flush=True)
 
     curve_prompt = chat_ids(tokenizer, [{"role": "user", "content": work[0][2][0]}])
