@@ -130,7 +130,9 @@ class RedraftDraft(LlamaDraftModel):
         self._stream = self.source.open(ids.tolist())
 
     def _draft(self) -> Chain:
+        start = time.perf_counter()
         chain = best_chain(self._stream.propose(), self.max_drafts)
+        self.pacer.drafted(time.perf_counter() - start)
         keep = self.pacer.choose(chain.probs, chain.sources)
         if keep:
             self.stats["drafted_calls"] += 1

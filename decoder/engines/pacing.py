@@ -16,9 +16,10 @@ engine's per-token work), and how many of the drafts came back accepted. From th
 - choice: the chain prefix L that maximises expected tokens per second,
   (1 + sum of the prefix's path probabilities) / cost(1 + L), if it beats plain decoding by
   `min_gain`; else no drafts;
-- back-off: after `patience` calls in a row that chose no drafts, drafting is skipped (the
-  drafter is not even asked) for a number of calls that doubles on every idle round, so a
-  machine where drafts never pay runs at plain speed; an accepted draft resets it.
+- back-off: after `patience` calls in a row whose drafts did not pay (counting the drafter's
+  own lookup time), drafting is skipped (the drafter is not even asked) for a number of
+  calls that doubles on every idle round, so a machine where drafts never pay runs at plain
+  speed; an accepted draft resets it.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class ChainPacer:
     max_backoff: int = 1024
     cost: CostFit = field(default_factory=CostFit)
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    lookup_seconds: float = 0.0  # the drafter's own time per call (moving average)
     _idle: int = 0
     _skip: int = 0
     _backoff: int = 0
@@ -146,17 +148,25 @@ class ChainPacer:
             return 0  # only drafted forwards timed so far: time a plain one to get a slope
         calibrated = self.calibration.apply(probs[:n], sources[:n])
         plain = self.cost.cost(1)
-        best, best_rate, expected, path = 0, 1.0 / plain, 0.0, 1.0
+        best, best_rate, best_expected, expected, path = 0, 1.0 / plain, 0.0, 0.0, 1.0
         for k, p in enumerate(calibrated, start=1):
             path *= p
             expected += path
             rate = (1.0 + expected) / self.cost.cost(1 + k)
             if rate > best_rate:
-                best, best_rate = k, rate
+                best, best_rate, best_expected = k, rate, expected
         if best and best_rate * plain < 1.0 + self.min_gain:
             best = 0
-        self._note_choice(best)
+        # This call's lookup is paid already; whether drafting is worth going on with counts
+        # it: a lookup that costs more than its drafts gain is no better than none.
+        worth = (1.0 + best_expected) / (self.cost.cost(1 + best) + self.lookup_seconds)
+        self._note_choice(best if best and worth * plain >= 1.0 + self.min_gain else 0)
         return best
+
+    def drafted(self, seconds: float) -> None:
+        """The drafter took `seconds` to propose this call's chain."""
+        if seconds >= 0:
+            self.lookup_seconds += 0.1 * (seconds - self.lookup_seconds)
 
     def _note_choice(self, drafted: int) -> None:
         if drafted:

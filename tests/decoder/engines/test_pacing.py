@@ -87,3 +87,18 @@ def test_not_adaptive_always_hands_out_the_chain():
     pacer = ChainPacer(max_drafts=3, adaptive=False)
     chosen = feed(pacer, lambda n: 0.01 * n, 50, [0.1] * 5, ["pld"] * 5, lambda k: 0)
     assert chosen == [3] * 50
+
+
+def test_a_lookup_dearer_than_its_gain_backs_off_while_still_using_this_calls_draft():
+    pacer = ChainPacer(max_drafts=4)
+    for n in (1, 5):  # a flat curve: drafts are free
+        for _ in range(5):
+            pacer.forward(n, 0.010)
+    probs, sources = [0.3] * 4, ["pld"] * 4
+    assert pacer.choose(probs, sources) == 4  # without lookup cost: worth it
+    pacer.drafted(0.050)  # but each lookup takes 5 forwards' time (moving average: 0.005)
+    for _ in range(20):
+        pacer.drafted(0.050)
+    chosen = [pacer.choose(probs, sources) for _ in range(pacer.patience)]
+    assert chosen == [4] * pacer.patience  # the lookup is paid already: use its drafts
+    assert not pacer.wants_drafts()  # but stop looking up for a while
