@@ -23,9 +23,10 @@ drafts left to right while the sampled token equals the draft (a chain). So the 
 What losslessness needs from the `Llama` (the `Llama` helper below sets it): flash attention
 on, since with it off llama.cpp's multi-token CPU forward shifts quantized logits; fewer than
 64 tokens per forward (llama.cpp's flash attention switches to a tiled kernel at 64 query rows),
-so at most 62 drafts per call; and `logits_all=True`, because with a draft model and
-`logits_all=False` llama-cpp-python sizes its logits buffer to `n_batch` rows yet writes every
-position's logits there, which fails once the context passes `n_batch` tokens.
+so at most 62 drafts per call; and a logits buffer with a row per context position: with a
+draft model and `logits_all=False`, llama-cpp-python sizes it to `n_batch` rows yet writes
+every position's logits there, which fails once the context passes `n_batch` tokens
+(`DraftingLlama` has the full buffer without computing the prompt's unused logits).
 """
 
 from __future__ import annotations
@@ -186,19 +187,45 @@ def model_path(model: str | None = None) -> str:
     return os.path.join(source.path, source.gguf_file)
 
 
+class DraftingLlama(llama_cpp.Llama):
+    """A `llama_cpp.Llama` that computes every row's logits only in the forwards that verify
+    drafts (one sampled token + at most 62 drafts); a longer forward, the prompt's, computes
+    the last row's only, as plain decoding does.
+
+    Why: llama-cpp-python needs logits for all rows to verify drafts, and its `logits_all=True`
+    also computes them for every prompt token, which costs up to ~15% more CPU time on long
+    prompts (the output layer per row) for logits nobody reads. Built with `logits_all=True`,
+    so that its logits buffer has a row for every context position, and then run with
+    `logits_all` off outside draft verification: completions asking for `logprobs` get
+    llama-cpp-python's own error (pass `logits_all=True` to `Llama` for those).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["logits_all"] = True
+        super().__init__(*args, **kwargs)
+        self._logits_all = False
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        if self.draft_model is None or len(tokens) > MAX_DRAFTS + 1:
+            return super().eval(tokens)
+        self._logits_all = True
+        try:
+            return super().eval(tokens)
+        finally:
+            self._logits_all = False
+
+
 def Llama(model: str | None = None, *, draft_model: LlamaDraftModel | None = None,
           **kwargs: Any) -> llama_cpp.Llama:
-    """A `llama_cpp.Llama` set up for lossless drafting: flash attention on, logits for every
-    position; `model` is a `.gguf` path or model name (default: the embedded default model).
-    A `RedraftDraft` without a tokenizer is checked against this model's. Other keyword
-    arguments go to `llama_cpp.Llama` (refused: `flash_attn=False`, and `logits_all=False`
-    with a draft model)."""
+    """A `llama_cpp.Llama` set up for lossless drafting: flash attention on, and a
+    `DraftingLlama` (logits for every row where drafts are verified) unless `logits_all=True`
+    is asked for (every row's logits everywhere, e.g. for prompt logprobs). `model` is a
+    `.gguf` path or model name (default: the embedded default model). A `RedraftDraft`
+    without a tokenizer is checked against this model's. Other keyword arguments go to
+    `llama_cpp.Llama`; `flash_attn=False` is refused."""
     if kwargs.get("flash_attn") is False:
         raise EngineConfigError("flash_attn=False: llama.cpp's multi-token CPU forward then "
                                 "changes the logits, so drafting would change the output")
-    if draft_model is not None and kwargs.get("logits_all") is False:
-        raise EngineConfigError("logits_all=False with a draft model: llama-cpp-python then "
-                                "fails once the context passes n_batch tokens")
     path = model_path(model)
     if isinstance(draft_model, RedraftDraft) and not draft_model.tokenizer_checked:
         try:
@@ -206,6 +233,7 @@ def Llama(model: str | None = None, *, draft_model: LlamaDraftModel | None = Non
         except ModelNotFound as exc:  # transformers cannot read this GGUF's vocabulary:
             log.warning("not checking the datastore's tokenizer against %s: %s", path, exc)
     kwargs["flash_attn"] = True
-    if draft_model is not None:
-        kwargs["logits_all"] = True
-    return llama_cpp.Llama(model_path=path, draft_model=draft_model, **kwargs)
+    if draft_model is None or kwargs.get("logits_all"):
+        return llama_cpp.Llama(model_path=path, draft_model=draft_model, **kwargs)
+    kwargs.pop("logits_all", None)
+    return DraftingLlama(model_path=path, draft_model=draft_model, **kwargs)

@@ -154,18 +154,36 @@ def test_an_unreachable_service_at_start_falls_back_to_prompt_lookup(answers):
     draft.close()
 
 
-def test_contexts_longer_than_n_batch_work_and_stay_identical(store, answers):
-    # llama-cpp-python sizes its logits buffer by n_batch unless logits_all=True; the helper
-    # sets it, so a 16-token n_batch is passed by every prompt here. Plain decoding runs with
-    # the same n_batch: llama.cpp splits the prompt's forward at n_batch tokens.
+LONG_QUESTION = ("Here is some code:\n" + "".join(
+    f"def f{i}(x):\n    return x * {i} + {i + 1}\n\n" for i in range(12))
+    + "Write one more function in the same style.")
+
+
+@pytest.mark.parametrize("logits_all", [None, True])
+def test_long_prompts_past_n_batch_stay_identical(store, logits_all):
+    # The helper's Llama computes the prompt's logits for its last row only (a prompt over 63
+    # tokens) and every row's where drafts are verified; with logits_all=True, every row's
+    # everywhere. Either way its logits buffer has a row per position, so contexts past
+    # n_batch work. Plain decoding runs with the same n_batch: llama.cpp splits the prompt's
+    # forward at n_batch tokens.
     small = dict(n_batch=16, n_ubatch=16)
     plain = llama_cpp.Llama(model_path=model_path(), flash_attn=True, **LLAMA_ARGS, **small)
-    q = QUESTIONS[1]
-    want = greedy(plain, chat(plain, q))
+    prompt = chat(plain, LONG_QUESTION)
+    assert len(prompt) > 100
+    want = greedy(plain, prompt)
     with RedraftDraft(datastore=store, adaptive=False, max_drafts=14) as draft:
-        llm = Llama(draft_model=draft, **LLAMA_ARGS, **small)
-        assert greedy(llm, chat(llm, q)) == want
+        extra = {} if logits_all is None else {"logits_all": logits_all}
+        llm = Llama(draft_model=draft, **LLAMA_ARGS, **small, **extra)
+        assert type(llm).__name__ == ("DraftingLlama" if logits_all is None else "Llama")
+        assert greedy(llm, prompt) == want
         assert draft.stats["accepted"] > 0
+        text = plain.detokenize(prompt).decode()
+        if logits_all:  # every row's logits: prompt logprobs work
+            out = llm.create_completion(text, max_tokens=2, logprobs=1, echo=True)
+            assert out["choices"][0]["logprobs"]["token_logprobs"]
+        else:  # llama-cpp-python's own error, not logprobs from logits never computed
+            with pytest.raises(ValueError, match="logprobs"):
+                llm.create_completion(text, max_tokens=2, logprobs=1)
 
 
 def test_the_adapter_follows_generations_from_its_calls(store):
@@ -222,8 +240,7 @@ def test_bad_arguments_are_clear_errors(store, tmp_path):
         Llama(draft_model=RedraftDraft(datastore=other), **LLAMA_ARGS)
     with pytest.raises(EngineConfigError, match="flash_attn"):
         Llama(flash_attn=False, **LLAMA_ARGS)
-    with pytest.raises(EngineConfigError, match="logits_all"):
-        Llama(draft_model=RedraftDraft(datastore=store), logits_all=False, **LLAMA_ARGS)
+
 
 
 def test_missing_extra_is_a_one_line_hint(tmp_path):
