@@ -25,9 +25,10 @@ from pathlib import Path
 
 import llama_cpp
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-from redraft.datastore.tokenizer import load_tokenizer
-from redraft.decoder.bench import chat_ids, load_questions
+from redraft.decoder.bench.questions import load_questions
 from redraft.decoder.engines.llama_cpp import Llama, RedraftDraft, model_path
+from redraft.decoder.text import chat_ids
+from redraft.proto.models import load_tokenizer
 
 SIZES = (1, 2, 4, 8, 16, 32)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from redraft.datastore.draft import Draft, path_probs
+from redraft.proto.tree import Tree, path_probs
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Chain:
         return Chain(self.tokens[:n], self.probs[:n], self.sources[:n])
 
 
-def best_chain(draft: Draft, max_len: int) -> Chain:
+def best_chain(draft: Tree, max_len: int) -> Chain:
     """The path of at most `max_len` nodes that maximises the sum of path probabilities."""
     n = len(draft)
     if n == 0 or max_len <= 0:

@@ -32,6 +32,7 @@ every position's logits there, which fails once the context passes `n_batch` tok
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +46,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("redraft's llama.cpp adapter needs llama-cpp-python: "
                       "pip install 'redraft[llamacpp]'") from exc
 
-from redraft.datastore.errors import ModelNotFound
 from redraft.decoder.engines.chain import Chain, best_chain
 from redraft.decoder.engines.pacing import ChainPacer
 from redraft.decoder.engines.streams import (
@@ -54,6 +54,8 @@ from redraft.decoder.engines.streams import (
     DraftStream,
     EngineConfigError,
 )
+from redraft.proto.errors import ModelNotFound
+from redraft.proto.models import resolve_model
 
 log = logging.getLogger("redraft.engines")
 
@@ -177,10 +179,6 @@ class RedraftDraft(LlamaDraftModel):
 
 def model_path(model: str | None = None) -> str:
     """The `.gguf` file of a model name (default: the embedded default model) or path."""
-    import os
-
-    from redraft.datastore.tokenizer import resolve_model
-
     source = resolve_model(model)
     if not source.gguf_file:
         raise EngineConfigError(f"llama.cpp needs a .gguf model; {model!r} is not one")

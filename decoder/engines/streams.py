@@ -20,8 +20,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from redraft.datastore.draft import LEARNED, PLD, REST, Draft
-from redraft.datastore.errors import InvalidQuery, RedraftError, TokenizerMismatch
+from redraft.datastore import Reader
+from redraft.datastore.drafting import DraftSettings, LearnedIndex, SessionDrafter
+from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
+from redraft.proto.tree import LEARNED, PLD, REST, Tree
 
 log = logging.getLogger("redraft.engines")
 
@@ -75,7 +77,7 @@ class DraftStream:
     def extend(self, tokens: Sequence[int]) -> None:
         raise NotImplementedError
 
-    def propose(self) -> Draft:
+    def propose(self) -> Tree:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -85,16 +87,15 @@ class DraftStream:
 class LocalStream(DraftStream):
     """Drafts from a datastore opened in this process (or prompt lookup alone: reader None)."""
 
-    def __init__(self, prompt: Sequence[int], settings, reader=None, learned=None,
+    def __init__(self, prompt: Sequence[int], settings: DraftSettings,
+                 reader: Reader | None = None, learned: LearnedIndex | None = None,
                  tenant: str = "") -> None:
-        from redraft.datastore.session import SessionDrafter
-
         self._session = SessionDrafter(prompt, settings, reader, learned, tenant)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._session.extend(tokens)
 
-    def propose(self) -> Draft:
+    def propose(self) -> Tree:
         return self._session.propose()
 
     def close(self) -> None:
@@ -108,7 +109,7 @@ class ServiceStream(DraftStream):
         self._source = source
         self._context = [int(t) for t in prompt]
         self._unsent: list[int] = []
-        self._fresh: Draft | None = None  # the draft the session opened with, not yet used
+        self._fresh: Tree | None = None  # the draft the session opened with, not yet used
         self._fallback: LocalStream | None = None
         self._session = None
         if not source.service_usable():
@@ -131,7 +132,7 @@ class ServiceStream(DraftStream):
         if tokens:
             self._fresh = None
 
-    def propose(self) -> Draft:
+    def propose(self) -> Tree:
         if self._fallback is not None:
             return self._fallback.propose()
         if self._fresh is not None:
@@ -185,8 +186,6 @@ class DraftSource:
     def __init__(self, *, service: str | None = None, datastore: str | None = None,
                  options: DraftOptions = DraftOptions(), token: str | None = None,
                  tokenizer=None, timeout: float = 1.0, retry_after: float = 30.0) -> None:
-        from redraft.datastore.session import DraftSettings
-
         if (service is None) == (datastore is None):
             raise EngineConfigError("give exactly one of service='HOST:PORT' (the draft "
                                     "service) or datastore=DIR (a datastore in this process)")
@@ -213,10 +212,6 @@ class DraftSource:
 
     # ---- in process ---------------------------------------------------------------------
     def _open_datastore(self, path: str, tokenizer) -> None:
-        from redraft.datastore.learned import LearnedIndex
-        from redraft.datastore.reader import Reader
-        from redraft.datastore.session import DraftSettings
-
         o = self.options
         self.reader = Reader(path)
         try:
@@ -236,6 +231,7 @@ class DraftSource:
 
     # ---- over the service ---------------------------------------------------------------
     def _open_service(self, address: str, token: str | None, tokenizer, timeout: float) -> None:
+        # lazy: grpc is loaded only when a service is used
         from redraft.datastore.service.client import DraftClient, DraftParams, ServiceError
 
         o = self.options
@@ -267,6 +263,7 @@ class DraftSource:
         """Raise TokenizerMismatch unless `tokenizer` (a model name, `.gguf` path or
         tokenizer) is the one the datastore was built with. An unreachable service is not
         an error: its sessions are then opened with this fingerprint, and refused if wrong."""
+        # lazy: grpc is loaded only when a service is used
         from redraft.datastore.service.client import ServiceError
 
         wanted = _fingerprint_of(tokenizer)
@@ -316,7 +313,8 @@ class DraftSource:
 
 def _fingerprint_of(tokenizer) -> str:
     """The fingerprint of a tokenizer, or of a model name / `.gguf` path's tokenizer."""
-    from redraft.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+    # lazy: transformers is loaded only when a tokenizer is checked
+    from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)

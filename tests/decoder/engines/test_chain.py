@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import random
 
-from redraft.datastore.draft import Draft, path_probs
 from redraft.decoder.engines.chain import best_chain
+from redraft.proto.tree import Tree as Draft
+from redraft.proto.tree import path_probs
 
 
 def brute_force(draft: Draft, max_len: int) -> float:

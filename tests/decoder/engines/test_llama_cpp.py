@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from redraft.datastore import TokenizerMismatch, build_datastore
-from redraft.datastore.errors import DatastoreNotFound, ModelNotFound
 from redraft.datastore.service.client import DraftClient
+from redraft.proto.errors import DatastoreNotFound, ModelNotFound
 
 from ...datastore.service.test_client import free_port, start_serve, stop_group
 from ..conftest import have_default_model
