@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from redraft.datastore.drafting.learned import LearnedIndex
 from redraft.datastore.drafting.prompt_lookup import PromptLookup
 from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
+from redraft.datastore.manifest import LEARNED_CORPUS  # learned outputs persist as this corpus
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.tree import LEARNED, PLD, REST, Tree, merge
 
 SOURCES = (REST, PLD, LEARNED)
-LEARNED_CORPUS = "learned"  # the datastore corpus learned outputs are persisted as
 
 
 @dataclass(frozen=True)
