@@ -127,7 +127,8 @@ def _write_shards(writer: SegmentSeries, docs: Iterable[tuple[str, np.ndarray]],
                   shard_tokens: int) -> tuple[int, int]:
     """Group documents into shards of at most `shard_tokens` tokens and write them."""
     vocab = writer.vocab
-    limit = max(1, min(int(shard_tokens), fmt.MAX_SHARD_LEN))
+    # a shard never spans two segment files
+    limit = max(1, min(int(shard_tokens), writer.segment_tokens, fmt.MAX_SHARD_LEN))
     buf: list[np.ndarray] = []
     names: list[str] = []
     size = n_docs = n_tokens = 0

@@ -222,12 +222,14 @@ class SegmentSeries:
         self.current = probe
 
     def add_shard(self, docs: list[np.ndarray], names: list[str], corpus: str) -> None:
+        length = sum(len(d) + 1 for d in docs)
+        if self.current is not None and self.current.manifest["shards"] and \
+                self.current.length + length > self.segment_tokens:
+            self.entries.append(self.current.finish())
+            self.current = None
         if self.current is None:
             self.current = self._make()
         self.current.add_shard(docs, names, corpus)
-        if self.current.length >= self.segment_tokens:
-            self.entries.append(self.current.finish())
-            self.current = None
 
     def finish(self) -> list[dict]:
         """Entries of every segment written (an empty last one is dropped)."""

@@ -10,7 +10,10 @@ FLOOR * F^t) with F = TIER_FACTOR) and:
 
 - adjacent tier-0 segments merge as soon as there are two: a small commit merges at most
   FLOOR_TOKENS tokens, so its cost stays bounded while the datastore keeps growing;
-- TIER_FACTOR adjacent segments of tier <= t (t >= 1) merge into one, the oldest first;
+- TIER_FACTOR adjacent segments of tier <= t (t >= 1) merge into one, the oldest first,
+  if the merge is balanced (no segment holds more than half of it: a big segment is never
+  rewritten to absorb a few small ones; a small one left between two bigger ones joins
+  their merge);
 - nothing that would exceed MAX_MERGE_TOKENS merges: big corpus segments are never rewritten
   by small commits.
 
@@ -71,7 +74,8 @@ def _next_run(sizes: list[int]) -> tuple[int, int] | None:
             if t == 0 and j - i >= need:
                 return i, j
             for a in range(i, j - need + 1) if t else ():
-                if sum(sizes[a:a + need]) <= MAX_MERGE_TOKENS:
+                total = sum(sizes[a:a + need])
+                if total <= MAX_MERGE_TOKENS and 2 * max(sizes[a:a + need]) <= total:
                     return a, a + need
             i = j
     return None

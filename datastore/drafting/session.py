@@ -86,6 +86,15 @@ class SessionDrafter:
         self._writer = learned.writer(tenant, self.context) if learned is not None else None
         self.rest_match_len = self.pld_match_len = self.learned_match_len = 0
 
+    def use_reader(self, reader) -> None:
+        """Draft retrieval from `reader` from now on: a newer snapshot of the same datastore
+        (a server that follows its datastore's commits swaps it in between steps). Which
+        corpora retrieval reads is decided again: the learned corpus may have appeared."""
+        if self.reader is None or reader is self.reader:
+            return
+        self.reader = reader
+        self._corpora = retrieval_corpora(reader, self.settings.corpora)
+
     def extend(self, accepted: Sequence[int]) -> None:
         """Tokens the decoder accepted since the last call (they are learned at once)."""
         self.context.extend(accepted)
