@@ -183,8 +183,11 @@ class Transaction:
         m = self.manifest
         m["generation"] = self.generation
         mf.retotal(m)
-        mf.publish(self.out, m)
         named = {s["file"] for s in m["segments"]}
+        for w in self._writers:
+            if w.finished and w.name in named:
+                w.sync()
+        mf.publish(self.out, m)
         for name in self.replaced - named:
             _unlink_quietly(self.out / name)
         with contextlib.suppress(OSError):

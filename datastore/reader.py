@@ -266,7 +266,7 @@ class Reader:
         self._closed = True
         self._segments = []
         try:
-            self._open_segments(copy.deepcopy(manifest))
+            self._open_segments({**manifest, "segments": list(manifest["segments"])})
             self._closed = False
             self._load()
         except BaseException:

@@ -26,6 +26,7 @@ from redraft.datastore import (
 )
 from redraft.datastore import format as fmt
 from redraft.datastore import manifest as mf
+from redraft.datastore.drafting import retrieval_tree
 from redraft.decoder.cli import main
 
 VOCAB = 50
@@ -108,6 +109,13 @@ def test_verbs_across_segments_match_a_single_segment(three_tier1_segments, tmp_
             b.doc_name(i) for i in (0, len(docs) // 2, len(docs) - 1)]
         ids = [i for i, _, _ in a.documents("default", newest_first=True)]
         assert ids == list(range(len(docs) - 1, -1, -1))
+        for _ in range(20):  # the retrieval tree, every occurrence sampled: the same tree
+            d = docs[int(rng.integers(len(docs)))]
+            p = int(rng.integers(len(d) - 8))
+            ta, tb = (retrieval_tree(x, d[p:p + 8], budget=32, max_occurrences=10**6)
+                      for x in (a, b))
+            assert (ta.tokens, ta.parents, ta.match_len) == (tb.tokens, tb.parents, tb.match_len)
+            assert ta.probs == pytest.approx(tb.probs)
 
 
 def test_a_hundred_small_appends_stay_proportional(tmp_path):
