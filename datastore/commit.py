@@ -8,18 +8,18 @@ flock; a writer waits for it up to `wait_s`, default 30 s, then gives up with on
    current manifest does not name, a legacy `datastore.lmdb` a finished upgrade left;
 2. the current commit is opened (a legacy single-file datastore is verified and converted
    first: its file becomes a segment by a hard link, or a copy where links fail);
-3. the change writes new segment files (`SegmentWriter`), each synced and renamed to its
-   final name;
-4. the new manifest is published (temporary file, fsync, rename, fsync of the directory):
-   the commit;
-   before that, the merge policy (`tiers.py`) may replace runs of small segments, old or
-   just written, by one merged segment, in the same commit;
-5. files it replaced are unlinked (readers that still map them keep their snapshot).
+3. the change writes new segment files (`SegmentWriter`: temporary name, renamed when
+   complete);
+4. the merge policy (`tiers.py`) may replace runs of small segments, old or just written,
+   by one merged segment each;
+5. the segment files the new manifest names are synced, then the manifest is published
+   (temporary file, fsync, rename, fsync of the directory): the commit;
+6. files it replaced are unlinked (readers that still map them keep their snapshot).
 
-A writer killed anywhere before 4 leaves the previous commit as it was; after 4, the new
-one. Segments are verified (every checksum) before anything is copied out of them, so a
-writer never carries damage into a new file (a damaged one is refused with one line and
-nothing changes); an append that merges nothing reads no old segment at all.
+A writer killed anywhere before the rename of 5 leaves the previous commit as it was;
+after it, the new one. Segments are verified (every checksum) before anything is copied
+out of them, so a writer never carries damage into a new file (a damaged one is refused
+with one line and nothing changes); an append that merges nothing reads no old segment.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ already verified are not verified again (they are immutable); the new ones are c
 the background, as at start-up. The old snapshot is closed once the work that reads it on
 threads is done (a running verification, the reload of learned outputs): drafting itself
 runs on the event loop, so no drafting call can still be inside it. That releases its maps,
-so deleted documents leave the disk too. A commit that cannot be opened (damaged, or built
+so deleted documents leave the disk too; the snapshot the server was started with is closed
+the same way once replaced (its owner's own close() then does nothing). A commit that cannot be opened (damaged, or built
 with another tokenizer) keeps the old snapshot and is logged once.
 """
 

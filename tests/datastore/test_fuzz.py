@@ -149,7 +149,7 @@ class Target:
         self.clean_dir = root / "clean"
         build_datastore(None, self.clean_dir, tokenizer="smollm2-135m", documents=docs,
                         fingerprint=tokenizer_fingerprint(tok), vocab_size=len(tok),
-                        shard_tokens=400, segment_tokens=3000)
+                        shard_tokens=400, segment_tokens=3020)
         self.clean = _files(self.clean_dir)
         self.segments = [s["file"] for s in mf.read(self.clean_dir)[0]["segments"]]
         assert len(self.segments) == 2
