@@ -14,8 +14,9 @@ the background, as at start-up. The old snapshot is closed once the work that re
 threads is done (a running verification, the reload of learned outputs): drafting itself
 runs on the event loop, so no drafting call can still be inside it. That releases its maps,
 so deleted documents leave the disk too; the snapshot the server was started with is closed
-the same way once replaced (its owner's own close() then does nothing). A commit that cannot be opened (damaged, or built
-with another tokenizer) keeps the old snapshot and is logged once.
+the same way once replaced (its owner's own close() then does nothing). A commit that cannot
+be opened (damaged, or built with another tokenizer) keeps the old snapshot and is logged
+once.
 """
 
 from __future__ import annotations
