@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from redraft.datastore.build import append_corpus
+from redraft.datastore.build import learned_marks, persist_learned
 from redraft.datastore.drafting import LEARNED_CORPUS
 from redraft.datastore.learned_log import (
     list_logs,
@@ -100,7 +100,8 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
             raise PersistBusy(f"{datastore}: another process kept persisting learned outputs "
                               f"for more than {wait_s:g} s")
         remove_stale_new_logs(datastore)
-        done = log_marks(_committed_marks(datastore))
+        committed = learned_marks(datastore)
+        done = log_marks(committed)
         documents: list[tuple[str, list[int]]] = []
         marks: dict[str, list[list[int]]] = {}
         finished = []  # logs of gone owners, removable once all is persisted
@@ -122,9 +123,9 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
             if not live and all(n in ranges for n in outputs):
                 finished.append(path)
         result = Persisted()
-        if documents:
-            _commit(datastore, documents, {MARKS_KEY: marks}, fingerprint,
-                    max(0.0, deadline - time.monotonic()))
+        if documents:  # the commit: the documents and their marks, both or neither
+            persist_learned(datastore, documents, {MARKS_KEY: marks}, fingerprint=fingerprint,
+                            wait_s=max(0.0, deadline - time.monotonic()), expect=committed)
             result.outputs = len(documents)
             result.tokens = sum(len(t) for _, t in documents)
         for path in finished:
@@ -152,10 +153,10 @@ def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
     """The newest persisted outputs that fit `max_tokens` and the marks of the same commit;
     `opened()` runs under the same lock (to open the logs as they are at that commit)."""
     with persist_lock(datastore, wait_s):  # not held after the wait: a best effort view
-        marks = log_marks(_committed_marks(datastore))
         newest: list[tuple[str, list[int]]] = []
         total = 0
         with Reader(datastore) as reader:
+            marks = log_marks(reader.manifest.get("learned") or {})  # this very commit's
             if LEARNED_CORPUS in (reader.corpora or {}):
                 for _, name, tokens in reader.documents(LEARNED_CORPUS, newest_first=True):
                     key = persisted_key(name, token_keys)
@@ -168,38 +169,3 @@ def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
         opened()
     newest.reverse()
     return Snapshot(newest, marks)
-
-
-# ---- the commit (interim: append + marks file; to become one atomic segment commit) ----
-_MARKS_FILE = "learned/marks.json"
-
-
-def _committed_marks(datastore: str) -> dict:
-    import json  # lazy: interim
-
-    try:
-        with open(os.path.join(datastore, _MARKS_FILE), encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
-
-
-def _commit(datastore: str, documents, marks: dict, fingerprint: str, wait_s: float) -> None:
-    import json  # lazy: interim
-
-    from redraft.proto.files import write_atomically  # lazy: interim
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            append_corpus(None, datastore, documents=documents, fingerprint=fingerprint,
-                          corpus=LEARNED_CORPUS)
-            break
-        except DatastoreError as exc:
-            if "another process is writing" not in str(exc):
-                raise
-            if time.monotonic() >= deadline:
-                raise PersistBusy(str(exc)) from exc
-            time.sleep(0.1)
-    write_atomically(os.path.join(datastore, _MARKS_FILE),
-                     lambda tmp: tmp.write_text(json.dumps(marks)), durable=True)

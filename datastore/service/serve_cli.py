@@ -96,6 +96,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="skip the background check of the datastore's checksums (by default "
                    "a damaged datastore turns health NOT_SERVING)")
+    p.add_argument("--reload-seconds", type=float, default=d.reload_interval_s,
+                   metavar="SECONDS",
+                   help="look for a new commit of the datastore (append, delete, learned "
+                   "outputs) this often and serve it without a restart; 0 = never (default "
+                   f"{d.reload_interval_s:g})")
     p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
                    help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
     p.set_defaults(func=run)
@@ -119,7 +124,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
             raise RedraftError(f"{flag} must be positive and at most {most}, got {value}")
     for flag, value in (("--grace", args.grace),
                         ("--learn-persist-seconds", args.learn_persist_seconds),
-                        ("--learn-persist-wait", args.learn_persist_wait)):
+                        ("--learn-persist-wait", args.learn_persist_wait),
+                        ("--reload-seconds", args.reload_seconds)):
         if not 0 <= value <= UINT32:
             raise RedraftError(f"{flag} must be between 0 and {UINT32} seconds, got {value}")
     if not 0.01 <= args.learn_sync_seconds <= 60:  # also false for nan
@@ -162,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         learn_persist_s=args.learn_persist_seconds,
         learn_sync_s=args.learn_sync_seconds,
         learn_persist_wait_s=args.learn_persist_wait,
+        reload_interval_s=args.reload_seconds,
     )
 
 
