@@ -1,4 +1,5 @@
-"""`redraft serve` as real subprocesses: started, followed, stopped by signal or killed."""
+"""Shared by every test folder: `redraft serve` as real subprocesses (started, followed,
+stopped by signal or killed), free ports, waiting for a condition."""
 
 from __future__ import annotations
 
