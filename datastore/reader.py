@@ -357,6 +357,31 @@ class Reader:
         return [s.name for s in self._segments]
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def token_width(self) -> int:
+        """Bytes per stored token id (2 or 4)."""
+        return self._dtype.itemsize
+
+    def shard_arrays(self) -> list[ShardArrays]:
+        """Every shard's arrays, in shard id order. A shard of an immutable segment file has a
+        key that names it in any snapshot (so a reader of the next commit can reuse what was
+        derived from it); the arrays keep the map alive after close() while referenced."""
+        if self._closed:
+            raise DatastoreError(f"{self.path}: reader is closed; open a new Reader")
+        return [ShardArrays(sh.tokens, sh.sa, sh.bucket, sh.length,
+                            f"{sh.segment.name}:{sh.segment.crc:08x}:{sh.local}"
+                            if mf.is_segment_name(sh.segment.name) else "")
+                for sh in self._shards]
+
+    def shard_ids(self, corpora=None) -> list[int]:
+        """Ids of the shards a lookup restricted to `corpora` reads (None or empty: all);
+        raises what such a lookup raises (unknown corpora, a closed reader)."""
+        return [sh.id for sh in self._select(corpora)]
+
+    @property
     def files_bytes(self) -> int:
         """Bytes on disk of the snapshot: its segments and its manifest."""
         total = sum(s.lm.size for s in self._segments)
@@ -647,6 +672,17 @@ class Reader:
             np.minimum(idx, sh.length - 1, out=idx)
             cols.append(sh.tokens[idx])
         return (cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)).astype(np.int64)
+
+
+class ShardArrays(NamedTuple):
+    """One shard's arrays as stored, for code that searches them itself (the compiled
+    drafting core): views of the map, valid while they are referenced."""
+
+    tokens: np.ndarray  # token ids, big-endian, Reader.token_width bytes each
+    sa: np.ndarray  # the suffix array: little-endian uint32 positions into tokens
+    bucket: np.ndarray  # suffixes starting with token t are sa[bucket[t]:bucket[t + 1]]
+    length: int  # tokens, separators included
+    key: str  # the same shard in every snapshot that has it ("": only this snapshot's)
 
 
 class Match(NamedTuple):
