@@ -16,8 +16,8 @@ Layers, and what each may not import:
 - `engines` (adapters that serving engines load) is a leaf too: nothing of redraft imports it,
   and it imports neither the loop, models, heads, drafters, the benchmark nor the CLI.
 - From the datastore side the decoder imports only its public surfaces: `redraft.datastore`,
-  `redraft.datastore.drafting` and `redraft.datastore.service.client` (and its CLI, the
-  `redraft` entry point's).
+  `redraft.datastore.drafting`, `redraft.datastore.service.client` and
+  `redraft.datastore.service.batch_client` (and its CLI, the `redraft` entry point's).
 
 The package facades exempt from the layer rules are listed in `FACADES`. Besides: no import
 cycle between modules, no two modules with one basename, and every function-local import
@@ -64,7 +64,8 @@ LEAVES = {"bench": {"bench", "cli"}, "cli": {"cli"}, "datastore-cli": {"datastor
           "engines": {"engines"}}
 # What the decoder may import from the datastore side.
 DATASTORE_SURFACES = {"redraft.datastore", "redraft.datastore.drafting",
-                      "redraft.datastore.service.client"}
+                      "redraft.datastore.service.client",
+                      "redraft.datastore.service.batch_client"}
 CLI_ENTRY_SURFACES = {"redraft.datastore.cli"}
 
 

@@ -9,7 +9,7 @@ server lost (swept after idling, restarted, failed over to another replica) is o
 with its whole context within the same `draft`. What the server learns is each sequence's
 output, for its tenant, as with sessions.
 
-    batch = client.sequences(DraftParams(budget=64), fingerprint, chain=5)
+    batch = SequenceBatch(client, DraftParams(budget=64), fingerprint, chain=5)
     drafts = batch.draft({req_id: token_ids for req_id, token_ids in rows})
     drafts[req_id].tokens            # the chain (or the tree) for that sequence
     batch.end(finished_ids)          # or let the server sweep them when idle

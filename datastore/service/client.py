@@ -444,7 +444,8 @@ class DraftClient:
         UnknownSequence, InvalidRequest, LimitExceeded) or a tree; a failed entry never
         fails the others. `params`, `tenant`: for opens without their own. `chain` > 0:
         each tree is its best chain of at most that many nodes. A failure of the call
-        itself (unreachable, auth, tokenizer) raises. `sequences()` keeps track for you."""
+        itself (unreachable, auth, tokenizer) raises. batch_client.SequenceBatch keeps
+        track of the sequences for you."""
         if not isinstance(chain, int) or not 0 <= chain < 1 << 32:
             raise InvalidRequest(f"chain must be a non-negative integer, got {chain!r}")
         req = draft_pb2.BatchRequest(client=client_id, entries=[_entry_proto(e) for e in entries],
@@ -453,17 +454,6 @@ class DraftClient:
         if params is not None:
             req.params.CopyFrom(params.to_proto())
         return _batch_results(self._unary(self._stub.Batch, req, timeout), self.address)
-
-    def sequences(self, params: DraftParams | None = None, tokenizer_fingerprint: str = "",
-                  tenant: str = "", chain: int = 0, timeout: float | None = None):
-        """A SequenceBatch: an engine's sequences drafted with one call per engine step,
-        from their whole contexts (it sends only what the server has not seen, and opens
-        again what the server lost)."""
-        from redraft.datastore.service.batch_client import (  # lazy: it imports this module
-            SequenceBatch,
-        )
-
-        return SequenceBatch(self, params, tokenizer_fingerprint, tenant, chain, timeout)
 
     def session(self, prompt: Sequence[int], params: DraftParams | None = None,
                 tokenizer_fingerprint: str = "", timeout: float | None = None,
