@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redraft.datastore import Reader
-from redraft.datastore.drafting import DraftSettings, LearnedIndex, SessionDrafter
+from redraft.datastore.drafting import DraftSettings, new_learned_index, new_session_drafter
 from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto.tree import LEARNED, PLD, REST, Tree
 
@@ -61,11 +61,17 @@ class DraftOptions:
 
 
 def check_address(address: str) -> str:
-    """`HOST:PORT` or raise EngineConfigError."""
-    m = _ADDRESS.match(address) if isinstance(address, str) else None
-    if m is None or not 0 < int(m.group(2)) < 65536:
-        raise EngineConfigError(f"service must be HOST:PORT (e.g. 127.0.0.1:50051), "
-                                f"got {address!r}")
+    """`HOST:PORT`, several comma-separated (replicas) or `dns:///NAME:PORT`, or raise
+    EngineConfigError."""
+    parts = address.split(",") if isinstance(address, str) else [None]
+    if len(parts) == 1 and parts[0] is not None and parts[0].startswith("dns:///"):
+        parts = [parts[0][len("dns:///"):]]
+    for part in parts:
+        m = _ADDRESS.match(part.strip()) if part is not None else None
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise EngineConfigError(f"service must be HOST:PORT (e.g. 127.0.0.1:50051), "
+                                    f"several of them comma-separated, or dns:///NAME:PORT; "
+                                    f"got {address!r}")
     return address
 
 
@@ -88,9 +94,9 @@ class LocalStream(DraftStream):
     """Drafts from a datastore opened in this process (or prompt lookup alone: reader None)."""
 
     def __init__(self, prompt: Sequence[int], settings: DraftSettings,
-                 reader: Reader | None = None, learned: LearnedIndex | None = None,
+                 reader: Reader | None = None, learned=None,
                  tenant: str = "") -> None:
-        self._session = SessionDrafter(prompt, settings, reader, learned, tenant)
+        self._session = new_session_drafter(prompt, settings, reader, learned, tenant)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._session.extend(tokens)
@@ -224,7 +230,7 @@ class DraftSource:
         except BaseException:
             self.reader.close()
             raise
-        self.learned = LearnedIndex(o.learn_max_tokens) if o.learn else None
+        self.learned = new_learned_index(o.learn_max_tokens) if o.learn else None
         self.settings = DraftSettings(budget=o.budget, max_depth=o.max_depth,
                                       sources=frozenset(o.sources),
                                       corpora=o.corpora or None)
