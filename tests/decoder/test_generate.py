@@ -37,7 +37,7 @@ def assert_same_or_near_tie(model, result, reference) -> None:
     i = next(k for k, (a, b) in enumerate(zip(result.tokens, reference.tokens)) if a != b)
     ids = reference.prompt_ids + reference.tokens[:i]
     with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
     top2 = torch.topk(logits, 2).values
     gap = float(top2[0] - top2[1])
     print(f"first difference at token {i}: top-2 logit gap {gap:.2e}")
@@ -50,7 +50,8 @@ def test_plain_decoding_matches_hf_generate(default_model, plain, prompt):
     model, tok = default_model
     ours = plain[prompt]
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ours.prompt_ids]), max_new_tokens=NEW,
+        out = model.generate(torch.tensor([ours.prompt_ids], device=model.device),
+                             max_new_tokens=NEW,
                              do_sample=False, eos_token_id=sorted(
                                  {tok.eos_token_id, model.generation_config.eos_token_id}))
     hf = dataclasses.replace(ours, tokens=out[0, len(ours.prompt_ids):].tolist())
