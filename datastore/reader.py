@@ -27,7 +27,7 @@ import os
 import sys
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -183,6 +183,7 @@ class Reader:
         self.path = self.file = os.fspath(path)
         self._closed = True
         self._segments: list[_Segment] = []
+        self._on_close: list[Callable[[], object]] = []
         try:
             for _attempt in range(_OPEN_ATTEMPTS):
                 self.directory, self.layout = mf.locate(path)
@@ -265,6 +266,7 @@ class Reader:
         self.directory, self.layout, self.stamp = directory, "segments", ("staged",)
         self._closed = True
         self._segments = []
+        self._on_close = []
         try:
             self._open_segments({**manifest, "segments": list(manifest["segments"])})
             self._closed = False
@@ -395,6 +397,14 @@ class Reader:
         for seg in segments:
             seg.close()
 
+    def on_close(self, callback: Callable[[], object]) -> None:
+        """Run `callback` when this reader closes (now if it is closed already): whoever keeps
+        something derived from its arrays drops it then, so that the maps can go."""
+        if self._closed:
+            callback()
+        else:
+            self._on_close.append(callback)
+
     def close(self) -> None:
         """Release the maps. Do not call while other threads still query this Reader."""
         if getattr(self, "_closed", True):
@@ -403,6 +413,12 @@ class Reader:
         self._shards = []
         self._by_corpus = {}
         self._release()
+        callbacks, self._on_close = getattr(self, "_on_close", []), []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a holder's failure must not fail close()
+                pass
 
     def __enter__(self) -> Reader:
         if self._closed:

@@ -4,7 +4,8 @@ Why a Store per Reader and not per session: its prefix tables (derived from the 
 arrays, one byte per datastore token) are built once and shared by every session drafting
 from that snapshot. A reader of a newer commit of the same datastore reuses the tables of
 the shards the older snapshot already had (segments are immutable), so a reload costs only
-its new segments.
+its new segments. Once the Reader closes, the Store is kept only by the sessions still
+holding it, and its maps go with the last of them.
 """
 
 from __future__ import annotations
@@ -51,4 +52,15 @@ def store_of(reader) -> _core.Store:
                                    f"`redraft stats`") from exc
         _stores[reader] = store
         _latest[directory] = weakref.ref(store)
+        ref = weakref.ref(reader)
+        reader.on_close(lambda: _forget(ref))
         return store
+
+
+def _forget(ref: weakref.ref) -> None:
+    """A reader closed: its Store stays only with the sessions that still hold it (until
+    their next step on a newer snapshot), so its maps go with the last of them."""
+    reader = ref()
+    if reader is not None:
+        with _lock:
+            _stores.pop(reader, None)
