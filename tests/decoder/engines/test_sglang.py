@@ -127,9 +127,14 @@ def test_trees_are_the_services_in_sglangs_layout(service, plain_answers):
             req.output_ids.extend(answer[len(req.output_ids):len(req.output_ids) + 2])
         put(cache, reqs)
     assert cache.drafts.calls == 8 and cache.stats["errors"] == 0
-    assert len(cache.drafts._batch) == 3  # r1 was ended on the service
+    # The server saw one Batch call per decode step, drafting every request of it (3 a step);
+    # r1 was ended on it when it had been absent for more than the grace steps.
+    stats = client.stats()
+    assert stats["batch_calls"] == 8 and stats["batch_steps"] == 8 * 3
+    assert stats["sessions_active"] == 3 and len(cache.drafts._batch) == 3
     cache.reset()  # SGLang flushed its cache: every sequence ends
     assert len(cache.drafts._batch) == 0
+    assert client.stats()["sessions_active"] == 0
     client.close()
     cache.close()
 

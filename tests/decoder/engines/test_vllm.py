@@ -116,8 +116,11 @@ class InputBatch:
         return self.token_ids_cpu[i, :self.num_tokens_no_spec[i]].tolist()
 
 
-def engine_step(proposer, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list]:
-    """Book this step's sampled tokens, then one `propose` for every row; {req_id: drafts}."""
+def engine_step(proposer, batch: InputBatch, sampled: dict[str, list[int]],
+                by_keyword: bool = False) -> dict[str, list]:
+    """Book this step's sampled tokens, then one `propose` for every row; {req_id: drafts}.
+    `by_keyword`: as the earlier `CustomClassProposer` wrapper of
+    vllm/v1/spec_decode/custom_class_proposer.py called it, every argument by name."""
     lists = []
     for i, req_id in enumerate(batch.req_ids):
         tokens = list(sampled.get(req_id, []))
@@ -125,8 +128,13 @@ def engine_step(proposer, batch: InputBatch, sampled: dict[str, list[int]]) -> d
         batch.token_ids_cpu[i, start:start + len(tokens)] = tokens
         batch.num_tokens_no_spec[i] = start + len(tokens)
         lists.append(tokens)
-    drafts = proposer.propose(lists, batch.num_tokens_no_spec, batch.token_ids_cpu,
-                              slot_mappings=None)
+    if by_keyword:
+        drafts = proposer.propose(sampled_token_ids=lists,
+                                  num_tokens_no_spec=batch.num_tokens_no_spec,
+                                  token_ids_cpu=batch.token_ids_cpu, slot_mappings=None)
+    else:
+        drafts = proposer.propose(lists, batch.num_tokens_no_spec, batch.token_ids_cpu,
+                                  slot_mappings=None)
     assert isinstance(drafts, list) and len(drafts) == batch.num_reqs
     assert all(isinstance(d, list) and all(type(t) is int for t in d) for d in drafts)
     return dict(zip(batch.req_ids, drafts))
@@ -221,18 +229,24 @@ def test_chains_are_the_services_best_chains_as_rows_move(service_env, plain_ans
 
 
 def test_drafts_stop_at_max_model_len(service_env, plain_answers):
+    """Each row's chain is at most k long and never runs past max_model_len."""
     prompt, output = plain_answers[QUESTIONS[0]]
-    limit = len(prompt) + 4
-    proposer = create_proposer(vllm_config(8, max_model_len=limit))
+    k, room = 8, 12
+    limit = len(prompt) + room
+    proposer = create_proposer(vllm_config(k, max_model_len=limit))
     batch = InputBatch(max_model_len=limit)
     batch.add_request("r0", prompt)
-    made = 1
-    drafts = engine_step(proposer, batch, {"r0": output[:1]})
-    while made < 4:
-        assert len(drafts["r0"]) <= limit - len(prompt) - made
-        drafts = engine_step(proposer, batch, {"r0": output[made:made + 1]})
-        made += 1
-    assert drafts["r0"] == []  # the context is at max_model_len
+    made, lengths = 0, []
+    while made < room:
+        n = 4 if made == 0 else 2  # the first token and three accepted, then two a step
+        drafts = engine_step(proposer, batch, {"r0": output[made:made + n]},
+                             by_keyword=made > 0)
+        made += n
+        lengths.append(len(drafts["r0"]))
+        assert lengths[-1] <= min(k, room - made), lengths
+    assert lengths[-1] == 0  # the context is at max_model_len
+    # the answer is in the corpus: the chains filled the room left
+    assert lengths[:-1] == [min(k, room - m) for m in range(4, room, 2)], lengths
     proposer.close()
 
 
