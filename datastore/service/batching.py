@@ -277,6 +277,9 @@ class BatchDrafting:
                 self._in_flight.discard(fut)
                 for x in drafting:
                     x.seq.busy = False
+            if self.service.reader is not reader:  # swapped meanwhile: `follow` skipped these
+                for d in drafters:
+                    d.use_reader(self.service.reader)
         now = time.monotonic()
         for i, x in enumerate(drafting):
             x.seq.since = now
