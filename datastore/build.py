@@ -153,6 +153,18 @@ def _ray_build():
     return ray_build
 
 
+def _checked_ray(ray: bool | str | None, documents, retries: int):
+    """The Ray build's module when `ray` asks for one (None otherwise), its arguments
+    checked: called before anything slow, so a missing extra fails at once."""
+    if ray is None or ray is False:
+        return None
+    if documents is not None:
+        raise DatastoreError("a Ray build reads corpus inputs, not pre-tokenized documents")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise InvalidQuery(f"ray_retries: expected an integer >= 0, got {retries!r}")
+    return _ray_build()
+
+
 class _NewDocuments:
     """What a build or an append adds, written as new segments of a transaction: corpus
     inputs tokenized in this process, pre-tokenized documents, or corpus inputs tokenized
@@ -162,16 +174,13 @@ class _NewDocuments:
                  field: str | None, exclude: Sequence[str], skip_bad: bool,
                  segment_tokens: int, progress: bool, ray: bool | str | None,
                  ray_retries: int) -> None:
-        if ray is not None and ray is not False and documents is not None:
-            raise DatastoreError("a Ray build reads corpus inputs, not pre-tokenized documents")
-        if isinstance(ray_retries, bool) or not isinstance(ray_retries, int) or ray_retries < 0:
-            raise InvalidQuery(f"ray_retries: expected an integer >= 0, got {ray_retries!r}")
         self.inputs, self.documents, self.tok = inputs, documents, tok
         self.corpus, self.field, self.exclude, self.skip_bad = corpus, field, exclude, skip_bad
         self.segment_tokens, self.progress = segment_tokens, progress
         self.ray = None if ray is False else ray
         self.ray_retries = ray_retries
         self.skipped: list[str] = []
+        self._ray_build = _checked_ray(ray, documents, ray_retries)
         self._cluster = None
 
     @contextlib.contextmanager
@@ -181,7 +190,7 @@ class _NewDocuments:
         if self.ray is None:
             yield
             return
-        with _ray_build().connect(None if self.ray is True else self.ray) as cluster:
+        with self._ray_build.connect(None if self.ray is True else self.ray) as cluster:
             self._cluster = cluster
             try:
                 yield
@@ -275,6 +284,7 @@ def build_datastore(
     Returns the manifest.
     """
     _check_corpus_name(corpus)
+    _checked_ray(ray, documents, ray_retries)
     if documents is None:
         expand_inputs(inputs or [], exclude)  # fail on bad inputs before touching `out`
         tok, name, fp, vocab = _tokenizer_info(tokenizer)
@@ -392,6 +402,7 @@ def append_corpus(
     `build_datastore`. Returns the new manifest.
     """
     _check_corpus_name(corpus)
+    _checked_ray(ray, documents, ray_retries)
     out = _directory(path)
     with Reader(out) as r:
         manifest = r.manifest
