@@ -36,7 +36,7 @@ from redraft.datastore.commit import (
     write_error,
     write_lock,
 )
-from redraft.datastore.corpus import expand_inputs, iter_documents
+from redraft.datastore.corpus import expand_inputs, file_documents
 from redraft.datastore.manifest import LEARNED_CORPUS
 from redraft.datastore.reader import Reader
 from redraft.datastore.segment import SegmentSeries
@@ -170,12 +170,11 @@ class _NewDocuments:
     inputs tokenized in this process, pre-tokenized documents, or corpus inputs tokenized
     and sorted by tasks on a Ray cluster (`ray`: True or the cluster's address)."""
 
-    def __init__(self, inputs, documents: TokenDocs | None, tok, *, corpus: str,
-                 field: str | None, exclude: Sequence[str], skip_bad: bool,
-                 segment_tokens: int, progress: bool, ray: bool | str | None,
-                 ray_retries: int) -> None:
-        self.inputs, self.documents, self.tok = inputs, documents, tok
-        self.corpus, self.field, self.exclude, self.skip_bad = corpus, field, exclude, skip_bad
+    def __init__(self, paths: list[Path], documents: TokenDocs | None, tok, *, corpus: str,
+                 field: str | None, skip_bad: bool, segment_tokens: int, progress: bool,
+                 ray: bool | str | None, ray_retries: int) -> None:
+        self.paths, self.documents, self.tok = paths, documents, tok
+        self.corpus, self.field, self.skip_bad = corpus, field, skip_bad
         self.segment_tokens, self.progress = segment_tokens, progress
         self.ray = None if ray is False else ray
         self.ray_retries = ray_retries
@@ -208,10 +207,9 @@ class _NewDocuments:
         limit = shard_limit(shard_tokens, self.segment_tokens)
         if self._cluster is not None:
             entries, n_docs, n_tok, report = self._cluster.write_segments(
-                tx, expand_inputs(self.inputs, self.exclude), self.tok, op=op,
-                corpus=self.corpus, field=self.field, skip_bad=self.skip_bad,
-                shard_limit=limit, retries=self.ray_retries, progress=self.progress,
-                on_skip=self._skip)
+                tx, self.paths, self.tok, op=op, corpus=self.corpus, field=self.field,
+                skip_bad=self.skip_bad, shard_limit=limit, retries=self.ray_retries,
+                progress=self.progress, on_skip=self._skip)
         else:
             entries, n_docs, n_tok = self._write_here(tx, op, shard_tokens)
             report = None
@@ -227,8 +225,8 @@ class _NewDocuments:
             stream = _pretokenized(self.documents)
         else:
             bar = _progress_bar(self.progress, "tokenizing")
-            docs = iter_documents(self.inputs, field=self.field, exclude=self.exclude,
-                                  skip_bad=self.skip_bad, on_skip=self._skip)
+            docs = (d for p in self.paths for d in file_documents(
+                p, field=self.field, skip_bad=self.skip_bad, on_skip=self._skip))
             stream = tokenize_documents(docs, self.tok, progress=bar)
         series = SegmentSeries(lambda: tx.writer("corpus", {"op": op}), self.segment_tokens)
         try:
@@ -285,8 +283,9 @@ def build_datastore(
     """
     _check_corpus_name(corpus)
     _checked_ray(ray, documents, ray_retries)
+    paths: list[Path] = []
     if documents is None:
-        expand_inputs(inputs or [], exclude)  # fail on bad inputs before touching `out`
+        paths = expand_inputs(inputs or [], exclude)  # bad inputs fail before `out` is touched
         tok, name, fp, vocab = _tokenizer_info(tokenizer)
     else:
         if fingerprint is None or vocab_size is None:
@@ -297,9 +296,9 @@ def build_datastore(
         fmt.token_dtype(vocab)
     except ValueError as exc:
         raise DatastoreError(str(exc)) from exc
-    new = _NewDocuments(inputs, documents, tok, corpus=corpus, field=field, exclude=exclude,
-                        skip_bad=skip_bad, segment_tokens=segment_tokens, progress=progress,
-                        ray=ray, ray_retries=ray_retries)
+    new = _NewDocuments(paths, documents, tok, corpus=corpus, field=field, skip_bad=skip_bad,
+                        segment_tokens=segment_tokens, progress=progress, ray=ray,
+                        ray_retries=ray_retries)
     out_p = Path(out)
     created = _prepare_dir(out_p)
     try:
@@ -406,15 +405,16 @@ def append_corpus(
     out = _directory(path)
     with Reader(out) as r:
         manifest = r.manifest
+    paths: list[Path] = []
     if documents is None:
-        expand_inputs(inputs or [], exclude)
+        paths = expand_inputs(inputs or [], exclude)
         tok, _, fp, _ = _tokenizer_info(tokenizer or manifest["tokenizer"]["name"])
     else:
         tok, fp = None, fingerprint
     _check_fingerprint(manifest, fp)
-    new = _NewDocuments(inputs, documents, tok, corpus=corpus, field=field, exclude=exclude,
-                        skip_bad=skip_bad, segment_tokens=segment_tokens, progress=progress,
-                        ray=ray, ray_retries=ray_retries)
+    new = _NewDocuments(paths, documents, tok, corpus=corpus, field=field, skip_bad=skip_bad,
+                        segment_tokens=segment_tokens, progress=progress, ray=ray,
+                        ray_retries=ray_retries)
 
     def change(tx: Transaction) -> bool:
         m = tx.manifest

@@ -290,8 +290,9 @@ class _Run:
                      "vocab": int(m["tokenizer"]["vocab_size"]),
                      "tokenizer": dict(m["tokenizer"]), "generation": tx.generation}
         # the fast backend travels (a few MB, once per node); a slow tokenizer as it is
-        backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
-        self.tokenizer = ray.put(backend)
+        t0 = time.perf_counter()
+        self.tokenizer = ray.put(getattr(tokenizer, "backend_tokenizer", None) or tokenizer)
+        self.driver_s = {"put": time.perf_counter() - t0, "plan": 0.0}
         options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", "max_retries": retries}
         self.tokenize = ray.remote(tokenize_batch).options(name="redraft-tokenize", **options)
         self.shard = ray.remote(build_shard).options(name="redraft-shard", **options)
@@ -301,7 +302,6 @@ class _Run:
         self.entries: dict[int, dict] = {}
         self.n_shards = self.n_docs = self.n_tokens = 0
         self.stats: list[dict] = []
-        self.driver_s = {"plan": 0.0}
 
     def execute(self, paths: Sequence[Path], progress: bool) -> tuple[list[dict], int, int, dict]:
         t0 = time.perf_counter()
@@ -383,15 +383,22 @@ class _Run:
         self.pending = []
 
     def _report(self, seconds: float) -> dict:
-        """What the history event records about the run (`redraft stats` shows it)."""
+        """What the history event records about the run (`redraft stats` shows it): where
+        tasks ran, how many were run again, and where the time went."""
         nodes: dict[str, int] = {}
         for s in self.stats:
             nodes[s["node"][:12]] = nodes.get(s["node"][:12], 0) + 1
         attempts = len(os.listdir(self.work / "attempts"))
+
+        def total(kind: str, what: str) -> float:
+            return round(sum(s[what] for s in self.stats if s["kind"] == kind), 3)
+
         return {"nodes": nodes, "tasks": len(self.stats),
                 "retried": max(0, attempts - len(self.stats)),
-                "task_cpu_s": round(sum(s["cpu_s"] for s in self.stats), 3),
-                "task_s": round(sum(s["task_s"] for s in self.stats), 3),
+                "cpu_s": {k: total(k, "cpu_s") for k in ("tokenize", "shard")},
+                "task_s": {k: total(k, "task_s") for k in ("tokenize", "shard")},
+                "longest_task": {k: round(max(s[k] for s in self.stats), 3)
+                                 for k in ("task_s", "cpu_s")},
                 "seconds": round(seconds, 3),
                 "driver_s": {k: round(v, 3) for k, v in self.driver_s.items()}}
 
