@@ -355,7 +355,8 @@ def _event(op: str, corpus: str | None, n_docs: int, n_tokens: int, t0: float,
 
 def _remove_if_empty(out: Path) -> None:
     with contextlib.suppress(OSError):
-        (out / fmt.WRITE_LOCK).unlink()
+        (out / fmt.WRITE_LOCK).unlink()  # none yet when the build failed before locking
+    with contextlib.suppress(OSError):
         out.rmdir()
 
 

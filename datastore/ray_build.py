@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -60,6 +61,8 @@ WORK_PREFIX = f"{fmt.TMP_PREFIX}ray-"  # the build's work directory: a leftover 
 MIN_BATCH_BYTES = 64 << 10
 BATCHES_PER_CPU = 4  # enough batches that every CPU of the cluster gets several
 CANCEL_WAIT_S = 10.0  # after a failure, how long to wait for cancelled tasks to end
+CONNECT_TIMEOUT_S = 10.0
+_HOST_PORT = re.compile(r"(?:ray://)?([\w.-]+|\[[0-9a-fA-F:.]+\]):([0-9]{1,5})")
 
 
 # ---- connecting -------------------------------------------------------------------------
@@ -90,6 +93,21 @@ def _ray_reports_dropped() -> Iterator[None]:
         sys.stdout = saved
 
 
+def _check_reachable(address: str | None) -> None:
+    """One line at once when a HOST:PORT address answers nothing: `ray.init` would retry
+    for ever, printing a warning every few seconds."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    match = _HOST_PORT.fullmatch(address or "")
+    if match is None:
+        return  # "auto", "local", none: Ray finds the cluster (or fails) by itself
+    host, port = match.group(1).strip("[]"), int(match.group(2))
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise DatastoreError(f"cannot connect to the Ray cluster at {address}: "
+                             f"{exc.strerror or exc}") from None
+
+
 @contextlib.contextmanager
 def connect(address: str | None) -> Iterator[Cluster]:
     """Connected to the Ray cluster at `address` (None: the one `ray.init()` finds, named by
@@ -98,6 +116,7 @@ def connect(address: str | None) -> Iterator[Cluster]:
     owned = not ray.is_initialized()
     with _ray_reports_dropped():
         if owned:
+            _check_reachable(address)
             try:
                 ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
             except Exception as exc:  # Ray raises ConnectionError, ValueError, RuntimeError ...

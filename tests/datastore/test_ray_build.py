@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -286,6 +287,24 @@ def test_an_input_is_not_taken_for_an_address(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "'src/' is not a cluster address" in err
+
+
+def test_a_cluster_that_answers_nothing_is_one_line_at_once(corpus, inputs, tmp_path,
+                                                            capsys):
+    pytest.importorskip("ray")
+    from redraft.decoder.cli import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    rc = main(["index", "--out", str(tmp_path / "ds"), "--ray", f"127.0.0.1:{port}", "extra"])
+    err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t0 < 60
+    assert err.strip().splitlines() == [
+        f"redraft index: error: cannot connect to the Ray cluster at 127.0.0.1:{port}: "
+        "Connection refused"]
+    assert not (tmp_path / "ds").exists()
 
 
 def test_pretokenized_documents_are_not_built_on_ray(tmp_path):
