@@ -2,8 +2,10 @@
 
 With `--workers N > 1` the parent starts N server processes (spawned, each opening its own
 Reader: LMDB environments must not cross fork) on one port with SO_REUSEPORT, sharing
-counters and the session limit; SIGTERM to the parent is passed on, each child finishes its
-in-flight steps, and the parent exits 0 when they have.
+counters and the session limit; SIGTERM, SIGINT or SIGHUP to the parent is passed on (as
+SIGTERM), each child finishes its in-flight steps and persists what it learned, and the
+parent exits 0 when they have. One process (`--workers 1`) stops the same way on each of
+the three.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from redraft.datastore.reader import Reader
 from redraft.datastore.service.client import DraftClient
 from redraft.datastore.service.config import LEARN_MODES, ServiceConfig
-from redraft.datastore.service.server import TLSFiles, serve_forever
+from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.errors import RedraftError
 
@@ -243,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
             if proc.is_alive() and proc.pid:
                 os.kill(proc.pid, signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, forward)
     running = list(procs)
     while running:
         mp.connection.wait([p.sentinel for p in running])

@@ -258,6 +258,34 @@ def test_serve_workers_share_a_port_and_counters(store):
         stop_group(proc)
 
 
+@pytest.mark.parametrize("signum, workers", [
+    (signal.SIGHUP, "1"), (signal.SIGINT, "1"), (signal.SIGHUP, "2"),
+], ids=["sighup", "sigint", "sighup-2-workers"])
+def test_sighup_and_sigint_stop_serve_as_sigterm_does(tmp_path, signum, workers):
+    """A closed terminal (SIGHUP) or a Ctrl-C (SIGINT): the server stops gracefully, says
+    so, and persists what it learned, whether one process or several."""
+    store = str(tmp_path / "ds")
+    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    port = free_port()
+    proc, addresses = start_serve(store, "--port", str(port), "--workers", workers,
+                                  "--learn-persist-seconds", "300")
+    try:
+        learned = [RNG.randrange(1, VOCAB) for _ in range(40)]
+        with DraftClient(addresses[0], timeout=10) as c:
+            with c.session(DOCS[4][:20], DraftParams(budget=8), FP, tenant="alice") as s:
+                for i in range(0, len(learned), 4):
+                    s.step(learned[i:i + 4])
+        proc.send_signal(signum)
+        assert proc.wait(30) == 0
+        assert rest_of_stdout(proc).count("redraft serve: stopped") == int(workers)
+        with Reader(store) as r:
+            docs = list(r.documents("learned"))
+        assert len(docs) == 1 and docs[0][1] == "learned:alice"
+        assert docs[0][2][-len(learned):] == learned
+    finally:
+        stop_group(proc)
+
+
 def test_workers_exit_when_their_parent_is_killed(store):
     port = free_port()
     proc, _ = start_serve(store, "--port", str(port), "--workers", "2")
