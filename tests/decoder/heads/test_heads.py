@@ -354,3 +354,57 @@ def test_bad_training_input_is_one_line(capsys, tmp_path):
     rc, _, err = _run_cli(capsys, "--data", str(tmp_path / "missing.jsonl"), "--out",
                           str(tmp_path / "h.safetensors"))
     assert rc == 2 and "cannot read" in err and err.count("\n") == 1
+
+
+def _chat_file(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Count to {i}."},
+        {"role": "assistant", "content": " ".join(map(str, range(i)))}]}) + "\n"
+        for i in range(3, 9)))
+    return data
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a regular file"])
+def test_an_unwritable_out_is_refused_before_any_work(capsys, tmp_path, where):
+    data = _chat_file(tmp_path)
+    out = tmp_path / "heads"
+    if where == "a directory":
+        out.mkdir()
+    else:
+        out.write_text("a file")
+        out = out / "h.safetensors"
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    rc, _, err = _run_cli(capsys, "--data", str(data), "--out", str(out), "--cache-dir",
+                          str(tmp_path / "cache"))
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("redraft train-medusa: error:")
+    assert ("is a directory" if where == "a directory" else "is not a directory") in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no cache, no .tmp
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--epochs", "nan"), ("--epochs", "inf"), ("--lr", "nan"), ("--lr", "-1"),
+    ("--held-out", "nan"),
+])
+def test_non_finite_training_settings_are_refused_before_anything_loads(capsys, tmp_path,
+                                                                        flag, value):
+    # a model that does not exist: the setting must be refused before it is looked for
+    rc, _, err = _run_cli(capsys, "--model", str(tmp_path / "no-model"), "--data",
+                          str(_chat_file(tmp_path)), "--out", str(tmp_path / "h.safetensors"),
+                          flag, value)
+    assert rc == 2 and err.count("\n") == 1 and flag in err and "no-model" not in err
+
+
+@pytest.mark.slow
+def test_a_subset_larger_than_the_vocabulary_is_refused_before_the_model_loads(
+        capsys, tmp_path):
+    from ..conftest import have_default_model
+
+    if not have_default_model():
+        pytest.skip("default model package not installed (make install)")
+    rc, _, err = _run_cli(capsys, "--data", str(_chat_file(tmp_path)), "--out",
+                          str(tmp_path / "h.safetensors"), "--subset", "1000000000",
+                          "--cache-dir", str(tmp_path / "cache"))
+    assert rc == 2 and err.count("\n") == 1
+    assert "--subset must be at most the vocabulary size (49152)" in err
+    assert not (tmp_path / "cache").exists()
