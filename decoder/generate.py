@@ -9,6 +9,7 @@ exactly the same code.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,7 @@ from redraft.decoder.acceptance import Acceptance, SamplingParams, accept, top_c
 from redraft.decoder.budget import CostModel
 from redraft.decoder.calibration import Calibrator, calibration_path
 from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
-from redraft.decoder.text import IncrementalText, StopStrings, chat_ids
+from redraft.decoder.text import IncrementalText, StopStrings, chat_ids, unencodable
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.errors import RedraftError
 from redraft.proto.tree import Tree, join
@@ -28,6 +29,29 @@ log = logging.getLogger("redraft.decoder")
 
 class GenerationError(RedraftError):
     """Bad generation input: empty or too-long prompt, max_new_tokens <= 0, bad sampling."""
+
+
+SEEDS = 1 << 64  # what a torch generator's seed holds
+
+
+def check_seed(seed) -> int:
+    """The sampling seed as an int in [0, 2**64) (None: 0), else GenerationError."""
+    if seed is None:
+        return 0
+    try:
+        value = operator.index(seed)  # ints and numpy integers, never a float
+    except TypeError:
+        value = -1
+    if not 0 <= value < SEEDS:
+        raise GenerationError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return value
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """GenerationError if `text` cannot be tokenized (see `unencodable`)."""
+    why = unencodable(text)
+    if why is not None:
+        raise GenerationError(f"{what} is {why}")
 
 
 @dataclass
@@ -238,6 +262,7 @@ class Generator:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise GenerationError("empty prompt")
+            check_text(prompt)
             if chat is None:
                 chat = bool(getattr(self.tokenizer, "chat_template", None))
             if chat:
@@ -259,6 +284,8 @@ class Generator:
             raise GenerationError("this model's tokenizer has no chat template")
         if not any(str(m.get("content", "")).strip() for m in messages):
             raise GenerationError("empty prompt")
+        for m in messages:
+            check_text(str(m.get("content", "")), "a message")
         return chat_ids(self.tokenizer, messages)
 
     # -- decoding ----------------------------------------------------------------------
@@ -342,7 +369,7 @@ class Generator:
             ids=ids,
             max_new=min(int(max_new_tokens), self.context_limit - len(ids)),
             params=params,
-            sampler=torch.Generator().manual_seed(0 if seed is None else int(seed)),
+            sampler=torch.Generator().manual_seed(check_seed(seed)),
             eos_ids=self.eos_ids if eos else set(),
             stats=GenerationStats(prompt_tokens=len(ids)),
             drafter=drafter,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -26,10 +27,12 @@ from redraft.decoder.drafters.registry import (
     parse_names,
 )
 from redraft.decoder.generate import (
+    SEEDS,
     GenerationError,
     GenerationResult,
     GenerationStats,
     Generator,
+    check_text,
 )
 from redraft.decoder.models.loading import load_model
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, resolve_model
@@ -108,6 +111,8 @@ def read_prompts(path: str) -> list[list[str]]:
             raise GenerationError(f"{path}:{lineno}: needs a 'prompt' string or a 'turns' list")
         if not all(t.strip() for t in turns):
             raise GenerationError(f"{path}:{lineno}: empty prompt")
+        for t in turns:
+            check_text(t, f"{path}:{lineno}: the prompt")
         out.append(turns)
     if not out:
         raise GenerationError(f"{path}: no prompts")
@@ -118,12 +123,15 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
     """Validate what needs no model; return the prompts as turn lists."""
     if args.max_new_tokens <= 0:
         raise GenerationError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise GenerationError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise GenerationError(f"--temperature must be a finite number >= 0, got "
+                              f"{args.temperature}")
     if not 0 < args.top_p <= 1:
         raise GenerationError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise GenerationError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 <= args.seed < SEEDS:
+        raise GenerationError(f"--seed must be in 0..2**64-1, got {args.seed}")
     if args.threads is not None and args.threads <= 0:
         raise GenerationError(f"--threads must be positive, got {args.threads}")
     if args.max_nodes is not None and args.max_nodes < 0:
@@ -134,6 +142,7 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
     if args.prompt is not None:
         if not args.prompt.strip():
             raise GenerationError("empty prompt")
+        check_text(args.prompt, "--prompt")
         return [[args.prompt]]
     return read_prompts(args.prompts)
 

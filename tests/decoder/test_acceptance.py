@@ -70,6 +70,21 @@ def test_target_probs_top_k_and_top_p():
     assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95)
 
 
+def test_a_tiny_top_p_keeps_the_top_token():
+    """top_p below float32's range (1e-300 compares as 0) still keeps the most likely token:
+    sampling becomes greedy, never a distribution of NaNs."""
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]]))
+    for top_p in (1e-300, 1e-45, 1e-8):
+        p = target_probs(logits, SamplingParams(temperature=0.7, top_p=top_p))
+        assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    model = tiny_model("llama", vocab=VOCAB, init=0.3)
+    gen = Generator(model, load_tokenizer(None), FixedTreeDrafter(),
+                    cost=CostModel([1, 64], [1.0, 1.0]))
+    greedy = gen.generate(PROMPT, max_new_tokens=20, eos=False)
+    sampled = gen.generate(PROMPT, max_new_tokens=20, eos=False, temperature=0.7, top_p=1e-300)
+    assert sampled.tokens == greedy.tokens
+
+
 def test_sampling_acceptance_of_a_single_node_matches_the_target():
     """Recursive rejection at one node: P(output = t) must equal p(t) for every t."""
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25],

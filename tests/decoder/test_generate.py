@@ -200,6 +200,17 @@ def test_bad_inputs_are_clear_errors(default_model):
         gen.generate("hi", temperature=-1)
     with pytest.raises(GenerationError, match="top_p"):
         gen.generate("hi", temperature=1, top_p=0)
+    for temperature in (float("nan"), float("inf")):
+        with pytest.raises(GenerationError, match="temperature must be a finite number"):
+            gen.generate("hi", temperature=temperature)
+    for seed in (2**70, 2**64, -1, 1.5, "7"):
+        with pytest.raises(GenerationError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            gen.generate("hi", temperature=1, seed=seed)
+    assert len(gen.generate("hi", max_new_tokens=2, temperature=1, seed=2**64 - 1).tokens) == 2
+    with pytest.raises(GenerationError, match="prompt is not valid Unicode .*U\\+D800"):
+        gen.generate("caf\ud800")
+    with pytest.raises(GenerationError, match="a message is not valid UTF-8 .*0xff"):
+        gen.generate([{"role": "user", "content": "caf\udcff"}])
 
 
 def test_incompatible_datastore_is_refused(tmp_path, default_model):

@@ -4,6 +4,9 @@ JSONL prompts with multi-turn chats, and the --baseline comparison."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from redraft.decoder.cli import main
@@ -28,6 +31,17 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         (["--prompt", "hi", "--drafters", "rest"], "needs a datastore"),
         (["--prompt", "hi", "--datastore", "/nonexistent/ds"], "/nonexistent/ds"),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        # checked before the model is looked for: a missing model would be the error otherwise
+        (["--prompt", "hi", "--model", "no-such-model", "--temperature", "nan"],
+         "--temperature must be a finite number >= 0, got nan"),
+        (["--prompt", "hi", "--model", "no-such-model", "--temperature", "inf"],
+         "--temperature must be a finite number >= 0, got inf"),
+        (["--prompt", "hi", "--model", "no-such-model", "--seed", str(2**70)],
+         f"--seed must be in 0..2**64-1, got {2**70}"),
+        (["--prompt", "hi", "--model", "no-such-model", "--seed", "-1"],
+         "--seed must be in 0..2**64-1, got -1"),
+        (["--prompt", "caf\udcff", "--model", "no-such-model"],
+         "--prompt is not valid UTF-8 (byte 0xff at character 3)"),
         (["--prompt", "hi", "--tree-nodes", "0"], "--tree-nodes must be in 1..256"),
         (["--prompt", "hi", "--drafters", "draft-model", "--draft-model", "skip:x"],
          "skip:L needs a layer count"),
@@ -54,6 +68,21 @@ def test_bad_prompt_files(capsys, tmp_path):
     assert rc == 2 and "needs a 'prompt' string or a 'turns' list" in err
     rc, _, err = run(capsys, "--prompts", str(tmp_path / "missing.jsonl"))
     assert rc == 2 and "cannot read prompts file" in err
+    bad.write_text('{"prompt": "ok"}\n{"turns": ["fine", "caf\\ud800"]}\n')  # a JSON escape
+    rc, out, err = run(capsys, "--prompts", str(bad), "--model", "no-such-model")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "bad.jsonl:2: the prompt is not valid Unicode (a lone surrogate U+D800" in err
+
+
+def test_invalid_utf8_in_argv_is_one_line(tmp_path):
+    """Bytes that are not UTF-8 on the real command line (Python passes them on as surrogate
+    escapes): one line before anything loads, not a tokenizer's traceback."""
+    proc = subprocess.run([sys.executable, "-m", "redraft.decoder.cli", "generate",
+                           "--prompt", b"caf\xe9 au lait"], capture_output=True, timeout=300,
+                          env={**os.environ, "LC_ALL": "C.UTF-8"})
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert proc.stderr == b"redraft generate: error: --prompt is not valid UTF-8 (byte 0xe9 " \
+                          b"at character 3)\n"
 
 
 def test_incompatible_datastore(capsys, tmp_path):
