@@ -4,13 +4,13 @@ sampling)."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from redraft.proto.errors import RedraftError
+from redraft.proto.jsonl import parse_record
 
 MT_BENCH = {
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
@@ -61,8 +61,8 @@ def read_questions(path: str | Path, category: Callable[[str], str | None]
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            rec = parse_record(line, f"{path}:{n}", BenchError)
             try:
-                rec = json.loads(line)
                 cat = category(rec["category"])
                 if cat is not None:
                     grouped[cat].append(Question(int(rec["question_id"]), cat,

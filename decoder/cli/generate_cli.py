@@ -35,6 +35,7 @@ from redraft.decoder.generate import (
     check_text,
 )
 from redraft.decoder.models.loading import load_model
+from redraft.proto.jsonl import parse_record
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 
@@ -100,10 +101,7 @@ def read_prompts(path: str) -> list[list[str]]:
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise GenerationError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+        rec = parse_record(line, f"{path}:{lineno}", GenerationError)
         turns = rec.get("turns") if isinstance(rec, dict) else None
         if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             turns = [rec["prompt"]]

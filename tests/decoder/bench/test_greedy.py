@@ -171,3 +171,17 @@ def test_bad_bench_arguments_are_one_line_errors(capsys, tmp_path, argv, message
     _, err = capsys.readouterr()
     last = err.strip().splitlines()[-1]  # argparse prints its usage line first
     assert rc == 2 and last.startswith("redraft bench: error:") and message in last
+
+
+def test_a_question_line_nested_too_deeply_is_one_line(capsys, tmp_path):
+    from redraft.decoder.cli import main
+
+    path = tmp_path / "q.jsonl"
+    _write_questions(path, per_cat=1)
+    with path.open("a") as f:
+        f.write("[" * 100_000 + "\n")
+    rc = main(["bench", "--questions", str(path), "--methods", "redraft-none", "--model",
+               "no-such-model"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err == f"redraft bench: error: {path}:8: JSON nested too deeply\n"

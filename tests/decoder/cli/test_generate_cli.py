@@ -62,7 +62,7 @@ def test_bad_prompt_files(capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\nnot json\n')
     rc, _, err = run(capsys, "--prompts", str(bad))
-    assert rc == 2 and "bad.jsonl:2: not JSON" in err
+    assert rc == 2 and "bad.jsonl:2: invalid JSON" in err
     bad.write_text('{"question": "no prompt field"}\n')
     rc, _, err = run(capsys, "--prompts", str(bad))
     assert rc == 2 and "needs a 'prompt' string or a 'turns' list" in err
@@ -72,6 +72,14 @@ def test_bad_prompt_files(capsys, tmp_path):
     rc, out, err = run(capsys, "--prompts", str(bad), "--model", "no-such-model")
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "bad.jsonl:2: the prompt is not valid Unicode (a lone surrogate U+D800" in err
+
+
+def test_a_prompt_line_nested_too_deeply_is_one_line(capsys, tmp_path):
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(json.dumps({"prompt": "ok"}) + "\n" + "[" * 100_000 + "\n")
+    rc, out, err = run(capsys, "--prompts", str(deep), "--model", "no-such-model")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err == f"redraft generate: error: {deep}:2: JSON nested too deeply\n"
 
 
 def test_invalid_utf8_in_argv_is_one_line(tmp_path):

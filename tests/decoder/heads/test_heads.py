@@ -408,3 +408,18 @@ def test_a_subset_larger_than_the_vocabulary_is_refused_before_the_model_loads(
     assert rc == 2 and err.count("\n") == 1
     assert "--subset must be at most the vocabulary size (49152)" in err
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_a_training_line_nested_too_deeply_is_one_line(capsys, tmp_path):
+    from ..conftest import have_default_model
+
+    if not have_default_model():
+        pytest.skip("default model package not installed (make install)")
+    data = _chat_file(tmp_path)
+    with data.open("a") as f:
+        f.write('{"messages": ' + "[" * 100_000 + "\n")
+    rc, out, err = _run_cli(capsys, "--data", str(data), "--out", str(tmp_path / "h.safetensors"),
+                            "--cache-dir", str(tmp_path / "cache"))
+    assert rc == 2 and out == ""
+    assert err == f"redraft train-medusa: error: {data}:7: JSON nested too deeply\n"
