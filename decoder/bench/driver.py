@@ -74,6 +74,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def method_names(args: argparse.Namespace) -> list[str]:
+    if args.methods is not None and not [m for m in args.methods.split(",") if m.strip()]:
+        raise BenchError(f"--methods names no method: {args.methods!r}")
     if args.samples == 1:
         return parse_methods(args.methods or DEFAULT_METHODS,
                              bool(args.datastore or args.draft_service))

@@ -66,10 +66,20 @@ def read_questions(path: str | Path, category: Callable[[str], str | None]
                 cat = category(rec["category"])
                 if cat is not None:
                     grouped[cat].append(Question(int(rec["question_id"]), cat,
-                                                 [str(t) for t in rec["turns"]]))
+                                                 question_turns(rec["turns"])))
             except (ValueError, KeyError, TypeError) as exc:
                 raise BenchError(f"{path}:{n}: not a Spec-Bench question ({exc})") from None
     return grouped
+
+
+def question_turns(turns: object) -> list[str]:
+    """A question's turns: a non-empty list of non-empty strings (a string is not split into
+    one turn per character, and a question without turns is no question)."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"'turns' must be a non-empty list of strings, got {turns!r:.60}")
+    if not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ValueError("every turn must be a non-empty string")
+    return turns
 
 
 def pick_evenly(grouped: dict[str, list[Question]], order: Sequence[str],
