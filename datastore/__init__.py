@@ -10,7 +10,7 @@ from redraft.datastore.build import (
     build_datastore,
     delete_documents,
 )
-from redraft.datastore.reader import Reader
+from redraft.datastore.reader import Reader, ReaderClosed
 from redraft.proto.errors import (
     CorpusError,
     DatastoreCorrupt,
@@ -31,6 +31,7 @@ __all__ = [
     "InvalidQuery",
     "ModelNotFound",
     "Reader",
+    "ReaderClosed",
     "RedraftError",
     "TokenizerMismatch",
     "append_corpus",

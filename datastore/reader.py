@@ -87,12 +87,32 @@ class _Shard:
         return bisect_right(self.sa_mv, key, lo, hi, key=self._key(len(key)))
 
 
-def _guarded(verb):
-    """Damaged arrays in a Reader opened without verify() surface as DatastoreCorrupt: an
-    index past an array's end is the one way they can show (every slice is bounded)."""
+class ReaderClosed(DatastoreError):
+    """A verb called on a Reader after close() (its map is gone)."""
+
+
+def _open(verb):
+    """A verb of an open Reader: on a closed one it raises ReaderClosed, one clear error,
+    instead of whatever its first touch of the released map would raise."""
 
     @functools.wraps(verb)
     def run(self, *args, **kwargs):
+        if self._closed:
+            raise ReaderClosed(f"{self.path}: the Reader is closed")
+        return verb(self, *args, **kwargs)
+    return run
+
+
+def _guarded(verb):
+    """An open Reader's lookup (see `_open`) whose damaged arrays, in a Reader opened without
+    verify(), surface as DatastoreCorrupt: an index past an array's end is the one way they
+    can show (every slice is bounded). A SuffixQuery checks its Reader."""
+
+    @functools.wraps(verb)
+    def run(self, *args, **kwargs):
+        reader = getattr(self, "reader", self)
+        if reader._closed:
+            raise ReaderClosed(f"{reader.path}: the Reader is closed")
         try:
             return verb(self, *args, **kwargs)
         except IndexError as exc:
@@ -102,7 +122,12 @@ def _guarded(verb):
 
 
 class Reader:
-    """An open datastore. Cheap to open; use as a context manager or call close()."""
+    """An open datastore. Cheap to open; use as a context manager or call close().
+
+    Thread-safe once open: no verb mutates shared state, so many threads may query one
+    Reader at once (the draft service does). close() must wait until they are done; after
+    it every verb, and `with` on it, raises ReaderClosed.
+    """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
         self.path = os.fspath(path)
@@ -211,6 +236,8 @@ class Reader:
         self._lm.close()
 
     def __enter__(self) -> Reader:
+        if self._closed:
+            raise ReaderClosed(f"{self.path}: the Reader is closed; open a new one")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -219,6 +246,7 @@ class Reader:
     def __repr__(self) -> str:
         return f"Reader({self.path!r}, n_tokens={self.manifest.get('n_tokens')})"
 
+    @_open
     def verify(self) -> None:
         """Check the LMDB structure and every array, name list and bitmap against the
         manifest's crc32 (reads the whole file)."""
@@ -241,16 +269,19 @@ class Reader:
             raise DatastoreCorrupt(f"{self.file}: checksum mismatch in {what}")
         return buf
 
+    @_open
     def shard_raw(self, shard: int, what: str) -> memoryview:
         """One stored value of a shard as it is on disk (for writers that carry it over)."""
         return self._value(fmt.shard_key(shard, what))
 
+    @_open
     def shard_documents(self, shard: int) -> list[np.ndarray]:
         """The token ids of every document of one shard (views of the map)."""
         sh = self._shards[shard]
         starts = sh.docs.astype(np.int64)
         return [sh.tokens[a:b - 1] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
+    @_open
     def shard_names(self, shard: int) -> list[str]:
         """Document names of one shard, checked: crc32 (version 2), zlib's adler32, count."""
         sm = self.manifest["shards"][shard]
@@ -265,6 +296,7 @@ class Reader:
                                    f"{sm['n_docs']} documents")
         return names
 
+    @_open
     def check_tokenizer(self, fingerprint) -> None:
         """Raise TokenizerMismatch unless `fingerprint` (or a tokenizer's) is the datastore's."""
         if not isinstance(fingerprint, str):
@@ -276,8 +308,6 @@ class Reader:
 
     # ---- helpers ------------------------------------------------------------------------
     def _select(self, corpora) -> list[_Shard]:
-        if self._closed:
-            raise DatastoreError(f"{self.path}: reader is closed")
         if corpora is None:
             return self._shards
         names = [corpora] if isinstance(corpora, str) else list(corpora)
@@ -317,6 +347,7 @@ class Reader:
     def _out_of_range(self, what: str, bad: int) -> str:
         return f"{what}: token id {bad} is out of range (the vocabulary is [0, {self.vocab_size}))"
 
+    @_open
     def check_ids(self, tokens: Sequence[int], what: str = "tokens") -> None:
         """InvalidQuery unless every id is an integer in [0, vocab_size)."""
         self._ids(tokens, what)
@@ -373,6 +404,7 @@ class Reader:
                 acc[v] = acc.get(v, 0) + c
         return acc
 
+    @_open
     def doc_name(self, doc_id: int) -> str:
         """The source (file or file:line) a document came from (deleted ones included)."""
         for sh in self._shards:
@@ -380,6 +412,7 @@ class Reader:
                 return self.shard_names(sh.id)[doc_id - sh.first_doc]
         raise InvalidQuery(f"document id {doc_id} out of range [0, {self.n_docs_total})")
 
+    @_open
     def documents(self, corpus: str, newest_first: bool = False
                   ) -> Iterator[tuple[int, str, list[int]]]:
         """(doc_id, name, token ids) of every live document of `corpus`, in id order or

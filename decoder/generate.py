@@ -227,6 +227,8 @@ class Generator:
             drafter = (
                 None if not drafter else drafter[0] if len(drafter) == 1 else MergedDrafter(drafter)
             )
+        if drafter is not None:  # drafts in another tokenizer's ids are refused here
+            drafter.check_tokenizer(tokenizer)
         self.drafter: Drafter | None = drafter
         self.model_name = model_name
         self._cost = cost
@@ -306,7 +308,9 @@ class Generator:
             steps.close()
 
     def generate(self, prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
-        """Decode until max_new_tokens, EOS or a stop string; returns tokens, text and stats."""
+        """Decode until max_new_tokens, EOS or a stop string; returns tokens, text and stats.
+
+        `stop`: one stop string or a list of them; `seed`: an int in [0, 2**64)."""
         steps = self._run(prompt, max_new_tokens, **kwargs)
         while True:
             try:
@@ -375,7 +379,7 @@ class Generator:
             drafter=drafter,
             cost=self.cost if drafter is not None else None,
             text=IncrementalText(self.tokenizer),
-            stops=StopStrings(stop or []),
+            stops=StopStrings([stop] if isinstance(stop, str) else stop or []),
             context=list(ids),
             packed_before=self.verifier.packed_forwards,
         )

@@ -29,8 +29,12 @@ log = logging.getLogger("redraft.decoder")
 class DatastoreDrafter(Drafter):
     """Retrieval and learned outputs from a datastore opened in this process (no server).
 
-    `learned`: the index of earlier outputs to draft from and add to (shared across this
-    drafter's generations; pass one to share it further), None for retrieval only.
+    `tokenizer`: the target's tokenizer (or its fingerprint), checked against the datastore's
+    at once; None leaves the check to the Generator this drafter joins, which passes its own
+    (`check_tokenizer`). Drafting before either check raises TokenizerMismatch: drafts in
+    another tokenizer's ids would be verified as garbage. `learned`: the index of earlier
+    outputs to draft from and add to (shared across this drafter's generations; pass one to
+    share it further), None for retrieval only.
     """
 
     name = "rest"
@@ -39,9 +43,10 @@ class DatastoreDrafter(Drafter):
                  corpora: Sequence[str] | None = None,
                  learned: LearnedIndex | None = None) -> None:
         self.reader = Reader(path)
+        self._tokenizer_checked = False
         if tokenizer is not None:
             try:
-                self.reader.check_tokenizer(tokenizer)
+                self.check_tokenizer(tokenizer)
             except BaseException:
                 self.reader.close()
                 raise
@@ -51,8 +56,16 @@ class DatastoreDrafter(Drafter):
                                       corpora=tuple(corpora) if corpora else None)
         self._session = None
 
+    def check_tokenizer(self, tokenizer) -> None:
+        self.reader.check_tokenizer(tokenizer)
+        self._tokenizer_checked = True
+
     def begin(self, prompt: Sequence[int]) -> None:
         self.end()
+        if not self._tokenizer_checked:
+            raise TokenizerMismatch(
+                f"{self.reader.path}: no tokenizer was checked against this datastore's: pass "
+                "DatastoreDrafter(path, tokenizer) or use the drafter in a Generator")
         self._session = SessionDrafter(prompt, self.settings, self.reader, self.learned)
 
     def propose(self, context: Sequence[int], budget: int) -> Tree:
@@ -116,6 +129,14 @@ class ServiceDrafter(Drafter):
         self._first = None
         self._failed = False
         self._unsent: list[int] = []  # accepted since the last step (the server learns them)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """The Generator's tokenizer must be the one this drafter was made for (`check` then
+        compares that with the server's)."""
+        given = tokenizer if isinstance(tokenizer, str) else tokenizer_fingerprint(tokenizer)
+        if given != self.fingerprint:
+            raise TokenizerMismatch(f"this drafter was made for tokenizer {self.fingerprint}; "
+                                    f"the Generator's is {given}")
 
     def check(self) -> None:
         """Raise TokenizerMismatch now if the server's datastore uses another tokenizer.

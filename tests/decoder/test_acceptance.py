@@ -28,7 +28,7 @@ from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
-from redraft.proto.models import load_tokenizer
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 from redraft.proto.tree import Tree
 
 from .conftest import tiny_model
@@ -181,7 +181,8 @@ def test_sampling_with_learned_drafts_is_lossless(tmp_path):
     """Learned drafts copy what earlier samples of the same prompt continued with, so each
     draft depends on earlier randomness: the distribution must still be the target's."""
     path = tmp_path / "ds"
-    build_datastore(None, path, documents=[[0]], fingerprint="tiny", vocab_size=VOCAB)
+    fingerprint = tokenizer_fingerprint(load_tokenizer(None))  # the Generator's tokenizer
+    build_datastore(None, path, documents=[[0]], fingerprint=fingerprint, vocab_size=VOCAB)
     drafter = DatastoreDrafter(str(path), learned=LearnedIndex())
     n = 4000
     counts, exact, per_step = sample_sequences(SamplingParams(temperature=1.0), n, drafter)

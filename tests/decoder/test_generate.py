@@ -181,6 +181,11 @@ def test_eos_stop_strings_and_max_new_tokens(default_model):
     assert len(r.tokens) == 5 and r.finish_reason == "length"
     r = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW, stop=["def "])
     assert r.finish_reason == "stop" and "def " not in r.text
+    # one string is one stop string, not one per character
+    one = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW, stop="reader")
+    listed = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW, stop=["reader"])
+    assert one.finish_reason == "stop" and (one.tokens, one.text) == (listed.tokens, listed.text)
+    assert "def " in one.text  # a stop per character would cut at the "d" of "def"
 
 
 def test_bad_inputs_are_clear_errors(default_model):
