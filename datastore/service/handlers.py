@@ -149,6 +149,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                         f"over max_context_len {self.config.max_context_len}",
                     )
                 drafter.extend(step.accepted)  # learned at once, for every session
+                self.learning.publish()
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
                 self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
                 await sessions.wait(waiter, context.write(msg), writing=True)
@@ -156,6 +157,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         finally:
             drafter.close()
             sessions.close()
+            self.learning.publish()
 
     async def Info(self, request, context):
         try:

@@ -10,7 +10,7 @@ import logging
 from redraft.datastore.build import append_corpus
 from redraft.datastore.drafting import LEARNED_CORPUS, LearnedIndex
 from redraft.datastore.service.config import ServiceConfig
-from redraft.datastore.service.stats import ServiceStats
+from redraft.datastore.service.stats import WORKER_FIELDS, ServiceStats
 from redraft.datastore.service.verification import BackgroundVerification
 
 log = logging.getLogger("redraft.serve")
@@ -33,6 +33,7 @@ class LearnedOutputs:
         self.fingerprint = str(reader.tokenizer_fingerprint)
         self.index = (None if config.learn == "off" else
                       LearnedIndex(config.learn_max_tokens, shared=config.learn == "global"))
+        self.slot = stats.claim_worker()  # where this process publishes its index's sizes
         self._loading: asyncio.Future | None = None  # persisted learned outputs, on a thread
         self._persisting: asyncio.Future | None = None  # the periodic persisting loop
 
@@ -47,9 +48,23 @@ class LearnedOutputs:
             self._persisting = asyncio.ensure_future(self._persist_every(
                 self.config.learn_persist_s))
 
+    def publish(self) -> None:
+        """Share this process's index sizes with the other workers (after every change)."""
+        if self.index is not None:
+            self.stats.publish_worker(self.slot, self.index.stats())
+
     def counters(self) -> dict:
-        """The index's sizes and bound (none with learning off)."""
-        return self.index.stats() if self.index is not None else {}
+        """The learned figures of the whole server (none with learning off): every worker's
+        index sizes added up, the bound of them all, and each worker's own
+        (`learned_per_worker`, whose `learned_max_tokens` is each one's bound)."""
+        if self.index is None:
+            return {}
+        self.publish()
+        bound = self.index.max_tokens
+        workers = [{**w, "learned_max_tokens": bound} for w in self.stats.per_worker()]
+        total = {name: sum(w[name] for w in workers) for name in WORKER_FIELDS[1:]}
+        return {**total, "learned_max_tokens": bound * len(workers),
+                "learned_per_worker": workers}
 
     def _load(self) -> None:
         """Reload the newest persisted outputs that fit the bound (on a thread, in batches,
@@ -66,6 +81,7 @@ class LearnedOutputs:
         newest.reverse()
         for i in range(0, len(newest), 64):
             self.index.load(newest[i:i + 64])
+        self.publish()
 
     async def _persist_every(self, seconds: float) -> None:
         while True:

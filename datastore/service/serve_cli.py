@@ -22,13 +22,18 @@ import socket
 import sys
 
 from redraft.datastore.reader import Reader
-from redraft.datastore.service.client import DraftClient
+from redraft.datastore.service.client import (
+    TOKEN_ENV,
+    DraftClient,
+    client_tls,
+    client_token,
+    read_tokens,
+)
 from redraft.datastore.service.config import LEARN_MODES, ServiceConfig
 from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.errors import RedraftError
 
-TOKEN_ENV = "REDRAFT_TOKEN"
 UINT32 = (1 << 32) - 1
 UINT64 = (1 << 64) - 1
 INT32 = (1 << 31) - 1
@@ -152,22 +157,6 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     )
 
 
-def read_tokens(path: str | None) -> tuple[str, ...]:
-    """The shared secrets in --token-file (one per line, each its own tenant), else the one
-    in the environment, else none."""
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                tokens = tuple(line.strip() for line in f if line.strip())
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RedraftError(f"cannot read --token-file: {exc}") from exc
-        if not tokens:
-            raise RedraftError(f"--token-file {path} is empty")
-        return tokens
-    token = os.environ.get(TOKEN_ENV)
-    return (token,) if token else ()
-
-
 def _announce(line: str) -> None:
     """One write per line: several workers share stdout, and print() may split a line."""
     sys.stdout.flush()
@@ -229,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         _worker(args.datastore, args.host, args.port, config, None, tls, False)
         return 0
     ctx = mp.get_context("spawn")
-    stats = ServiceStats(ctx)
+    stats = ServiceStats(ctx, workers=args.workers)
     errors = ctx.SimpleQueue()
     procs = [
         ctx.Process(target=_worker, name=f"redraft-serve-{i}",
@@ -265,9 +254,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_server_stats(address: str, timeout: float = 5.0) -> int:
+def print_server_stats(address: str, token: str | None = None, token_file: str | None = None,
+                       tls: bool = False, tls_ca: str | None = None,
+                       timeout: float = 5.0) -> int:
     """`redraft stats --server ADDR`: the service's counters as JSON on stdout."""
-    with DraftClient(address, token=os.environ.get(TOKEN_ENV) or None, timeout=timeout) as c:
+    with DraftClient(address, token=client_token(token, token_file),
+                     tls=client_tls(tls, tls_ca), timeout=timeout) as c:
         json.dump(c.stats(), sys.stdout, indent=2, sort_keys=True)
     print()
     return 0

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from redraft.datastore.cli import add_client_options
 from redraft.decoder.budget import MAX_TREE_NODES, CostModel
 from redraft.decoder.drafters.recycle import RecycleDrafter, table_path
 from redraft.decoder.drafters.registry import (
@@ -26,6 +27,7 @@ from redraft.decoder.drafters.registry import (
     options_from_args,
     parse_names,
 )
+from redraft.decoder.drafters.rest import service_credentials
 from redraft.decoder.generate import (
     SEEDS,
     GenerationError,
@@ -66,7 +68,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     ds = p.add_mutually_exclusive_group()
     ds.add_argument("--draft-service", metavar="ADDR", help="draft service address (host:port)")
     ds.add_argument("--datastore", metavar="DIR", help="datastore opened in this process")
-    p.add_argument("--token", default=None, help="shared secret for the draft service")
     p.add_argument("--max-nodes", type=int, default=None,
                    help="cap on tree nodes per step (default: chosen from the hardware)")
     p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
@@ -87,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the target on PyTorch's stock CPU kernels instead of packed oneDNN "
                         "weights (to isolate what drafting alone gains)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_client_options(p)
     add_options(p)
     p.set_defaults(func=run_generate)
 
@@ -149,6 +151,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="redraft: %(message)s")
     prompts = check_args(args)
+    token, tls = service_credentials(args)
     if args.drafters is None:
         args.drafters = default_drafters(bool(args.datastore or args.draft_service), args.model)
     parse_names(args.drafters)  # unknown names fail before anything is loaded
@@ -165,7 +168,7 @@ def run_generate(args: argparse.Namespace) -> int:
     drafter = build_drafter(args.drafters, model_loader=load, tokenizer=tokenizer,
                             model_name=name,
                             datastore=args.datastore, draft_service=args.draft_service,
-                            token=args.token, options=options_from_args(args))
+                            token=token, tls=tls, options=options_from_args(args))
     try:
         return _generate_all(args, prompts, drafter, load(), tokenizer, name)
     finally:

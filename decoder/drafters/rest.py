@@ -113,6 +113,7 @@ class ServiceDrafter(Drafter):
         timeout: float = 1.0,
         sources: Sequence[str] = (REST, LEARNED),
         tenant: str = "",
+        tls: bool | str = False,
     ) -> None:
         from redraft.datastore.service.client import DraftClient  # lazy: gRPC only for a service
 
@@ -122,7 +123,7 @@ class ServiceDrafter(Drafter):
         self.max_depth = max_depth
         self.sources = tuple(sources)
         self.tenant = tenant
-        self.client = DraftClient(address, token=token, timeout=timeout)
+        self.client = DraftClient(address, token=token, tls=tls, timeout=timeout)
         self.failures = 0
         self._session = None
         self._sent = 0
@@ -227,6 +228,19 @@ class ServiceDrafter(Drafter):
                 pass
 
 
+def service_credentials(args) -> tuple[str | None, bool | str]:
+    """A command's draft-service token (--token, --token-file or $REDRAFT_TOKEN) and TLS
+    (--tls, --tls-ca), checked before any model loads; none without --draft-service."""
+    if not getattr(args, "draft_service", None):
+        return None, False
+    from redraft.datastore.service.client import (  # lazy: gRPC only for a service
+        client_tls,
+        client_token,
+    )
+
+    return client_token(args.token, args.token_file), client_tls(args.tls, args.tls_ca)
+
+
 def make(ctx) -> Drafter:
     """In-process retrieval with a datastore, else the draft service; PLD is the service's
     fallback unless the combination already runs PLD. Learned drafts come with either
@@ -248,7 +262,8 @@ def make(ctx) -> Drafter:
         sources = (REST, LEARNED) if learn == "on" else (REST,)
         service = ServiceDrafter(ctx.draft_service, tokenizer_fingerprint(ctx.tokenizer),
                                  fallback, max_depth=ctx.max_depth, token=ctx.token,
-                                 sources=sources, tenant=str(ctx.option("tenant")))
+                                 sources=sources, tenant=str(ctx.option("tenant")),
+                                 tls=ctx.tls)
         service.check()
         return service
     raise UnknownDrafter("drafter 'rest' needs a datastore (--datastore DIR) or a "

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -94,6 +95,28 @@ def test_unreachable_server_is_a_typed_error_quickly():
 def test_missing_tls_file_is_a_service_error(tmp_path):
     with pytest.raises(ServiceError, match="missing.pem"):
         DraftClient("127.0.0.1:1", tls=str(tmp_path / "missing.pem"))
+
+
+def test_one_client_serves_many_threads_at_once(reader):
+    """DraftClient is thread-safe: threads sharing one client, each with its own sessions and
+    unary calls, get exactly the drafts they get one at a time."""
+    params = DraftParams(budget=16, sources=("rest", "pld"))  # nothing learned between runs
+
+    def run(k: int) -> list:
+        doc = DOCS[k % len(DOCS)]
+        out = [c.propose(doc[:25], params).tokens, c.info().vocab_size]
+        with c.session(doc[:20], params, FP) as s:
+            out.append(s.draft.tokens)
+            for i in range(20, 60, 4):
+                out.append(s.step(doc[i:i + 4]).tokens)
+        return out
+
+    with ServerThread(reader) as srv, DraftClient(srv.address, timeout=30) as c:
+        serial = [run(k) for k in range(16)]
+        with ThreadPoolExecutor(8) as ex:
+            parallel = list(ex.map(run, range(16)))
+        assert parallel == serial
+        assert c.stats()["sessions_opened"] == 32
 
 
 def test_session_reopens_after_a_server_restart(reader):
@@ -316,6 +339,103 @@ def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
     empty.write_text("\n")
     assert redraft_main(["serve", "--datastore", store, "--token-file", str(empty)]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["file", "environment"])
+def test_serve_refuses_a_token_no_client_can_send(store, tmp_path, capsys, monkeypatch, source):
+    from redraft.datastore.service.client import TOKEN_ENV
+
+    argv = ["serve", "--datastore", store, "--port", "0"]
+    if source == "file":
+        (tmp_path / "tok").write_text("fine\nsécret\n")
+        argv += ["--token-file", str(tmp_path / "tok")]
+        where = f"--token-file {tmp_path / 'tok'}"
+    else:
+        monkeypatch.setenv(TOKEN_ENV, "sécret")
+        where = f"${TOKEN_ENV}"
+    assert redraft_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"redraft serve: error: {where}: a token must be printable ASCII (gRPC " \
+                  "metadata cannot carry anything else)\n"
+
+
+def test_stats_server_takes_tls_and_a_token_from_a_file_or_the_environment(
+        reader, tls_cert, tmp_path, capsys, monkeypatch):
+    from redraft.datastore.service.client import TOKEN_ENV
+    from redraft.datastore.service.config import ServiceConfig
+    from redraft.datastore.service.server import TLSFiles
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    cert, key = tls_cert
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    config = ServiceConfig(token="s3cret")
+    with ServerThread(reader, config=config, tls=TLSFiles(cert, key)) as srv:
+        def stats(*argv: str) -> tuple[int, str, str]:
+            rc = redraft_main(["stats", "--server", srv.address, *argv])
+            out, err = capsys.readouterr()
+            return rc, out, err
+
+        rc, out, _ = stats("--tls-ca", cert, "--token-file", str(secret))
+        assert rc == 0 and json.loads(out)["limits"]["max_sessions"] > 0
+        rc, out, _ = stats("--tls-ca", cert, "--token", "s3cret")  # --token stays
+        assert rc == 0 and json.loads(out)["requests"] >= 0
+        rc, _, err = stats("--tls-ca", cert)  # no token anywhere
+        assert rc == 2 and err.count("\n") == 1 and "UNAUTHENTICATED" in err
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        rc, out, _ = stats("--tls-ca", cert)
+        assert rc == 0 and "uptime_s" in json.loads(out)
+        rc, _, err = stats("--tls-ca", str(tmp_path / "missing.pem"))
+        assert rc == 2 and err == "redraft stats: error: TLS file not found: " \
+                                  f"{tmp_path / 'missing.pem'}\n"
+        rc, _, err = stats("--tls-ca", cert, "--token", "a", "--token-file", str(secret))
+        assert rc == 2 and "give --token or --token-file, not both" in err
+        rc, _, err = stats("--tls-ca", cert, "--token", "sécret")
+        assert rc == 2 and "--token: a token must be printable ASCII" in err
+        two = tmp_path / "two"
+        two.write_text("a\nb\n")
+        rc, _, err = stats("--tls-ca", cert, "--token-file", str(two))
+        assert rc == 2 and "holds 2 tokens; a client sends one" in err
+
+
+def test_stats_of_several_workers_add_up_their_learned_outputs(store):
+    """Each worker learns on its own: `Stats` reports the whole server's learned figures
+    (and each worker's), the same whichever worker answers, never one worker's as the
+    server's."""
+    port = free_port()
+    proc, addresses = start_serve(store, "--port", str(port), "--workers", "2",
+                                  "--learn-persist-seconds", "0")
+    try:
+        by_pid: dict[int, DraftClient] = {}
+        clients = []
+        while len(by_pid) < 2 and len(clients) < 40:
+            c = DraftClient(addresses[0], own_connection=True)
+            clients.append(c)
+            by_pid.setdefault(c.stats()["pid"], c)
+        assert len(by_pid) == 2
+        for n, pid in enumerate(sorted(by_pid)):
+            with by_pid[pid].session(DOCS[n][:20], DraftParams(budget=8), FP,
+                                     tenant=f"t{n}") as s:
+                for i in range(20, 20 + 30 * (n + 1), 3):  # the two learn different amounts
+                    s.step(DOCS[n][i:i + 3])
+        answers = [c.stats() for _, c in sorted(by_pid.items())]
+        for a in answers:
+            per_worker = a["learned_per_worker"]
+            assert sorted(w["pid"] for w in per_worker) == sorted(by_pid)
+            assert all(w["learned_tokens"] > 0 for w in per_worker)
+            for name in ("learned_tokens", "learned_docs", "learned_pools"):
+                assert a[name] == sum(w[name] for w in per_worker)
+            assert a["learned_max_tokens"] == 2 * per_worker[0]["learned_max_tokens"]
+        first, second = ({k: v for k, v in a.items() if k.startswith("learned_")}
+                         for a in answers)
+        assert first == second  # whichever worker answers
+        assert len({w["learned_tokens"] for w in answers[0]["learned_per_worker"]}) == 2
+        for c in clients:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        stop_group(proc)
 
 
 @pytest.mark.parametrize("flag,value", [

@@ -196,6 +196,48 @@ def test_draft_service_with_another_tokenizer_is_refused(capsys, tmp_path):
     assert f"draft service {server.address} serves a datastore built with" in err
 
 
+@pytest.mark.parametrize("token_from", ["--token-file", "environment"])
+def test_draft_service_over_tls_with_a_token_from_a_file_or_the_environment(
+        capsys, tmp_path, tls_cert, monkeypatch, token_from):
+    """The service answers only over TLS with the token: that the command reaches its
+    datastore's tokenizer check shows both were sent."""
+    from redraft.datastore import Reader, build_datastore
+    from redraft.datastore.service.client import TOKEN_ENV
+    from redraft.datastore.service.config import ServiceConfig
+    from redraft.datastore.service.server import ServerThread, TLSFiles
+
+    cert, key = tls_cert
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    token = ["--token-file", str(secret)]
+    if token_from == "environment":
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        token = []
+    path = str(tmp_path / "other")
+    build_datastore(None, path, documents=[[1, 2, 3]], fingerprint="sha256:other", vocab_size=9)
+    with Reader(path) as reader:
+        server = ServerThread(reader, config=ServiceConfig(token="s3cret"),
+                              tls=TLSFiles(cert, key)).start()
+        try:
+            rc, _, err = run(capsys, "--prompt", "hi", "--draft-service", server.address,
+                             "--tls-ca", cert, *token)
+        finally:
+            server.stop(grace=0)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"draft service {server.address} serves a datastore built with" in err
+
+
+def test_draft_service_credentials_are_checked_before_anything_loads(capsys, tmp_path):
+    rc, _, err = run(capsys, "--prompt", "hi", "--draft-service", "127.0.0.1:9", "--tls-ca",
+                     str(tmp_path / "missing.pem"), "--model", "no-such-model")
+    assert rc == 2 and err == "redraft generate: error: TLS file not found: " \
+                              f"{tmp_path / 'missing.pem'}\n"
+    rc, _, err = run(capsys, "--prompt", "hi", "--draft-service", "127.0.0.1:9", "--token",
+                     "sécret", "--model", "no-such-model")
+    assert rc == 2 and "--token: a token must be printable ASCII" in err
+
+
 def test_the_recycling_table_carries_over_to_the_next_run(capsys, default_model, tmp_path,
                                                            monkeypatch):
     monkeypatch.setenv("REDRAFT_CACHE", str(tmp_path))  # no table from earlier tests
