@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -185,6 +186,10 @@ class TextStream:
         self._steps = steps
         self.result: GenerationResult | None = None
 
+    def close(self) -> None:
+        """Stop early and free the Generator for its next generation."""
+        self._steps.close()
+
     def __iter__(self) -> Iterator[str]:
         shown = 0
         while True:
@@ -205,6 +210,13 @@ class Generator:
 
     `drafter=None` is plain decoding through the same loop. The cost curve for tree sizes is
     measured on first use (and cached on disk) unless one is given.
+
+    Thread-safe by serializing: one Generator runs one generation at a time (its KV cache,
+    drafter and calibration belong to that generation). A call from another thread waits
+    for the running one to finish; a `stream` or `iter_steps` holds the Generator until it is
+    exhausted or closed. Starting a second generation in the thread that still holds an
+    unfinished one raises GenerationError (waiting would never end). For parallel
+    generations, make one Generator per thread (they may share the model).
     """
 
     def __init__(
@@ -247,6 +259,8 @@ class Generator:
         self.verifier = TreeVerifier(model, packed_kernels, choose_kernels)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
+        self._busy = threading.Lock()  # held for a whole generation (see the class docstring)
+        self._holder: int | None = None  # the thread running it
 
     @property
     def cost(self) -> CostModel:
@@ -338,18 +352,32 @@ class Generator:
         """The decoding loop: `_start` (checks, prefill), then one `_step` per target forward
         until the length, EOS or a stop string, then `_finish` (the result)."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical)
-        run = self._start(prompt, max_new_tokens, params, stop, eos, chat, seed)
+        self._hold()
         try:
-            while run.remaining > 0:
-                new = self._step(run)
-                yield new, run.shown[-1]
-                if run.finish != "length":
-                    break
+            run = self._start(prompt, max_new_tokens, params, stop, eos, chat, seed)
+            try:
+                while run.remaining > 0:
+                    new = self._step(run)
+                    yield new, run.shown[-1]
+                    if run.finish != "length":
+                        break
+            finally:
+                if run.drafter is not None:
+                    self._safe(run.stats, run.drafter.end)
+                    run.stats.drafter_errors += run.drafter.failures - run.failures_before
+            return self._finish(run)
         finally:
-            if run.drafter is not None:
-                self._safe(run.stats, run.drafter.end)
-                run.stats.drafter_errors += run.drafter.failures - run.failures_before
-        return self._finish(run)
+            self._holder = None
+            self._busy.release()
+
+    def _hold(self) -> None:
+        """Take the Generator for one generation: wait while another thread runs one."""
+        if self._holder == threading.get_ident():
+            raise GenerationError(
+                "this thread is already running a generation on this Generator (an "
+                "unfinished stream or iter_steps): finish or close it first")
+        self._busy.acquire()
+        self._holder = threading.get_ident()
 
     # -- the stages of one generation ---------------------------------------------------
 

@@ -4,6 +4,7 @@ greedy output, through every drafter, including a draft service that dies mid-ge
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -74,6 +75,56 @@ def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_dat
         tokens += r.stats.new_tokens
     drafter.close()
     assert tokens / steps > 1.1, f"{which}: drafts were never accepted ({tokens}/{steps})"
+
+
+@pytest.mark.parametrize("which", ["none", "pld,recycle"])
+def test_two_threads_on_one_generator_get_their_own_answers(default_model, plain, which):
+    """Generations from two threads on one Generator are serialized: each thread gets the
+    answer to its own prompt, exactly as one at a time, never another's or an error."""
+    model, tok = default_model
+    drafter = build_drafter(which, model=model, tokenizer=tok, model_name="smollm2-135m")
+    gen = Generator(model, tok, drafter, cost=CostModel(*CPU_COST))
+    orders = {"a": CODE_PROMPTS, "b": CODE_PROMPTS[::-1]}
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def work(name: str) -> None:
+        try:
+            start.wait()
+            results[name] = [gen.generate(p, max_new_tokens=NEW) for p in orders[name]]
+        except BaseException as exc:  # reported below, with the thread's name
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in orders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    for name, prompts in orders.items():
+        for prompt, r in zip(prompts, results[name]):
+            if which == "none":  # the very same computation as the sequential reference
+                assert r.tokens == plain[prompt].tokens, (name, prompt)
+            else:
+                assert_same_or_near_tie(model, r, plain[prompt])
+            assert r.prompt_ids == plain[prompt].prompt_ids
+            assert r.stats.drafter_errors == 0
+    if drafter is not None:
+        drafter.close()
+
+
+def test_a_thread_cannot_start_a_second_generation_while_its_first_is_unfinished(
+        default_model, plain):
+    model, tok = default_model
+    gen = Generator(model, tok, None, cost=CostModel(*CPU_COST))
+    stream = gen.stream(CODE_PROMPTS[0], max_new_tokens=NEW)
+    next(iter(stream))
+    with pytest.raises(GenerationError, match="already running a generation"):
+        gen.generate(CODE_PROMPTS[1], max_new_tokens=4)
+    stream.close()  # frees the Generator
+    assert gen.generate(CODE_PROMPTS[1], max_new_tokens=NEW).tokens == \
+        plain[CODE_PROMPTS[1]].tokens
 
 
 def test_early_exit_draft_model_is_identical_to_plain(default_model, plain):
