@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from redraft.decoder.heads.blocks import DEFAULT_HEADS, MedusaHeads
-from redraft.decoder.heads.heads_file import model_fingerprint, save_heads
+from redraft.decoder.heads.heads_file import MAX_HEADS, model_fingerprint, save_heads
 from redraft.decoder.heads.hidden_cache import HiddenCache, fast_dtype, hidden_cache_dir
 from redraft.decoder.heads.training_data import (
     Positions,
@@ -78,6 +78,8 @@ class TrainConfig:
         before anything loads, so a typo costs no model load and no training."""
         if self.num_heads < 1 or self.subset_size < 1 or self.batch_size < 1:
             raise TrainingError("--heads, --subset and --batch-size must be positive")
+        if self.num_heads > MAX_HEADS:
+            raise TrainingError(f"--heads must be at most {MAX_HEADS}, got {self.num_heads}")
         for flag, value in (("--epochs", self.epochs), ("--lr", self.lr)):
             if not (math.isfinite(value) and value > 0):
                 raise TrainingError(f"{flag} must be a positive finite number, got {value}")

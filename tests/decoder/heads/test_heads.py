@@ -119,7 +119,7 @@ def test_next_token_heads_read_the_next_tokens_embedding_and_round_trip(tmp_path
         predictor.topk(hidden, 5)
     path = tmp_path / "h.safetensors"
     save_heads(heads, path, _meta(model))
-    assert read_meta(path)["next_token"] is True and read_meta(path)["version"] == 2
+    assert read_meta(path)["next_token"] is True and read_meta(path)["version"] == 3
     loaded = load_heads(path, model)
     assert loaded.next_token
     for x, y in zip(heads.blocks, loaded.blocks):
@@ -166,8 +166,8 @@ def test_a_heads_file_of_a_newer_format_is_refused(tmp_path):
 
     path = tmp_path / "h.safetensors"
     save_file({"w": torch.zeros(2)}, str(path),
-              metadata={"redraft": json.dumps({"format": "redraft-medusa", "version": 3})})
-    with pytest.raises(HeadsError, match="heads format version 3, this redraft reads 1, 2"):
+              metadata={"redraft": json.dumps({"format": "redraft-medusa", "version": 4})})
+    with pytest.raises(HeadsError, match="heads format version 4, this redraft reads 1, 2, 3"):
         load_heads(path)
 
 
