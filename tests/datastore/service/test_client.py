@@ -309,6 +309,52 @@ def test_sighup_and_sigint_stop_serve_as_sigterm_does(tmp_path, signum, workers)
         stop_group(proc)
 
 
+_HUGE_CLIENT = r"""
+import random, sys
+from redraft.datastore.service.client import DraftClient, DraftParams
+
+address, fp, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = random.Random(9)
+huge = [rng.randrange(1, vocab) for _ in range(131_000)]
+with DraftClient(address, timeout=60) as c:
+    with c.session(huge[:20], DraftParams(budget=8), fp) as s:
+        s.step(huge)  # one step of 131,000 tokens
+        assert s.context_len == 20 + len(huge)
+    with c.session(huge, DraftParams(budget=8), fp) as s:  # and a prompt of as many
+        assert s.context_len == len(huge)
+print("done")
+"""
+
+
+def test_a_huge_step_does_not_stall_other_sessions(store):
+    """A real server: while another process sends a 131,000-token step (and opens a session
+    with a 131,000-token prompt), this one's health checks and session steps stay fast."""
+    proc, (address,) = start_serve(store, "--port", "0", "--learn-persist-seconds", "0")
+    try:
+        latencies: list[float] = []
+        with DraftClient(address, timeout=30) as c, grpc.insecure_channel(address) as ch, \
+                c.session(DOCS[5][:20], DraftParams(budget=8), FP) as s:
+            health = health_pb2_grpc.HealthStub(ch)
+            before = c.stats()["requests"]
+            huge = subprocess.Popen([sys.executable, "-c", _HUGE_CLIENT, address, FP,
+                                     str(VOCAB)], stdout=subprocess.PIPE, text=True)
+            i = 20
+            while huge.poll() is None:
+                t0 = time.monotonic()
+                health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+                s.step([DOCS[5][i % len(DOCS[5])]])
+                latencies.append(time.monotonic() - t0)
+                i += 1
+            assert huge.wait(60) == 0 and huge.stdout.read() == "done\n"
+            assert c.stats()["requests"] - before >= len(latencies) + 3  # theirs too
+        # the huge requests took a while; every check and step meanwhile was quick
+        assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        stop_group(proc)
+
+
 def test_workers_exit_when_their_parent_is_killed(store):
     port = free_port()
     proc, _ = start_serve(store, "--port", str(port), "--workers", "2")
