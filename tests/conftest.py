@@ -105,3 +105,14 @@ class ForkServer:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(30)
+
+
+def structural_flip(data: bytearray, offsets: dict[str, list[int]], i: int, rng) -> str:
+    """Flip one byte at an offset of the `i`-th kind in turn (a whole byte, one bit, or a
+    random mask); what was done, for the fuzzers' messages."""
+    kinds = sorted(offsets)
+    kind = kinds[i % len(kinds)]
+    off = int(rng.choice(offsets[kind]))
+    mask = int(rng.choice([0xFF, 1 << int(rng.integers(8)), int(rng.integers(1, 256))]))
+    data[off] ^= mask
+    return f"{kind} flip at {off} (^{mask:#x})"

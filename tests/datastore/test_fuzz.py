@@ -30,7 +30,7 @@ from redraft.datastore import format as fmt
 from redraft.datastore.lmdbfile import NODE_HEADER, P_BRANCH, P_LEAF, PAGE_HEADER, LmdbFile
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
-from ..conftest import ForkServer
+from ..conftest import ForkServer, structural_flip
 
 CASES = int(os.environ.get("REDRAFT_FUZZ_CASES", "200"))
 SEED = int(os.environ.get("REDRAFT_FUZZ_SEED", "0"))
@@ -165,16 +165,12 @@ def structural_offsets(file: Path) -> dict[str, list[int]]:
 def cases(clean: bytes, offsets: dict[str, list[int]], n: int, rng) -> Iterator[tuple[str, bytes]]:
     """n damaged copies, one at a time: structural flips (every kind), random flips and
     truncations."""
-    kinds = sorted(offsets)
     for i in range(n):
         data = bytearray(clean)
         r = i % 10
         if r < 6:
-            kind = kinds[i % len(kinds)]
-            off = int(rng.choice(offsets[kind]))
-            mask = int(rng.choice([0xFF, 1 << int(rng.integers(8)), int(rng.integers(1, 256))]))
-            data[off] ^= mask
-            yield f"{kind} flip at {off} (^{mask:#x})", bytes(data)
+            what = structural_flip(data, offsets, i, rng)
+            yield what, bytes(data)
         elif r < 8:
             off = int(rng.integers(len(data)))
             data[off] ^= int(rng.integers(1, 256))

@@ -180,6 +180,12 @@ def start_serve(store: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     return proc, addresses
 
 
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM: the server stops gracefully and exits 0."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """Kill the server and any worker it started (they share its process group)."""
     if proc.poll() is None:
@@ -275,8 +281,7 @@ def test_serve_workers_share_a_port_and_counters(store):
         assert all(c.stats()["sessions_active"] == len(clients) for c in clients)
         for c in clients:
             c.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        terminate(proc)
     finally:
         stop_group(proc)
 
@@ -349,8 +354,7 @@ def test_a_huge_step_does_not_stall_other_sessions(store):
             assert c.stats()["requests"] - before >= len(latencies) + 3  # theirs too
         # the huge requests took a while; every check and step meanwhile was quick
         assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        terminate(proc)
     finally:
         stop_group(proc)
 
@@ -478,8 +482,7 @@ def test_stats_of_several_workers_add_up_their_learned_outputs(store):
         assert len({w["learned_tokens"] for w in answers[0]["learned_per_worker"]}) == 2
         for c in clients:
             c.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        terminate(proc)
     finally:
         stop_group(proc)
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ...conftest import ForkServer
+from ...conftest import ForkServer, structural_flip
 from ..conftest import have_default_model
 from .test_heads_file import COMMITTED, committed, rewrite
 
@@ -97,19 +97,15 @@ def edit_metadata(meta: dict, rng) -> tuple[str, dict]:
 def cases(clean: bytes, rng, n: int, tmp_path) -> Iterator[tuple[str, str]]:
     """n damaged copies (their descriptions and paths), one at a time."""
     offsets = structural_offsets(clean)
-    kinds = sorted(offsets)
     meta, tensors = committed()
     path = tmp_path / "damaged.safetensors"
     for i in range(n):
         data = bytearray(clean)
         r = i % 10
         if r < 4:
-            kind = kinds[i % len(kinds)]
-            off = int(rng.choice(offsets[kind]))
-            mask = int(rng.choice([0xFF, 1 << int(rng.integers(8)), int(rng.integers(1, 256))]))
-            data[off] ^= mask
+            what = structural_flip(data, offsets, i, rng)
             path.write_bytes(bytes(data))
-            yield f"{kind} flip at {off} (^{mask:#x})", str(path)
+            yield what, str(path)
         elif r < 6:
             off = int(rng.integers(len(data)))
             data[off] ^= int(rng.integers(1, 256))
