@@ -1,7 +1,8 @@
-"""The datastore side: corpora -> suffix-array datastore (LMDB) -> exact lookups.
+"""The datastore side: corpora -> suffix-array datastore (LMDB segments) -> exact lookups.
 
-Storage and exact search live here (format, lmdbfile, corpus, build, reader); drafting over
-them in `drafting/`, the gRPC draft service in `service/`, the commands in `cli/`.
+Storage and exact search live here (format, lmdbfile, segment, manifest, tiers, commit,
+corpus, build, reader); drafting over them in `drafting/`, the gRPC draft service in
+`service/`, the commands in `cli/`.
 """
 
 from redraft.datastore.build import (
@@ -9,7 +10,11 @@ from redraft.datastore.build import (
     append_corpus,
     build_datastore,
     delete_documents,
+    learned_marks,
+    persist_learned,
 )
+from redraft.datastore.commit import DEFAULT_WAIT_S, CommitConflict, upgrade_datastore
+from redraft.datastore.manifest import commit_stamp
 from redraft.datastore.reader import Reader, ReaderClosed
 from redraft.proto.errors import (
     CorpusError,
@@ -24,6 +29,8 @@ from redraft.proto.errors import (
 
 __all__ = [
     "DEFAULT_SHARD_TOKENS",
+    "DEFAULT_WAIT_S",
+    "CommitConflict",
     "CorpusError",
     "DatastoreCorrupt",
     "DatastoreError",
@@ -36,5 +43,9 @@ __all__ = [
     "TokenizerMismatch",
     "append_corpus",
     "build_datastore",
+    "commit_stamp",
     "delete_documents",
+    "learned_marks",
+    "persist_learned",
+    "upgrade_datastore",
 ]

@@ -1,56 +1,59 @@
-"""Building, appending to and deleting from a datastore.
+"""Building, appending to and deleting from a datastore, and persisting learned outputs.
 
 Pipeline: documents -> batched tokenization with the target model's fast tokenizer (its
 Rust backend encodes a batch on every core) -> shards of bounded size (token array with a
 separator after each document, suffix array from pydivsufsort, document offsets, first-token
-buckets) -> one LMDB file.
+buckets) -> segment files (segment.py) -> one commit (commit.py).
 
-Every change is atomic. A whole new file is written beside the datastore's
-`datastore.lmdb` (`.datastore.lmdb.tmp-PID`) and renamed over it only when complete and
-synced, so a writer killed or failing at any point leaves the previous datastore as it was
-and nothing half-written that opens. The published file is never modified in place, which
-is what lets readers map it without locks and keep their snapshot while it is replaced.
-
-Append and delete start from the current datastore, verified first (a damaged one is
-refused rather than copied), and copy its shards value by value through the bounds-checked
-reader: LMDB only ever opens files this module creates. Append copies every shard as it is;
-delete re-sorts the shards that hold the deleted documents without their tokens, so a
-deleted document leaves nothing a lookup could find (or the file could leak).
+A build writes new segments and publishes a manifest naming only them (the old files are
+removed after); an append writes segments for the new documents only, so its cost follows
+what is added, not the datastore; a delete rewrites only the segments holding the deleted
+documents, re-sorting their shards without those tokens, so a deleted document leaves
+nothing a lookup could find (or a file could leak) and every other id stays.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import fcntl
+import json
 import os
 import sys
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import lmdb
 import numpy as np
-from pydivsufsort import divsufsort
 from pyroaring import BitMap
+from redraft.datastore import commit
 from redraft.datastore import format as fmt
+from redraft.datastore import manifest as mf
+from redraft.datastore.commit import (
+    DEFAULT_WAIT_S,
+    CommitConflict,
+    Transaction,
+    remove_leftovers,
+    write_error,
+    write_lock,
+)
 from redraft.datastore.corpus import Document, expand_inputs, iter_documents
+from redraft.datastore.manifest import LEARNED_CORPUS
 from redraft.datastore.reader import Reader
+from redraft.datastore.segment import SegmentSeries
 from redraft.proto.errors import (
     CorpusError,
-    DatastoreCorrupt,
     DatastoreError,
     InvalidQuery,
     TokenizerMismatch,
 )
-from redraft.proto.files import write_atomically
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, tokenizer_fingerprint
 from redraft.proto.models import vocab_size as tokenizer_vocab_size
 from tqdm import tqdm
 
 # One shard's suffix-array build peaks near 20-26 bytes per token: 128 Mi tokens ~ 3.3 GB.
 DEFAULT_SHARD_TOKENS = 128 * 1024 * 1024
+# A build starts a new segment file past this many tokens: a delete rewrites one of them.
+DEFAULT_SEGMENT_TOKENS = 2 * DEFAULT_SHARD_TOKENS
 BATCH_CHARS = 2 << 20  # text per tokenizer batch: big enough to keep every core busy
 
 TokenDocs = Iterable[Sequence[int] | np.ndarray | tuple[str, Sequence[int] | np.ndarray]]
@@ -97,146 +100,7 @@ def tokenize_documents(docs: Iterable[Document], tokenizer, *, batch_chars: int 
             yield d.name, np.asarray(seq, dtype=np.int64)
 
 
-# ---- shards ---------------------------------------------------------------------------
-def suffix_array(tokens: np.ndarray) -> np.ndarray:
-    """Token-order suffix array of a uint16/uint32 array, as little-endian uint32."""
-    if len(tokens) > fmt.MAX_SHARD_LEN:
-        raise ValueError("shard too large for uint32 offsets")
-    return divsufsort(tokens).astype("<u4", copy=False)
-
-
-class _StoreWriter:
-    """Writes shards, bitmaps and the header into a new (temporary) LMDB file."""
-
-    def __init__(self, file: str, manifest: dict, *, progress: bool = False) -> None:
-        self.file = file
-        self.manifest = manifest
-        self.progress = progress
-        self.env = fmt.open_writer(file, map_size=1 << 40 if sys.maxsize > 2**32 else 1 << 31)
-        self.vocab = int(manifest["tokenizer"]["vocab_size"])
-        self.sep = int(manifest["separator"])
-        self.dtype = np.dtype(manifest["token_dtype"])
-        self.be = self.dtype.newbyteorder(">")
-        self.corpora: dict[str, BitMap] = {}
-        self.deleted = BitMap()
-        manifest["shards"] = []  # filled in order: carried, rewritten and new shards
-
-    @property
-    def next_doc(self) -> int:
-        shards = self.manifest["shards"]
-        return shards[-1]["first_doc"] + shards[-1]["n_docs"] if shards else 0
-
-    def _put(self, key: bytes, value) -> None:
-        # One transaction per value: LMDB holds a value's pages in memory until commit.
-        with self.env.begin(write=True) as txn:
-            txn.put(key, value)
-
-    def _add_entry(self, entry: dict) -> None:
-        first = self.next_doc
-        entry.update(id=len(self.manifest["shards"]), first_doc=first)
-        self.manifest["shards"].append(entry)
-        self.corpora.setdefault(entry["corpus"], BitMap()).add_range(
-            first, first + entry["n_docs"])
-
-    def add_shard(self, docs: list[np.ndarray], names: list[str], corpus: str) -> None:
-        """Sort and write a new shard of these documents (empty ones keep their ids)."""
-        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-        starts = np.zeros(len(docs) + 1, dtype=np.int64)
-        np.cumsum(lengths + 1, out=starts[1:])
-        length = int(starts[-1])
-        tokens = np.empty(length, dtype=self.dtype)
-        for d, s in zip(docs, starts[:-1]):
-            tokens[s:s + len(d)] = d
-        tokens[starts[1:] - 1] = self.sep
-        t0 = time.perf_counter()
-        if self.progress:
-            print(f"sorting shard {len(self.manifest['shards'])} ({length:,} tokens)",
-                  file=sys.stderr, flush=True)
-        sa = suffix_array(tokens)
-        sa_s = time.perf_counter() - t0
-        counts = np.bincount(tokens, minlength=self.sep + 1)
-        bucket = np.zeros(self.sep + 2, dtype="<u4")
-        np.cumsum(counts, out=bucket[1:])
-        idx = len(self.manifest["shards"])
-        values = {
-            "tokens": tokens.astype(self.be),
-            "sa": sa,
-            "docs": starts.astype("<u4"),
-            "bucket": bucket,
-            # File names that are not UTF-8 arrive as surrogate escapes: store their bytes.
-            "names": zlib.compress("\n".join(n.replace("\n", "\\n") for n in names)
-                                   .encode("utf-8", "surrogateescape"), 6),
-        }
-        del tokens
-        checks = {}
-        for what, arr in values.items():
-            buf = memoryview(np.ascontiguousarray(arr)).cast("B") if what != "names" else arr
-            checks[what] = fmt.crc32(buf)
-            self._put(fmt.shard_key(idx, what), buf)
-        self._add_entry({"corpus": corpus, "n_docs": len(docs), "n_tokens": int(lengths.sum()),
-                         "length": length, "crc32": checks, "sa_seconds": round(sa_s, 3)})
-
-    def carry_shard(self, reader, shard: dict) -> None:
-        """Copy a shard of a verified datastore as it is (no re-sorting)."""
-        checks = dict(shard["crc32"])
-        for what in fmt.SHARD_KEYS:
-            buf = reader.shard_raw(shard["id"], what)
-            if what not in checks:  # version 1 kept no crc of names
-                checks[what] = fmt.crc32(buf)
-            self._put(fmt.shard_key(len(self.manifest["shards"]), what), buf)
-        entry = {k: v for k, v in shard.items() if k not in ("offsets", "id", "first_doc")}
-        self._add_entry({**entry, "crc32": checks})
-
-    def rewrite_shard(self, reader, shard: dict, gone: Iterable[int]) -> None:
-        """Rewrite a shard with the tokens of documents `gone` (global ids) removed; their
-        ids stay, as empty documents, so that no other id changes."""
-        docs = reader.shard_documents(shard["id"])
-        for g in gone:
-            docs[g - shard["first_doc"]] = docs[g - shard["first_doc"]][:0]
-        self.add_shard(docs, reader.shard_names(shard["id"]), shard["corpus"])
-
-    def finish(self) -> dict:
-        """Recount, write bitmaps and the manifest, sync and close. Returns the manifest."""
-        m = self.manifest
-        m["version"] = fmt.FORMAT_VERSION
-        m["n_shards"] = len(m["shards"])
-        _recount(m, self.deleted)
-        checks = {}
-        with self.env.begin(write=True) as txn:
-            for name, bm in self.corpora.items():
-                raw = bm.serialize()
-                checks["corpus/" + name] = fmt.crc32(raw)
-                txn.put(fmt.corpus_key(name), raw)
-            raw = self.deleted.serialize()
-            checks["deleted"] = fmt.crc32(raw)
-            txn.put(fmt.KEY_DELETED, raw)
-            m["checksums"] = checks
-            fmt.write_header(txn, m)
-        self.env.sync(True)
-        self.env.close()
-        return m
-
-    def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self.env.close()
-
-
-def _recount(m: dict, deleted: BitMap) -> None:
-    """Totals of live (not deleted) documents and tokens, overall and per corpus. A shard's
-    n_tokens counts live tokens only: deleted documents have none left."""
-    corpora: dict[str, dict] = {}
-    for sh in m["shards"]:
-        c = corpora.setdefault(sh["corpus"], {"n_docs": 0, "n_tokens": 0, "n_shards": 0})
-        c["n_shards"] += 1
-        lo = sh["first_doc"]
-        c["n_docs"] += sh["n_docs"] - deleted.range_cardinality(lo, lo + sh["n_docs"])
-        c["n_tokens"] += sh["n_tokens"]
-    m["corpora"] = corpora
-    m["n_docs"] = sum(c["n_docs"] for c in corpora.values())
-    m["n_tokens"] = sum(c["n_tokens"] for c in corpora.values())
-    m["n_deleted"] = len(deleted)
-
-
+# ---- shards ----------------------------------------------------------------------------
 def _check_ids(name: str, ids: np.ndarray, vocab: int) -> np.ndarray:
     if ids.ndim != 1:
         raise CorpusError(f"{name}: token ids must be a flat sequence")
@@ -259,11 +123,12 @@ def _pretokenized(documents: TokenDocs) -> Iterator[tuple[str, np.ndarray]]:
         yield name, arr
 
 
-def _write_shards(writer: _StoreWriter, docs: Iterable[tuple[str, np.ndarray]], corpus: str,
+def _write_shards(writer: SegmentSeries, docs: Iterable[tuple[str, np.ndarray]], corpus: str,
                   shard_tokens: int) -> tuple[int, int]:
     """Group documents into shards of at most `shard_tokens` tokens and write them."""
     vocab = writer.vocab
-    limit = max(1, min(int(shard_tokens), fmt.MAX_SHARD_LEN))
+    # a shard never spans two segment files
+    limit = max(1, min(int(shard_tokens), writer.segment_tokens, fmt.MAX_SHARD_LEN))
     buf: list[np.ndarray] = []
     names: list[str] = []
     size = n_docs = n_tokens = 0
@@ -288,20 +153,7 @@ def _write_shards(writer: _StoreWriter, docs: Iterable[tuple[str, np.ndarray]], 
     return n_docs, n_tokens
 
 
-# ---- atomic publication ---------------------------------------------------------------
-def _write_error(out: Path, exc: BaseException) -> DatastoreError:
-    """One line for a failure of the file system while writing (full, read-only, ...)."""
-    if isinstance(exc, OSError) and exc.strerror:
-        reason = exc.strerror
-    else:  # LMDB reports a short write on a full disk as an I/O error: say how full it is
-        reason = str(exc)
-        with contextlib.suppress(OSError):
-            st = os.statvfs(out)
-            reason += f"; {st.f_bavail * st.f_frsize:,} bytes free on its file system"
-    return DatastoreError(f"{out}: cannot write the datastore ({reason}); "
-                          f"nothing was changed")
-
-
+# ---- publication ---------------------------------------------------------------------
 def _prepare_dir(out: Path) -> bool:
     """Create `out` if needed; whether it was created here."""
     if out.exists() and not out.is_dir():
@@ -313,51 +165,6 @@ def _prepare_dir(out: Path) -> bool:
         raise DatastoreError(
             f"{out}: cannot create the directory ({exc.strerror or exc})") from exc
     return created
-
-
-@contextlib.contextmanager
-def _locked(out: Path) -> Iterator[None]:
-    """One writer per datastore; stale temporary files of killed writers are removed."""
-    try:
-        fd = os.open(out / fmt.WRITE_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
-    except OSError as exc:
-        raise _write_error(out, exc) from exc
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise DatastoreError(f"{out}: another process is writing this datastore") from exc
-        for f in out.glob(fmt.TMP_PREFIX + "*"):
-            with contextlib.suppress(OSError):
-                f.unlink()
-        yield
-    finally:
-        os.close(fd)
-
-
-def _run_writer(out: Path, manifest: dict, fill: Callable[[_StoreWriter], None],
-                progress: bool) -> dict:
-    """Write a whole new file with `fill`, then publish it; on any failure remove it."""
-    writer = None
-    result: dict = {}
-
-    def write(tmp: Path) -> None:
-        nonlocal writer
-        writer = _StoreWriter(str(tmp), manifest, progress=progress)
-        fill(writer)
-        result.update(writer.finish())
-
-    try:
-        write_atomically(out / fmt.DATA_FILE, write, tmp=out / f"{fmt.TMP_PREFIX}{os.getpid()}",
-                         durable=True)
-        return result
-    except BaseException as exc:
-        failed = _write_error(out, exc) if isinstance(exc, (OSError, lmdb.Error)) else None
-        if writer is not None:
-            writer.abort()
-        if failed is not None:
-            raise failed from exc
-        raise
 
 
 def _progress_bar(enabled: bool, desc: str):
@@ -404,14 +211,18 @@ def build_datastore(
     exclude: Sequence[str] = (),
     skip_bad: bool = False,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     progress: bool = False,
+    wait_s: float = DEFAULT_WAIT_S,
 ) -> dict:
     """Build a datastore at `out` (a directory) from corpus inputs; replace any old one.
 
     `tokenizer` is a model name (default: the embedded default model) or a loaded
     tokenizer. For pre-tokenized input pass `documents` (sequences of ids, or (name, ids)
     pairs) with `fingerprint` and `vocab_size` instead of `inputs`; ids of any width work
-    (uint32 arrays when the vocabulary exceeds 65,535). Returns the manifest.
+    (uint32 arrays when the vocabulary exceeds 65,535). A new segment file starts once one
+    holds `segment_tokens` tokens. `wait_s`: how long to wait for another writer. Returns
+    the manifest.
     """
     _check_corpus_name(corpus)
     if documents is None:
@@ -428,25 +239,34 @@ def build_datastore(
         raise DatastoreError(str(exc)) from exc
     out_p = Path(out)
     created = _prepare_dir(out_p)
-    manifest = fmt.new_manifest(
-        tokenizer_name=name, fingerprint=fp, vocab_size=vocab,
-        build={"shard_tokens": int(shard_tokens), "field": field,
-               "history": []},
-    )
     bar = None
     skipped: list[str] = []
     try:
-        with _locked(out_p):
+        with write_lock(out_p, wait_s):
+            generation, keep = _previous_commit(out_p)
+            remove_leftovers(out_p, keep)
+            manifest = mf.new(tokenizer={"name": name, "fingerprint": fp, "vocab_size": vocab},
+                              build={"shard_tokens": int(shard_tokens), "field": field,
+                                     "history": []}, generation=generation)
+            tx = Transaction(out_p, None, manifest, progress=progress)
             stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
                                         skip_bad=skip_bad, progress=progress, skipped=skipped)
             t0 = time.perf_counter()
-
-            def fill(w: _StoreWriter) -> None:
-                n_docs, n_tok = _write_shards(w, stream, corpus, shard_tokens)
+            try:
+                series = SegmentSeries(lambda: tx.writer("corpus", {"op": "build"}),
+                                       segment_tokens)
+                n_docs, n_tok = _write_shards(series, stream, corpus, shard_tokens)
+                manifest["segments"] = series.finish()
                 manifest["build"]["history"].append(
                     _event("build", corpus, n_docs, n_tok, t0, len(skipped)))
-
-            return _run_writer(out_p, manifest, fill, progress)
+                result = tx.publish()  # unmerged: a build sizes its segments on purpose
+            except BaseException as exc:
+                tx.abort()
+                if isinstance(exc, (OSError, lmdb.Error)):
+                    raise write_error(out_p, exc) from exc
+                raise
+            remove_leftovers(out_p, {s["file"] for s in result["segments"]})
+            return result
     except BaseException:
         if created:
             _remove_if_empty(out_p)
@@ -454,6 +274,23 @@ def build_datastore(
     finally:
         if bar is not None:
             bar.close()
+
+
+def _previous_commit(out: Path) -> tuple[int, set[str] | None]:
+    """(generation of the commit a build replaces, segment files it names). A damaged or
+    missing manifest is no obstacle to a rebuild: its generation is guessed from the file
+    names present (names stay unique either way), and which files it names is unknown."""
+    try:
+        m, _ = mf.read(out)
+        return int(m["generation"]), {s["file"] for s in m["segments"]}
+    except FileNotFoundError:
+        keep: set[str] | None = set()  # no commit, or a legacy one: no segment is named
+    except (DatastoreError, OSError):
+        keep = None
+    gens = [0]
+    with contextlib.suppress(OSError):
+        gens += [int(n.split("-")[1]) for n in os.listdir(out) if mf.is_segment_name(n)]
+    return max(gens), keep
 
 
 def _event(op: str, corpus: str | None, n_docs: int, n_tokens: int, t0: float,
@@ -472,32 +309,20 @@ def _remove_if_empty(out: Path) -> None:
         out.rmdir()
 
 
-def _manifest_of(path: str | os.PathLike) -> tuple[Path, dict]:
-    """Directory and manifest of an existing datastore (opened, not verified)."""
-    with Reader(path) as r:
-        return Path(os.path.dirname(r.file)), r.manifest
+def _directory(path: str | os.PathLike) -> Path:
+    """The directory of the existing datastore at `path`."""
+    out, _ = mf.locate(path)
+    if not out.is_dir():
+        raise DatastoreError(f"{out}: writers need the datastore's directory, not a file")
+    return out
 
 
-def _verified(out: Path):
-    """The datastore at `out`, every checksum verified: a writer carries nothing damaged
-    into the file it publishes."""
-    try:
-        return Reader(out, verify=True)
-    except DatastoreCorrupt as exc:
-        raise DatastoreCorrupt(f"refusing to modify a damaged datastore: {exc}") from exc
-
-
-def _carry_all(w: _StoreWriter, r, deleted: BitMap, gone: BitMap | None = None) -> None:
-    """Copy every shard of `r` into `w`; shards holding documents of `gone` are rewritten
-    without their tokens."""
-    w.deleted = BitMap(deleted)
-    for sm in r.manifest["shards"]:
-        lo, hi = sm["first_doc"], sm["first_doc"] + sm["n_docs"]
-        here = [g for g in gone if lo <= g < hi] if gone else []
-        if here:
-            w.rewrite_shard(r, sm, here)
-        else:
-            w.carry_shard(r, sm)
+def _check_fingerprint(manifest: dict, fp: str | None) -> None:
+    want = manifest["tokenizer"]["fingerprint"]
+    if fp != want:
+        raise TokenizerMismatch(
+            f"tokenizer fingerprint {fp} does not match the datastore's {want} "
+            f"(built with {manifest['tokenizer']['name']})")
 
 
 def append_corpus(
@@ -512,53 +337,60 @@ def append_corpus(
     exclude: Sequence[str] = (),
     skip_bad: bool = False,
     shard_tokens: int | None = None,
+    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     progress: bool = False,
+    wait_s: float = DEFAULT_WAIT_S,
 ) -> dict:
-    """Add documents to an existing datastore as new shards; existing shards are copied
-    as they are (verified first: a damaged datastore is refused).
+    """Add documents to an existing datastore as new segments; no existing segment is
+    read or rewritten (small segments may be merged afterwards, see tiers.py).
 
     The tokenizer defaults to the one the datastore was built with and must match its
     fingerprint (TokenizerMismatch otherwise). Returns the new manifest.
     """
     _check_corpus_name(corpus)
-    out, manifest = _manifest_of(path)
-    want = manifest["tokenizer"]["fingerprint"]
+    out = _directory(path)
+    with Reader(out) as r:
+        manifest = r.manifest
     if documents is None:
         expand_inputs(inputs or [], exclude)
         tok, _, fp, _ = _tokenizer_info(tokenizer or manifest["tokenizer"]["name"])
     else:
         tok, fp = None, fingerprint
-    if fp != want:
-        raise TokenizerMismatch(
-            f"tokenizer fingerprint {fp} does not match the datastore's {want} "
-            f"(built with {manifest['tokenizer']['name']})")
+    _check_fingerprint(manifest, fp)
     bar = None
     skipped: list[str] = []
+
+    def change(tx: Transaction) -> bool:
+        nonlocal bar
+        m = tx.manifest
+        _check_fingerprint(m, fp)  # again, under the lock
+        tokens = shard_tokens or m["build"].get("shard_tokens", DEFAULT_SHARD_TOKENS)
+        stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
+                                    skip_bad=skip_bad, progress=progress, skipped=skipped)
+        t0 = time.perf_counter()
+        series = SegmentSeries(lambda: tx.writer("corpus", {"op": "append"}), segment_tokens)
+        try:
+            n_docs, n_tok = _write_shards(series, stream, corpus, tokens)
+            m["segments"].extend(series.finish())
+        except BaseException:
+            series.abort()
+            raise
+        m["build"].setdefault("history", []).append(
+            _event("append", corpus, n_docs, n_tok, t0, len(skipped)))
+        return True
+
     try:
-        with _locked(out), _verified(out) as r:  # re-read under the lock
-            manifest = copy.deepcopy(r.manifest)
-            shard_tokens = shard_tokens or manifest["build"].get("shard_tokens",
-                                                                 DEFAULT_SHARD_TOKENS)
-            stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
-                                        skip_bad=skip_bad, progress=progress, skipped=skipped)
-            t0 = time.perf_counter()
-
-            def fill(w: _StoreWriter) -> None:
-                _carry_all(w, r, r.deleted)
-                n_docs, n_tok = _write_shards(w, stream, corpus, shard_tokens)
-                manifest["build"]["history"].append(
-                    _event("append", corpus, n_docs, n_tok, t0, len(skipped)))
-
-            return _run_writer(out, manifest, fill, progress)
+        return commit.run(out, change, wait_s=wait_s, progress=progress)
     finally:
         if bar is not None:
             bar.close()
 
 
-def delete_documents(path: str | os.PathLike, doc_ids: Iterable[int]) -> dict:
+def delete_documents(path: str | os.PathLike, doc_ids: Iterable[int], *,
+                     wait_s: float = DEFAULT_WAIT_S) -> dict:
     """Delete documents by global id: their tokens are removed from the datastore (the
-    shards holding them are re-sorted), so no lookup can see them again; the other
-    documents keep their ids. Returns the manifest.
+    segments holding them are rewritten, their shards re-sorted), so no lookup can see them
+    again; the other documents keep their ids. Returns the manifest.
 
     Already deleted ids are accepted (deleting is idempotent: nothing is rewritten when
     every id was deleted before); ids that never existed are an InvalidQuery.
@@ -566,20 +398,103 @@ def delete_documents(path: str | os.PathLike, doc_ids: Iterable[int]) -> dict:
     ids = sorted({int(i) for i in doc_ids})
     if not ids:
         raise InvalidQuery("no document ids to delete")
-    out = Path(os.path.dirname(fmt.find_file(path)))
-    with _locked(out), _verified(out) as r:
-        manifest = copy.deepcopy(r.manifest)
+    out = _directory(path)
+
+    def change(tx: Transaction) -> bool:
+        r = tx.reader
         total = r.n_docs_total
         bad = [i for i in ids if not 0 <= i < total]
         if bad:
             raise InvalidQuery(f"document id {bad[0]} out of range [0, {total})")
         gone = BitMap(ids) - r.deleted
         if not gone:
-            return manifest
+            return False
         t0 = time.perf_counter()
-        manifest["build"]["history"].append(_event("delete", None, len(gone), 0, t0))
+        segments = tx.manifest["segments"]
+        for index in reversed(range(len(segments))):
+            seg = segments[index]
+            lo, hi = seg["first_doc"], seg["first_doc"] + seg["n_docs"]
+            here = [g for g in gone if lo <= g < hi]
+            if not here:
+                continue
+            tx.verify([seg["file"]])
+            w = tx.writer(seg["kind"], {"op": "delete"})
+            for sh in tx.segment_shards(seg["file"]):
+                mine = [g for g in here if sh["first_doc"] <= g < sh["first_doc"] + sh["n_docs"]]
+                if mine:
+                    w.rewrite_shards(r, [sh], mine)
+                else:
+                    w.carry_shard(r, sh)
+            tx.replace(index, [w.finish()])
+        tx.manifest["build"].setdefault("history", []).append(
+            _event("delete", None, len(gone), 0, t0))
+        return True
 
-        def fill(w: _StoreWriter) -> None:
-            _carry_all(w, r, r.deleted | gone, gone)
+    return commit.run(out, change, wait_s=wait_s)
 
-        return _run_writer(out, manifest, fill, False)
+
+def persist_learned(path: str | os.PathLike, documents: Sequence[tuple[str, Sequence[int]]],
+                    marks: dict, *, fingerprint: str, wait_s: float = DEFAULT_WAIT_S,
+                    expect: dict | None = None) -> dict:
+    """Append learned outputs as one segment of corpus `learned` AND record `marks` as the
+    manifest's "learned" entry, in one commit: both or neither become visible, whatever
+    happens to the process. Returns the new manifest.
+
+    `documents`: (name, token ids) pairs (empty ones are left out; none at all commits only
+    the marks). `marks`: any JSON-able dict, opaque here (the draft service keeps its
+    exactly-once watermarks in it); it replaces the previous marks. `expect`: when given,
+    the commit happens only if the current marks equal it, else CommitConflict and nothing
+    written (a compare-and-swap: read `learned_marks`, decide, persist with expect=them).
+    `wait_s`: how long to wait for another writer (DatastoreError after that).
+    """
+    out = _directory(path)
+    try:
+        marks_copy = json.loads(json.dumps(marks, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidQuery(f"learned marks are not JSON-able: {exc}") from exc
+    if not isinstance(marks_copy, dict):
+        raise InvalidQuery("learned marks must be a dict")
+    docs = []
+    for name, ids in documents:
+        if not isinstance(name, str):
+            raise InvalidQuery(f"learned output name {name!r} is not a string")
+        arr = next(_pretokenized([(name, ids)]))[1]
+        if len(arr):
+            docs.append((name, arr))
+
+    def change(tx: Transaction) -> bool:
+        m = tx.manifest
+        _check_fingerprint(m, fingerprint)
+        if expect is not None and m.get("learned", {}) != expect:
+            raise CommitConflict(f"{out}: the learned marks changed since they were read "
+                                 f"(generation {m['generation']}); read them again")
+        t0 = time.perf_counter()
+        if docs:
+            tokens = m["build"].get("shard_tokens") or DEFAULT_SHARD_TOKENS
+            series = SegmentSeries(lambda: tx.writer("learned", {"op": "learned"}),
+                                   DEFAULT_SEGMENT_TOKENS)
+            try:
+                _write_shards(series, iter(docs), LEARNED_CORPUS, tokens)
+                m["segments"].extend(series.finish())
+            except BaseException:
+                series.abort()
+                raise
+        m["learned"] = marks_copy
+        m["build"].setdefault("history", []).append(
+            _event("learned", LEARNED_CORPUS, len(docs), sum(len(a) for _, a in docs), t0))
+        return True
+
+    return commit.run(out, change, wait_s=wait_s)
+
+
+def learned_marks(path: str | os.PathLike) -> dict:
+    """The "learned" marks of the commit published now ({} for none, or a legacy
+    datastore). Checked like any read of the manifest (DatastoreCorrupt if damaged)."""
+    out, layout = mf.locate(path)
+    if layout != "segments":
+        return {}
+    try:
+        m, _ = mf.read(out)
+    except FileNotFoundError:
+        return {}  # converted back? (never by redraft): no marks either way
+    return dict(m.get("learned") or {})

@@ -1,7 +1,9 @@
-"""The on-disk layout of a datastore: one LMDB file, its keys, the manifest and checksums.
+"""The on-disk layout of one segment: a single-file LMDB, its keys, its manifest, checksums.
 
-A datastore is a directory holding `datastore.lmdb`, a single-file LMDB environment (no
-lock file: it is never modified in place, see build.py). Keys:
+A datastore directory holds segment files and a manifest.json naming them (manifest.py). A
+segment (`seg-*.lmdb`) is a single-file LMDB environment (no lock file: it is never modified
+in place) with document ids local to it; before format 3 a datastore was one such file,
+`datastore.lmdb`, with the same keys. Keys:
 
     magic                      MAGIC (identifies the file and the major layout)
     manifest                   UTF-8 JSON, see `new_manifest`
@@ -12,16 +14,16 @@ lock file: it is never modified in place, see build.py). Keys:
     shard/NNNNNN/docs          document start offsets (n_docs + 1 entries, last = length), <u4
     shard/NNNNNN/bucket        SA start of each first token (vocab_size + 2 entries), <u4
     shard/NNNNNN/names         zlib-compressed, newline-separated document names
-    corpus/<name>              pyroaring bitmap: global doc ids of a named corpus
-    deleted                    pyroaring bitmap: deleted global doc ids (their tokens are gone)
+    corpus/<name>              pyroaring bitmap: the segment's doc ids of a named corpus
+    deleted                    pyroaring bitmap: its deleted doc ids (their tokens are gone)
 
 Tokens are stored big-endian so that comparing raw bytes orders suffixes exactly as tokens
 order them: a binary search compares slices of the mmap with one memcmp each.
 
 Version 2 added the crc32 of every shard's `names` and removes deleted documents' tokens
 from their shard (version 1 only tombstoned them). Version 1 files without deleted
-documents are still read (their names are checked by zlib's own checksum) and any write
-upgrades them to version 2.
+documents are still read (their names are checked by zlib's own checksum) and converting
+one to segments rewrites it as version 2.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ import zlib
 
 import lmdb
 from redraft.datastore.lmdbfile import LmdbFile
-from redraft.proto.errors import DatastoreCorrupt, DatastoreNotFound
+from redraft.proto.errors import DatastoreCorrupt
 
 MAGIC = b"redraft-datastore\x00"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DATA_FILE = "datastore.lmdb"
 WRITE_LOCK = ".write.lock"
-TMP_PREFIX = ".datastore.lmdb.tmp-"
+TMP_PREFIX = ".tmp-"  # every file a writer has not finished: removed by the next writer
+LEGACY_TMP_PREFIX = ".datastore.lmdb.tmp-"  # what writers of format 2 left when killed
 
 KEY_MAGIC = b"magic"
 KEY_MANIFEST = b"manifest"
@@ -78,14 +81,6 @@ def crc32(buf) -> int:
     return zlib.crc32(buf) & 0xFFFFFFFF
 
 
-def data_path(path: str | os.PathLike) -> str:
-    """The LMDB file of a datastore given its directory (or the file itself)."""
-    p = os.fspath(path)
-    if os.path.isdir(p):
-        return os.path.join(p, DATA_FILE)
-    return p
-
-
 def new_manifest(*, tokenizer_name: str, fingerprint: str, vocab_size: int,
                  build: dict) -> dict:
     """An empty manifest: shards and corpora are filled in as they are written."""
@@ -113,11 +108,14 @@ def encode_manifest(manifest: dict) -> tuple[bytes, bytes]:
     return raw, struct.pack("<I", crc32(raw))
 
 
-def write_header(txn, manifest: dict) -> None:
+def write_header(txn, manifest: dict) -> int:
+    """Magic, manifest and its crc32 (returned: the datastore manifest names the segment
+    by it)."""
     raw, crc = encode_manifest(manifest)
     txn.put(KEY_MAGIC, MAGIC)
     txn.put(KEY_MANIFEST, raw)
     txn.put(KEY_MANIFEST_CRC, crc)
+    return crc32(raw)
 
 
 def open_writer(file: str, map_size: int):
@@ -126,19 +124,8 @@ def open_writer(file: str, map_size: int):
                      sync=False, metasync=False, max_dbs=0, readahead=False)
 
 
-def find_file(path: str | os.PathLike) -> str:
-    """The datastore file at `path` (a directory or the file itself), or DatastoreNotFound."""
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise DatastoreNotFound(f"{p}: no such datastore")
-    file = data_path(p)
-    if not os.path.isfile(file):
-        raise DatastoreNotFound(f"{p}: no datastore here (missing {DATA_FILE})")
-    return file
-
-
-def read_manifest(lm: LmdbFile) -> dict:
-    """Check magic, version and manifest checksum; return the manifest."""
+def read_manifest(lm: LmdbFile) -> tuple[dict, int]:
+    """Check magic, version and manifest checksum; return the manifest and that checksum."""
     file = lm.file
     magic, raw, crc = lm.get(KEY_MAGIC), lm.get(KEY_MANIFEST), lm.get(KEY_MANIFEST_CRC)
     if magic is None or bytes(magic) != MAGIC:
@@ -158,4 +145,4 @@ def read_manifest(lm: LmdbFile) -> dict:
     if version not in READABLE_VERSIONS:
         raise DatastoreCorrupt(f"{file}: format version {version!r}, this redraft reads "
                                f"{' and '.join(map(str, READABLE_VERSIONS))}")
-    return manifest
+    return manifest, crc32(raw)

@@ -1,10 +1,14 @@
-"""Reading a datastore: exact suffix-array lookups, zero-copy.
+"""Reading a datastore: exact suffix-array lookups, zero-copy, over one commit's segments.
 
-Opening maps the file and reads the manifest and the arrays' locations through lmdbfile,
-whose parser checks every page number and length against the file (LMDB itself would
-follow a damaged pointer out of the map). Every array is a numpy view into that map:
-nothing is copied into RAM, and open time does not depend on size. After opening no call
-mutates shared state, so one Reader serves many threads.
+Opening reads the commit (manifest.json, or a legacy single file) and maps every segment it
+names, reading each one's manifest and the arrays' locations through lmdbfile, whose parser
+checks every page number and length against the file (LMDB itself would follow a damaged
+pointer out of the map). Every array is a numpy view into a map: nothing is copied into RAM,
+and open time grows with the number of segments and shards, not with their size. A Reader
+keeps the snapshot it opened (its maps stay valid when a later commit replaces or unlinks
+the files); a new Reader sees the new commit. After opening no call mutates shared state,
+so one Reader serves many threads. Global document ids are a segment's first_doc plus its
+local ids; every shard carries its global first_doc, so lookups never look at segments.
 
 Lookups binary-search the suffix array with `bisect` over the raw big-endian token bytes:
 each comparison is one memcmp of a slice of the map, and a per-shard table of first-token
@@ -17,21 +21,25 @@ filtering here: deleting one removes its tokens from its shard (see build.py).
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 from pyroaring import BitMap
 from redraft.datastore import format as fmt
+from redraft.datastore import manifest as mf
 from redraft.datastore.lmdbfile import LmdbFile
 from redraft.proto.errors import (
     DatastoreCorrupt,
     DatastoreError,
+    DatastoreNotFound,
     InvalidQuery,
     TokenizerMismatch,
 )
@@ -44,14 +52,18 @@ class _Shard:
     """Views of one shard's arrays and the search primitives over them."""
 
     __slots__ = ("id", "corpus", "first_doc", "n_docs", "length", "width", "tokens",
-                 "src", "base", "sa", "sa_mv", "docs", "bucket", "bucket_mv")
+                 "src", "base", "sa", "sa_mv", "docs", "bucket", "bucket_mv", "segment",
+                 "local")
 
-    def __init__(self, meta: dict, arrays: dict, dtype: np.dtype, src, base: int) -> None:
-        self.id = meta["id"]
+    def __init__(self, meta: dict, arrays: dict, dtype: np.dtype, src, base: int,
+                 segment: _Segment, local: int) -> None:
+        self.id = meta["id"]  # global: its index among every shard of the snapshot
         self.corpus = meta["corpus"]
-        self.first_doc = meta["first_doc"]
+        self.first_doc = meta["first_doc"]  # global
         self.n_docs = meta["n_docs"]
         self.length = meta["length"]
+        self.segment = segment
+        self.local = local  # its index in its segment file
         self.width = dtype.itemsize
         self.tokens = np.frombuffer(arrays["tokens"], dtype=dtype.newbyteorder(">"))
         self.sa = np.frombuffer(arrays["sa"], dtype="<u4")
@@ -91,7 +103,7 @@ class ReaderClosed(DatastoreError):
     """A verb called on a Reader after close() (its map is gone)."""
 
 
-def _open(verb):
+def _while_open(verb):
     """A verb of an open Reader: on a closed one it raises ReaderClosed, one clear error,
     instead of whatever its first touch of the released map would raise."""
 
@@ -104,9 +116,9 @@ def _open(verb):
 
 
 def _guarded(verb):
-    """An open Reader's lookup (see `_open`) whose damaged arrays, in a Reader opened without
-    verify(), surface as DatastoreCorrupt: an index past an array's end is the one way they
-    can show (every slice is bounded). A SuffixQuery checks its Reader."""
+    """An open Reader's lookup (see `_while_open`) whose damaged arrays, in a Reader opened
+    without verify(), surface as DatastoreCorrupt: an index past an array's end is the one
+    way they can show (every slice is bounded). A SuffixQuery checks its Reader."""
 
     @functools.wraps(verb)
     def run(self, *args, **kwargs):
@@ -121,38 +133,40 @@ def _guarded(verb):
     return run
 
 
-class Reader:
-    """An open datastore. Cheap to open; use as a context manager or call close().
+class _Changed(Exception):
+    """A file the commit being opened names is gone because a newer commit replaced it."""
 
-    Thread-safe once open: no verb mutates shared state, so many threads may query one
-    Reader at once (the draft service does). close() must wait until they are done; after
-    it every verb, and `with` on it, raises ReaderClosed.
-    """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
-        self.path = os.fspath(path)
-        self.file = fmt.find_file(path)
-        self._closed = True
+class _Segment:
+    """One open segment file: its checked map, its own manifest, its global first id."""
+
+    def __init__(self, file: str, name: str, first_doc: int, entry: dict | None) -> None:
+        self.file = file
+        self.name = name
+        self.first_doc = first_doc
+        self.lm = LmdbFile(file)
         try:
-            self._lm = LmdbFile(self.file)
-        except OSError as exc:
-            raise DatastoreError(f"{self.file}: cannot read ({exc.strerror or exc})") from exc
-        self._closed = False
-        try:
-            self.manifest = fmt.read_manifest(self._lm)
-            self._load()
-            if verify:
-                self.verify()
-        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
-            self.close()  # a manifest whose checksum holds but whose fields do not fit
-            raise DatastoreCorrupt(f"{self.file}: inconsistent manifest ({exc!r})") from exc
+            self.manifest, self.crc = fmt.read_manifest(self.lm)
+            if entry is not None:
+                self._check_entry(entry)
+            self.version = int(self.manifest["version"])
+            self.n_docs = sum(int(sh["n_docs"]) for sh in self.manifest["shards"])
         except BaseException:
-            self.close()
+            self.lm.close()
             raise
 
-    def _where(self, key: bytes, size: int | None = None) -> tuple[int, int]:
+    def _check_entry(self, entry: dict) -> None:
+        """The file is the one the datastore manifest names: size and manifest crc32."""
+        if self.lm.size != entry["bytes"]:
+            raise DatastoreCorrupt(f"{self.file}: {self.lm.size} bytes, the datastore's "
+                                   f"manifest says {entry['bytes']}")
+        if self.crc != entry["crc32"]:
+            raise DatastoreCorrupt(f"{self.file}: not the segment the datastore's manifest "
+                                   f"names (its own manifest's crc32 differs)")
+
+    def where(self, key: bytes, size: int | None = None) -> tuple[int, int]:
         """(offset, length) of a value in the map; DatastoreCorrupt if missing or mis-sized."""
-        where = self._lm.locate(key)
+        where = self.lm.locate(key)
         if where is None:
             raise DatastoreCorrupt(f"{self.file}: missing {key.decode()}")
         if size is not None and where[1] != size:
@@ -160,9 +174,127 @@ class Reader:
                 f"{self.file}: {key.decode()} has {where[1]} bytes, the manifest says {size}")
         return where
 
-    def _value(self, key: bytes, size: int | None = None) -> memoryview:
-        off, n = self._where(key, size)
-        return self._lm.view[off:off + n]
+    def value(self, key: bytes, size: int | None = None) -> memoryview:
+        off, n = self.where(key, size)
+        return self.lm.view[off:off + n]
+
+    def checked(self, key: bytes, want: int | None, what: str) -> memoryview:
+        """A value whose crc32 must be `want` (None: no checksum recorded)."""
+        buf = self.value(key)
+        if want is not None and fmt.crc32(buf) != want:
+            raise DatastoreCorrupt(f"{self.file}: checksum mismatch in {what}")
+        return buf
+
+    def close(self) -> None:
+        self.lm.close()
+
+
+_OPEN_ATTEMPTS = 8  # commits replacing segments while this open reads the one before
+
+
+class Reader:
+    """An open datastore snapshot. Cheap to open; use as a context manager or call close().
+
+    Thread-safe once open: no verb mutates shared state, so many threads may query one
+    Reader at once (the draft service does). close() must wait until they are done; after
+    it every verb, and `with` on it, raises ReaderClosed.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
+        self.path = self.file = os.fspath(path)
+        self._closed = True
+        self._segments: list[_Segment] = []
+        try:
+            for _attempt in range(_OPEN_ATTEMPTS):
+                self.directory, self.layout = mf.locate(path)
+                try:
+                    self._open()
+                    break
+                except _Changed:
+                    self._release()
+            else:
+                raise DatastoreError(f"{self.path}: the datastore changed {_OPEN_ATTEMPTS} "
+                                     "times while it was being opened; try again")
+            self._closed = False
+            self._load()
+            if verify:
+                self.verify()
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
+            self._closed = False
+            self.close()  # a manifest whose checksum holds but whose fields do not fit
+            raise DatastoreCorrupt(f"{self.file}: inconsistent manifest ({exc!r})") from exc
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+
+    # ---- opening ------------------------------------------------------------------------
+    def _open_segment(self, file: str, name: str, first_doc: int, entry: dict | None,
+                      stamp: tuple) -> _Segment:
+        try:
+            return _Segment(file, name, first_doc, entry)
+        except FileNotFoundError as exc:
+            if mf.commit_stamp(self.directory) != stamp:
+                raise _Changed() from exc
+            if entry is None:
+                raise DatastoreNotFound(f"{file}: no such datastore") from exc
+            raise DatastoreCorrupt(f"{file}: missing (manifest.json names it)") from exc
+        except OSError as exc:
+            raise DatastoreError(f"{file}: cannot read ({exc.strerror or exc})") from exc
+
+    def _open(self) -> None:
+        """Read the commit (manifest.json, or the legacy file) and open every segment."""
+        if self.layout == "legacy":
+            file = str(self.directory / fmt.DATA_FILE) if self.directory.is_dir() \
+                else str(self.directory)
+            self.file = file
+            self.stamp = mf.commit_stamp(self.directory)
+            seg = self._open_segment(file, os.path.basename(file), 0, None, self.stamp)
+            self._segments = [seg]
+            self.manifest = _legacy_manifest(seg)
+            return
+        self.file = str(self.directory / mf.MANIFEST_FILE)
+        try:
+            manifest, self.stamp = mf.read(self.directory)
+        except FileNotFoundError as exc:
+            raise _Changed() from exc  # replaced by a legacy file? locate() decides again
+        except OSError as exc:
+            raise DatastoreError(f"{self.file}: cannot read ({exc.strerror or exc})") from exc
+        self._open_segments(manifest)
+
+    def _open_segments(self, manifest: dict) -> None:
+        for entry in manifest["segments"]:
+            seg = self._open_segment(str(self.directory / entry["file"]), entry["file"],
+                                     entry["first_doc"], entry, self.stamp)
+            self._segments.append(seg)
+            tok = seg.manifest["tokenizer"]
+            if (tok["fingerprint"], tok["vocab_size"]) != (
+                    manifest["tokenizer"]["fingerprint"], manifest["tokenizer"]["vocab_size"]):
+                raise DatastoreCorrupt(f"{seg.file}: built with another tokenizer than the "
+                                       f"datastore's manifest names")
+            if seg.n_docs != entry["n_docs"]:
+                raise DatastoreCorrupt(f"{seg.file}: holds {seg.n_docs} documents, the "
+                                       f"datastore's manifest says {entry['n_docs']}")
+        self.manifest = manifest
+
+    @classmethod
+    def staged(cls, directory: Path, manifest: dict) -> Reader:
+        """A Reader of a manifest not published yet (a writer reading the segments it has
+        just written, under the write lock)."""
+        self = cls.__new__(cls)
+        self.path = self.file = str(directory / mf.MANIFEST_FILE)
+        self.directory, self.layout, self.stamp = directory, "segments", ("staged",)
+        self._closed = True
+        self._segments = []
+        try:
+            self._open_segments({**manifest, "segments": list(manifest["segments"])})
+            self._closed = False
+            self._load()
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+        return self
 
     def _sizes(self, sm: dict) -> dict[str, int]:
         n = sm["length"]
@@ -182,29 +314,44 @@ class Reader:
             raise ValueError("token_dtype or separator does not fit the vocabulary")
         self._dtype = np.dtype(m["token_dtype"])
         self._be = self._dtype.newbyteorder(">")
-        # Bitmaps are deserialized by C code: only ever hand it bytes whose checksum holds.
-        self.deleted = BitMap.deserialize(bytes(self._checked(
-            fmt.KEY_DELETED, m["checksums"]["deleted"], "deleted")))
-        if self.version < 2 and len(self.deleted):
-            raise DatastoreCorrupt(
-                f"{self.file}: format version 1 with deleted documents still inside (their "
-                f"tokens were only hidden); rebuild it with this redraft")
+        self.deleted = BitMap()
         self._shards: list[_Shard] = []
         self._by_corpus: dict[str, list[_Shard]] = {}
-        next_doc = 0
-        for n, sm in enumerate(m["shards"]):
-            for field in ("id", "length", "n_docs", "first_doc", "n_tokens"):
-                sm[field] = int(sm[field])
-            if sm["id"] != n or sm["first_doc"] != next_doc or sm["length"] < 0 \
-                    or sm["n_docs"] < 0:
-                raise ValueError(f"shard {n}: ids or document ranges out of sequence")
-            next_doc += sm["n_docs"]
-            sizes = self._sizes(sm)
-            where = {w: self._where(fmt.shard_key(n, w), sizes[w]) for w in fmt.SHARD_ARRAYS}
-            arrays = {w: self._lm.view[o:o + k] for w, (o, k) in where.items()}
-            sh = _Shard(sm, arrays, self._dtype, self._lm.mm, where["tokens"][0])
-            self._shards.append(sh)
-            self._by_corpus.setdefault(sh.corpus, []).append(sh)
+        shards: list[dict] = []
+        for seg in self._segments:
+            sm_all = seg.manifest
+            if (sm_all["token_dtype"], int(sm_all["separator"])) != (m["token_dtype"],
+                                                                     self.separator):
+                raise ValueError(f"segment {seg.name}: token_dtype or separator differs")
+            # Bitmaps are deserialized by C code: only ever hand it bytes whose checksum holds.
+            local = BitMap.deserialize(bytes(seg.checked(
+                fmt.KEY_DELETED, sm_all["checksums"]["deleted"], "deleted")))
+            if seg.version < 2 and len(local):
+                raise DatastoreCorrupt(
+                    f"{seg.file}: format version 1 with deleted documents still inside (their "
+                    f"tokens were only hidden); rebuild it with this redraft")
+            if len(local) and (local.max() >= seg.n_docs):
+                raise DatastoreCorrupt(f"{seg.file}: deleted ids past its documents")
+            self.deleted |= local.shift(seg.first_doc)
+            next_doc = 0
+            for n, sm in enumerate(sm_all["shards"]):
+                for field in ("id", "length", "n_docs", "first_doc", "n_tokens"):
+                    sm[field] = int(sm[field])
+                if sm["id"] != n or sm["first_doc"] != next_doc or sm["length"] < 0 \
+                        or sm["n_docs"] < 0:
+                    raise ValueError(f"{seg.name} shard {n}: ids or document ranges out of "
+                                     "sequence")
+                next_doc += sm["n_docs"]
+                sizes = self._sizes(sm)
+                where = {w: seg.where(fmt.shard_key(n, w), sizes[w]) for w in fmt.SHARD_ARRAYS}
+                arrays = {w: seg.lm.view[o:o + k] for w, (o, k) in where.items()}
+                meta = {**sm, "id": len(shards), "first_doc": seg.first_doc + sm["first_doc"],
+                        "segment": seg.name}
+                shards.append(meta)
+                sh = _Shard(meta, arrays, self._dtype, seg.lm.mm, where["tokens"][0], seg, n)
+                self._shards.append(sh)
+                self._by_corpus.setdefault(sh.corpus, []).append(sh)
+        self.manifest = {**m, "shards": shards, "n_shards": len(shards)}
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -223,17 +370,35 @@ class Reader:
     @property
     def n_docs_total(self) -> int:
         """Document ids run from 0 to this (deleted ones included)."""
-        return sum(s.n_docs for s in self._shards)
+        return sum(s.n_docs for s in self._segments)
+
+    @property
+    def segments(self) -> list[str]:
+        """File names of the snapshot's segments, in document order."""
+        return [s.name for s in self._segments]
+
+    @property
+    def files_bytes(self) -> int:
+        """Bytes on disk of the snapshot: its segments and its manifest."""
+        total = sum(s.lm.size for s in self._segments)
+        if self.layout == "segments":
+            total += int(self.stamp[3])
+        return total
 
     # ---- lifecycle ----------------------------------------------------------------------
+    def _release(self) -> None:
+        segments, self._segments = self._segments, []
+        for seg in segments:
+            seg.close()
+
     def close(self) -> None:
-        """Release the map. Do not call while other threads still query this Reader."""
+        """Release the maps. Do not call while other threads still query this Reader."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
         self._shards = []
         self._by_corpus = {}
-        self._lm.close()
+        self._release()
 
     def __enter__(self) -> Reader:
         if self._closed:
@@ -246,57 +411,64 @@ class Reader:
     def __repr__(self) -> str:
         return f"Reader({self.path!r}, n_tokens={self.manifest.get('n_tokens')})"
 
-    @_open
-    def verify(self) -> None:
-        """Check the LMDB structure and every array, name list and bitmap against the
-        manifest's crc32 (reads the whole file)."""
-        self._lm.check()
-        for sm in self.manifest["shards"]:
+    @_while_open
+    def verify(self, only: Collection[str] | None = None, skip: Collection[str] = ()) -> None:
+        """Check the LMDB structure of every segment and every array, name list and bitmap
+        against their crc32 (reads the whole files). `only` / `skip`: segment file names to
+        check, or to leave out (segments are immutable: one checked once stays checked)."""
+        for seg in self._segments:
+            if (only is not None and seg.name not in only) or (
+                    seg.name in skip and mf.is_segment_name(seg.name)):
+                continue
+            self._verify_segment(seg)
+
+    def _verify_segment(self, seg: _Segment) -> None:
+        seg.lm.check()
+        for sh in self._shards:
+            if sh.segment is not seg:
+                continue
+            sm = seg.manifest["shards"][sh.local]
             sizes = self._sizes(sm)
             for what in fmt.SHARD_ARRAYS:
-                buf = self._value(fmt.shard_key(sm["id"], what), sizes[what])
+                buf = seg.value(fmt.shard_key(sh.local, what), sizes[what])
                 if fmt.crc32(buf) != sm["crc32"][what]:
                     raise DatastoreCorrupt(
-                        f"{self.file}: checksum mismatch in shard {sm['id']} {what}")
-            self.shard_names(sm["id"])
-        for key, want in self.manifest["checksums"].items():
-            self._checked(key.encode(), want, key)
+                        f"{seg.file}: checksum mismatch in shard {sh.local} {what}")
+            self.shard_names(sh.id)
+        for key, want in seg.manifest["checksums"].items():
+            seg.checked(key.encode(), want, key)
 
-    def _checked(self, key: bytes, want: int | None, what: str) -> memoryview:
-        """A value whose crc32 must be `want` (None: no checksum recorded)."""
-        buf = self._value(key)
-        if want is not None and fmt.crc32(buf) != want:
-            raise DatastoreCorrupt(f"{self.file}: checksum mismatch in {what}")
-        return buf
-
-    @_open
+    @_while_open
     def shard_raw(self, shard: int, what: str) -> memoryview:
         """One stored value of a shard as it is on disk (for writers that carry it over)."""
-        return self._value(fmt.shard_key(shard, what))
+        sh = self._shards[shard]
+        return sh.segment.value(fmt.shard_key(sh.local, what))
 
-    @_open
+    @_while_open
     def shard_documents(self, shard: int) -> list[np.ndarray]:
         """The token ids of every document of one shard (views of the map)."""
         sh = self._shards[shard]
         starts = sh.docs.astype(np.int64)
         return [sh.tokens[a:b - 1] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
-    @_open
+    @_while_open
     def shard_names(self, shard: int) -> list[str]:
         """Document names of one shard, checked: crc32 (version 2), zlib's adler32, count."""
-        sm = self.manifest["shards"][shard]
-        want = sm["crc32"]["names"] if self.version >= 2 else None
-        raw = self._checked(fmt.shard_key(shard, "names"), want, f"shard {shard} names")
+        sh = self._shards[shard]
+        seg, n = sh.segment, sh.local
+        sm = seg.manifest["shards"][n]
+        want = sm["crc32"]["names"] if seg.version >= 2 else None
+        raw = seg.checked(fmt.shard_key(n, "names"), want, f"shard {n} names")
         try:
             names = zlib.decompress(raw).decode("utf-8", "surrogateescape").split("\n")
         except zlib.error as exc:
-            raise DatastoreCorrupt(f"{self.file}: shard {shard} names are damaged") from exc
+            raise DatastoreCorrupt(f"{seg.file}: shard {n} names are damaged") from exc
         if len(names) != sm["n_docs"]:
-            raise DatastoreCorrupt(f"{self.file}: shard {shard} has {len(names)} names for "
+            raise DatastoreCorrupt(f"{seg.file}: shard {n} has {len(names)} names for "
                                    f"{sm['n_docs']} documents")
         return names
 
-    @_open
+    @_while_open
     def check_tokenizer(self, fingerprint) -> None:
         """Raise TokenizerMismatch unless `fingerprint` (or a tokenizer's) is the datastore's."""
         if not isinstance(fingerprint, str):
@@ -347,7 +519,7 @@ class Reader:
     def _out_of_range(self, what: str, bad: int) -> str:
         return f"{what}: token id {bad} is out of range (the vocabulary is [0, {self.vocab_size}))"
 
-    @_open
+    @_while_open
     def check_ids(self, tokens: Sequence[int], what: str = "tokens") -> None:
         """InvalidQuery unless every id is an integer in [0, vocab_size)."""
         self._ids(tokens, what)
@@ -404,7 +576,7 @@ class Reader:
                 acc[v] = acc.get(v, 0) + c
         return acc
 
-    @_open
+    @_while_open
     def doc_name(self, doc_id: int) -> str:
         """The source (file or file:line) a document came from (deleted ones included)."""
         for sh in self._shards:
@@ -412,7 +584,7 @@ class Reader:
                 return self.shard_names(sh.id)[doc_id - sh.first_doc]
         raise InvalidQuery(f"document id {doc_id} out of range [0, {self.n_docs_total})")
 
-    @_open
+    @_while_open
     def documents(self, corpus: str, newest_first: bool = False
                   ) -> Iterator[tuple[int, str, list[int]]]:
         """(doc_id, name, token ids) of every live document of `corpus`, in id order or
@@ -544,3 +716,14 @@ class SuffixQuery:
         """The `depth` tokens after up to `limit` of the match's occurrences, spread evenly
         over them, as the columns of a [depth, k] array (None: no occurrence)."""
         return self.reader._sample(match.length, match.ranges, limit, depth)
+
+
+def _legacy_manifest(seg: _Segment) -> dict:
+    """A single-file datastore (format 2 and before) as the manifest of one segment."""
+    inner = seg.manifest
+    m = mf.new(tokenizer=inner["tokenizer"], build=copy.deepcopy(inner.get("build") or {}))
+    m.update(version=int(inner["version"]), generation=0, legacy=True)
+    m["segments"] = [mf.segment_entry(seg.name, seg.lm.size, inner, seg.crc, "corpus")]
+    mf.retotal(m)
+    m["n_deleted"] = int(inner.get("n_deleted", 0))
+    return m

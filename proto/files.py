@@ -41,13 +41,13 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object], *
     try:
         write(tmp)
         if durable:
-            _fsync(tmp)
+            fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
     if durable:
-        _fsync(path.parent)
+        fsync_path(path.parent)
 
 
 def check_writable(path: str | os.PathLike, what: str = "output") -> None:
@@ -80,7 +80,8 @@ def write_cache(path: str | os.PathLike, write: Callable[[Path], object]) -> boo
         return False
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file (or a directory's entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

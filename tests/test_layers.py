@@ -13,6 +13,8 @@ Layers, and what each may not import:
   the CLI nor the datastore side; `drafters` neither the benchmark nor the CLI.
 - The benchmark and the CLI are leaves: only the CLI imports the benchmark, only the CLI
   imports itself (the datastore's commands included).
+- `engines` (adapters that serving engines load) is a leaf too: nothing of redraft imports it,
+  and it imports neither the loop, models, heads, drafters, the benchmark nor the CLI.
 - From the datastore side the decoder imports only its public surfaces: `redraft.datastore`,
   `redraft.datastore.drafting` and `redraft.datastore.service.client` (and its CLI, the
   `redraft` entry point's).
@@ -42,7 +44,7 @@ PACKAGES = {"proto": "redraft.proto", "datastore": "redraft.datastore",
 FACADES = {"redraft.decoder"}
 
 DATASTORE = {"storage", "drafting", "service", "datastore-cli"}
-DECODER = {"loop", "models", "drafters", "heads", "bench", "cli"}
+DECODER = {"loop", "models", "drafters", "heads", "bench", "cli", "engines"}
 FORBIDDEN: dict[str, set[str]] = {
     "proto": DATASTORE | DECODER,
     "storage": {"drafting", "service", "datastore-cli"} | DECODER,
@@ -55,9 +57,11 @@ FORBIDDEN: dict[str, set[str]] = {
     "drafters": {"bench", "cli"},
     "bench": {"cli"},
     "cli": set(),
+    "engines": {"loop", "models", "drafters", "heads", "bench", "cli"},
 }
 # Who may import a leaf layer at all.
-LEAVES = {"bench": {"bench", "cli"}, "cli": {"cli"}, "datastore-cli": {"datastore-cli", "cli"}}
+LEAVES = {"bench": {"bench", "cli"}, "cli": {"cli"}, "datastore-cli": {"datastore-cli", "cli"},
+          "engines": {"engines"}}
 # What the decoder may import from the datastore side.
 DATASTORE_SURFACES = {"redraft.datastore", "redraft.datastore.drafting",
                       "redraft.datastore.service.client"}
@@ -131,6 +135,7 @@ def layer(name: str) -> str:
                          ("redraft.datastore", "storage"), ("redraft.decoder.drafters", "drafters"),
                          ("redraft.decoder.models", "models"), ("redraft.decoder.heads", "heads"),
                          ("redraft.decoder.bench", "bench"), ("redraft.decoder.cli", "cli"),
+                         ("redraft.decoder.engines", "engines"),
                          ("redraft.decoder", "loop")):
         if name == prefix or name.startswith(prefix + "."):
             return kind

@@ -189,7 +189,8 @@ def main() -> None:
     res["build_ratio"] = res["build_s"] / (t_tok + t_sa)
     n_tok = m["n_tokens"]
     res["n_tokens"] = n_tok
-    res["bytes_per_token"] = os.path.getsize(ds / "datastore.lmdb") / n_tok
+    with Reader(ds) as r:
+        res["bytes_per_token"] = r.files_bytes / n_tok  # its segments and its manifest
     res.update(open_stats(ds, n_tok))
 
     held_ids = tokenize_alone(tok, [p.read_text() for p in held])[1]
@@ -213,7 +214,7 @@ def main() -> None:
         del big
         with Reader(ds10) as r:
             res["n_tokens_10x"] = r.n_tokens
-            res["bytes_per_token_10x"] = os.path.getsize(ds10 / "datastore.lmdb") / r.n_tokens
+            res["bytes_per_token_10x"] = r.files_bytes / r.n_tokens
             res["lookup_10x"] = time_lookups(r, ctxs)
             res["lookup_10x_min_of_3"] = time_lookups(r, ctxs, repeats=3)
         res.update({k + "_10x": v for k, v in open_stats(ds10, res["n_tokens_10x"]).items()})

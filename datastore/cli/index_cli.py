@@ -11,6 +11,8 @@ from redraft.datastore.build import (
     build_datastore,
     delete_documents,
 )
+from redraft.datastore.commit import DEFAULT_WAIT_S, upgrade_datastore
+from redraft.datastore.manifest import PICKUP_BOUND_S
 from redraft.datastore.reader import Reader
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.models import DEFAULT_MODEL
@@ -20,10 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("index", help="build a datastore from corpora (or append / delete)",
                        description="Tokenize corpora with the target model's tokenizer and "
                        "index them as suffix arrays in an LMDB datastore. Replaces any "
-                       "datastore at --out atomically unless --append or --delete is given.")
+                       "datastore at --out atomically unless --append, --delete or --upgrade "
+                       "is given.")
     p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="files, directories (recursive) or globs; .jsonl: one record per document")
-    p.add_argument("--out", required=True, metavar="DIR", help="datastore directory")
+    p.add_argument("--out", metavar="DIR", help="datastore directory")
     p.add_argument("--tokenizer", metavar="MODEL", default=None,
                    help=f"model whose tokenizer to use (default: {DEFAULT_MODEL}; with --append: "
                    "the datastore's)")
@@ -36,6 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delete", metavar="IDS", default=None,
                    help="delete these comma-separated document ids (their tokens are removed) "
                    "instead of indexing")
+    p.add_argument("--upgrade", metavar="DIR", default=None,
+                   help="convert the single-file datastore (datastore.lmdb) in DIR to segments "
+                   "in place (idempotent; any write does it first anyway)")
+    p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
+                   help="how long to wait while another process writes the datastore "
+                   f"(default {DEFAULT_WAIT_S:g})")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="leave out files matching GLOB (repeatable)")
     p.add_argument("--skip-bad", action="store_true",
@@ -50,12 +59,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_index(args: argparse.Namespace) -> int:
     progress = not args.quiet
     t0 = time.perf_counter()
+    if not args.wait >= 0 or args.wait == float("inf"):
+        raise InvalidQuery(f"--wait: expected a finite number of seconds >= 0, got {args.wait}")
+    if args.upgrade is not None:
+        if args.inputs or args.append or args.delete is not None or args.out not in (
+                None, args.upgrade):
+            raise InvalidQuery("--upgrade DIR takes no inputs, --out, --append or --delete")
+        return _upgrade(args.upgrade, args.wait)
+    if args.out is None:
+        raise InvalidQuery("--out DIR is required")
     if args.delete is not None:
         if args.inputs or args.append:
             raise InvalidQuery("--delete takes no inputs and no --append")
-        return _delete(args.out, set(int_list(args.delete, "--delete")))
+        return _delete(args.out, set(int_list(args.delete, "--delete")), args.wait)
     common = dict(tokenizer=args.tokenizer, corpus=args.corpus, field=args.field,
-                  exclude=args.exclude, skip_bad=args.skip_bad, progress=progress)
+                  exclude=args.exclude, skip_bad=args.skip_bad, progress=progress,
+                  wait_s=args.wait)
     if args.append:
         m = append_corpus(args.inputs, args.out, shard_tokens=args.shard_tokens, **common)
         verb = "appended to"
@@ -67,21 +86,35 @@ def cmd_index(args: argparse.Namespace) -> int:
     skipped = last.get("skipped", 0)
     print(f"{verb} {args.out}: +{last['n_docs']:,} documents, +{last['n_tokens']:,} tokens "
           f"(corpus {args.corpus}); total {m['n_docs']:,} documents, {m['n_tokens']:,} tokens "
-          f"in {m['n_shards']} shard(s), {time.perf_counter() - t0:.1f} s"
+          f"in {m['n_shards']} shard(s), {m['n_segments']} segment(s), "
+          f"{time.perf_counter() - t0:.1f} s"
           + (f"; skipped {skipped:,} bad file(s) or record(s)" if skipped else ""))
     return 0
 
 
-def _delete(out: str, ids: set[int]) -> int:
+def _delete(out: str, ids: set[int], wait_s: float) -> int:
     if not ids:
         raise InvalidQuery("--delete: no document ids given")
     with Reader(out) as r:
         before = len(r.deleted)
-    m = delete_documents(out, ids)
+    m = delete_documents(out, ids, wait_s=wait_s)
     new = m["n_deleted"] - before
     already = f" ({len(ids) - new} already deleted)" if len(ids) > new else ""
     print(f"deleted {new} document(s){already} from {out}: {m['n_docs']:,} documents, "
-          f"{m['n_tokens']:,} tokens live")
+          f"{m['n_tokens']:,} tokens live"
+          + (f"; running servers stop drafting them within {PICKUP_BOUND_S:g} s" if new
+             else ""))
+    return 0
+
+
+def _upgrade(path: str, wait_s: float) -> int:
+    m, changed = upgrade_datastore(path, wait_s=wait_s)
+    if changed:
+        print(f"upgraded {path} to segments: {m['n_segments']} segment(s), "
+              f"{m['n_docs']:,} documents, {m['n_tokens']:,} tokens")
+    else:
+        print(f"{path} is already stored as segments ({m['n_segments']} segment(s)); "
+              "nothing to do")
     return 0
 
 

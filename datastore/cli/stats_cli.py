@@ -1,4 +1,5 @@
-"""`redraft stats`: a datastore's manifest and sizes, or a running service's counters."""
+"""`redraft stats`: a datastore's manifest (its segments, and every shard) and sizes, or a
+running service's counters."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from redraft.proto.errors import RedraftError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("stats", help="print a datastore's manifest and sizes as JSON")
+    s = sub.add_parser("stats", help="print a datastore's manifest, segments and sizes as JSON")
     s.add_argument("datastore", metavar="DIR", nargs="?")
     s.add_argument("--server", metavar="ADDR",
                    help="print a running draft service's counters instead")
     s.add_argument("--no-verify", action="store_true",
-                   help="skip checking the arrays' checksums (which reads the whole file)")
+                   help="skip checking the arrays' checksums (which reads every segment)")
     add_client_options(s)
     s.set_defaults(func=cmd_stats)
 
@@ -34,10 +35,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         raise RedraftError("stats needs a datastore DIR or --server ADDR")
 
     with Reader(args.datastore, verify=not args.no_verify) as r:
-        size = os.path.getsize(r.file)
+        size = r.files_bytes
         m = dict(r.manifest)
         n = max(1, m["n_tokens"])
         m["path"] = os.path.abspath(args.datastore)
+        m["layout"] = "single file (legacy; `redraft index --upgrade` converts it)" \
+            if r.layout == "legacy" else "segments"
         m["sizes"] = {
             "file_bytes": size,
             "bytes_per_token": round(size / n, 4),

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from redraft.datastore.drafting.learned import LearnedIndex
 from redraft.datastore.drafting.prompt_lookup import PromptLookup
 from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
+from redraft.datastore.manifest import LEARNED_CORPUS  # learned outputs persist as this corpus
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.tree import LEARNED, PLD, REST, Tree, merge
 
 SOURCES = (REST, PLD, LEARNED)
-LEARNED_CORPUS = "learned"  # the datastore corpus learned outputs are persisted as
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,15 @@ class SessionDrafter:
         self.tenant = tenant
         self._writer = learned.writer(tenant, self.context) if learned is not None else None
         self.rest_match_len = self.pld_match_len = self.learned_match_len = 0
+
+    def use_reader(self, reader) -> None:
+        """Draft retrieval from `reader` from now on: a newer snapshot of the same datastore
+        (a server that follows its datastore's commits swaps it in between steps). Which
+        corpora retrieval reads is decided again: the learned corpus may have appeared."""
+        if self.reader is None or reader is self.reader:
+            return
+        self.reader = reader
+        self._corpora = retrieval_corpora(reader, self.settings.corpora)
 
     def extend(self, accepted: Sequence[int]) -> None:
         """Tokens the decoder accepted since the last call (they are learned at once)."""

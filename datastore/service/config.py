@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from redraft.datastore.drafting import DraftSettings
+from redraft.datastore.manifest import POLL_INTERVAL_S
 from redraft.proto import draft_pb2
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -40,6 +41,9 @@ class ServiceConfig:
     # Check every array's crc32 in the background once serving (opening stays O(1)); a
     # damaged datastore turns health NOT_SERVING and drafting UNAVAILABLE.
     verify_checksums: bool = True
+    # Look for a new commit of the datastore this often and serve it from the next step on
+    # (reload.py); 0 = serve the snapshot opened at start until restart.
+    reload_interval_s: float = POLL_INTERVAL_S
 
 
 LEARN_MODES = ("tenant", "global", "off")

@@ -20,10 +20,11 @@ from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health
-from redraft.datastore.drafting import SessionDrafter
+from redraft.datastore.drafting import LEARNED_CORPUS, SessionDrafter
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
 from redraft.datastore.service.learning import LearnedOutputs, run_in_thread
 from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
+from redraft.datastore.service.reload import SnapshotReloader
 from redraft.datastore.service.sessions import Sessions
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.validation import RequestValidator
@@ -48,8 +49,16 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.sessions = Sessions(config, stats)
         self.verification = BackgroundVerification(reader, config.verify_checksums)
         self.learning = LearnedOutputs(reader, config, stats, self.verification)
+        self.reloader: SnapshotReloader | None = None
         self.stopping = False
 
+    def swap_reader(self, reader, verification: BackgroundVerification) -> None:
+        """Serve `reader`, a newer snapshot of the same datastore, from the next step on
+        (reload.py): each session switches at its next step; none is dropped."""
+        self.reader = reader
+        self.checks.corpora = set(reader.corpora) - {LEARNED_CORPUS}
+        self.verification = verification
+        self.learning.verification = verification
     def _check_serving(self) -> None:
         if self.stopping:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -63,6 +72,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         """Tree from the session's sources under the budget, count, fill `out`."""
         t0 = time.perf_counter()
         try:
+            drafter.use_reader(self.reader)  # the newest snapshot, between two steps
             tree = drafter.propose(budget)
         except DatastoreError as exc:
             raise bad(str(exc)) from exc
@@ -241,9 +251,12 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
 
     def start_background(self, health_servicer: health.aio.HealthServicer) -> None:
         """Work that must not delay serving: verifying the datastore's checksums, reloading
-        persisted learned outputs, persisting new ones periodically."""
+        persisted learned outputs, persisting new ones periodically, following the
+        datastore's commits."""
         self.verification.start(health_servicer)
         self.learning.start()
+        self.reloader = SnapshotReloader(self, health_servicer, self.config.reload_interval_s)
+        self.reloader.start()
 
     async def shutdown(self) -> None:
         """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE.
@@ -252,12 +265,17 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         map, which the caller may close once the server has stopped.
         """
         self.stopping = True
+        if self.reloader is not None:
+            self.reloader.stop()
         self.sessions.end_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         await self.verification.wait()
 
     async def finish(self) -> None:
-        """After the server stopped: persist what was learned."""
+        """After the server stopped: persist what was learned, close the snapshots the
+        reloader opened."""
         await self.learning.finish()
+        if self.reloader is not None:
+            await self.reloader.close()
 
 
 def add_drafter_service(service: DrafterService, server: grpc.aio.Server) -> None:

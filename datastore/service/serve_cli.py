@@ -94,6 +94,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="skip the background check of the datastore's checksums (by default "
                    "a damaged datastore turns health NOT_SERVING)")
+    p.add_argument("--reload-seconds", type=float, default=d.reload_interval_s,
+                   metavar="SECONDS",
+                   help="look for a new commit of the datastore (append, delete, learned "
+                   "outputs) this often and serve it without a restart; 0 = never (default "
+                   f"{d.reload_interval_s:g})")
     p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
                    help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
     p.set_defaults(func=run)
@@ -116,7 +121,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         if not 0 < value <= most:  # also false for nan
             raise RedraftError(f"{flag} must be positive and at most {most}, got {value}")
     for flag, value in (("--grace", args.grace),
-                        ("--learn-persist-seconds", args.learn_persist_seconds)):
+                        ("--learn-persist-seconds", args.learn_persist_seconds),
+                        ("--reload-seconds", args.reload_seconds)):
         if not 0 <= value <= UINT32:
             raise RedraftError(f"{flag} must be between 0 and {UINT32} seconds, got {value}")
     if not 0 <= args.port < 65536:
@@ -154,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         learn=args.learn,
         learn_max_tokens=args.learn_max_tokens,
         learn_persist_s=args.learn_persist_seconds,
+        reload_interval_s=args.reload_seconds,
     )
 
 

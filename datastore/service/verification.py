@@ -4,6 +4,7 @@ damaged datastore turns health NOT_SERVING, and drafting from it UNAVAILABLE."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from grpc_health.v1 import health, health_pb2
@@ -13,11 +14,13 @@ log = logging.getLogger("redraft.serve")
 
 
 class BackgroundVerification:
-    """One verification of `reader`, run on a thread; `damage` says why it failed, if it did."""
+    """One verification of `reader`, run on a thread; `damage` says why it failed, if it did.
+    `skip`: segments already verified in an earlier snapshot (segments never change)."""
 
-    def __init__(self, reader, enabled: bool) -> None:
+    def __init__(self, reader, enabled: bool, skip: frozenset[str] = frozenset()) -> None:
         self.reader = reader
         self.enabled = enabled
+        self.skip = skip
         self.damage: str | None = None
         self._verifying: asyncio.Future | None = None
 
@@ -36,7 +39,9 @@ class BackgroundVerification:
 
     async def _verify(self, health_servicer: health.aio.HealthServicer) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.reader.verify)
+            verify = functools.partial(self.reader.verify, skip=self.skip) if self.skip \
+                else self.reader.verify
+            await asyncio.get_running_loop().run_in_executor(None, verify)
         except Exception as exc:  # whatever stops verification, the data is not trusted
             self.damage = str(exc) or repr(exc)
             log.error("redraft serve: %s; health is NOT_SERVING", exc)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from redraft.datastore import build_datastore
+from redraft.datastore import format as fmt
+from redraft.datastore import manifest as mf
+from redraft.datastore.lmdbfile import LmdbFile
 
 MASS = 1 << 40  # the Reader's integer weight budget per tree
 
@@ -171,3 +177,52 @@ def compare_tree(d, L, want, budget):
 def helpers():
     return SimpleNamespace(Ref=Ref, draft_paths=draft_paths, random_docs=random_docs, MASS=MASS,
                            compare_tree=compare_tree)
+
+
+# ---- the files of a datastore directory ------------------------------------------------
+def segment_files(store) -> list[Path]:
+    """The segment files the current manifest names, in document order."""
+    m = json.loads((Path(store) / mf.MANIFEST_FILE).read_text())
+    return [Path(store) / s["file"] for s in m["segments"]]
+
+
+def only_segment(store) -> Path:
+    (seg,) = segment_files(store)
+    return seg
+
+
+def directory_bytes(store) -> dict[str, bytes]:
+    """Every file of the directory (the lock file aside) and its bytes: "nothing changed"."""
+    return {f: (Path(store) / f).read_bytes() for f in sorted(os.listdir(store))
+            if f != fmt.WRITE_LOCK}
+
+
+def resync(store) -> None:
+    """After a segment was edited in place, make manifest.json name it as it now is (size,
+    crc32 of its own manifest): damage the commit point cannot see, for the per-segment
+    checks to find."""
+    path = Path(store) / mf.MANIFEST_FILE
+    m = json.loads(path.read_text())
+    for s in m["segments"]:
+        f = Path(store) / s["file"]
+        s["bytes"] = f.stat().st_size
+        with LmdbFile(str(f)) as lm:
+            raw = lm.get(fmt.KEY_MANIFEST)
+            if raw is not None:
+                s["crc32"] = fmt.crc32(raw)
+    path.write_bytes(mf.encode(m))
+
+
+def as_legacy(store) -> Path:
+    """Turn a one-segment datastore into the single-file layout of format 2 (what redraft
+    wrote before segments); returns its file."""
+    seg = only_segment(store)
+    os.replace(seg, Path(store) / fmt.DATA_FILE)
+    (Path(store) / mf.MANIFEST_FILE).unlink()
+    return Path(store) / fmt.DATA_FILE
+
+
+@pytest.fixture
+def files():
+    return SimpleNamespace(segment_files=segment_files, only_segment=only_segment,
+                           directory_bytes=directory_bytes, resync=resync, as_legacy=as_legacy)

@@ -21,6 +21,7 @@ from redraft.datastore import (
     build_datastore,
 )
 from redraft.datastore import format as fmt
+from redraft.datastore import manifest as mf
 
 
 def _brute_sa(arr: list[int]) -> list[int]:
@@ -102,6 +103,12 @@ def test_append_adds_shards_and_keeps_existing_ones(make_store, helpers):
         append_corpus(None, path / "nope", documents=[[1]], fingerprint="test-vocab-5")
 
 
+def _listing(path) -> list[str]:
+    """What a datastore directory should hold: the lock, the manifest, its segments."""
+    named = [s["file"] for s in mf.read(path)[0]["segments"]]
+    return sorted([fmt.WRITE_LOCK, mf.MANIFEST_FILE, *named])
+
+
 def test_rebuild_replaces_atomically_and_readers_keep_their_snapshot(make_store):
     path = make_store([[1, 2, 3]], vocab=8)
     old = Reader(path)
@@ -111,33 +118,43 @@ def test_rebuild_replaces_atomically_and_readers_keep_their_snapshot(make_store)
     with Reader(path) as r:
         assert r.count([1, 2]) == 0 and r.count([4]) == 2
         assert r.tokenizer_fingerprint == "f2"
-    assert sorted(os.listdir(path)) == [fmt.WRITE_LOCK, fmt.DATA_FILE]
+    assert sorted(os.listdir(path)) == _listing(path) and len(_listing(path)) == 3
 
 
-def test_failed_rebuild_leaves_the_old_store(make_store, tmp_path):
+def test_failed_rebuild_leaves_the_old_store(make_store, tmp_path, files):
     path = make_store([[1, 2, 3]], vocab=8)
-    data = (path / fmt.DATA_FILE).read_bytes()
+    data = files.directory_bytes(path)
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe not utf-8")
     with pytest.raises(CorpusError, match="bad.txt"):
         build_datastore([bad], path)
     with pytest.raises(CorpusError, match="outside"):
         build_datastore(None, path, documents=[[1, 2], [99]], fingerprint="f", vocab_size=8)
-    assert (path / fmt.DATA_FILE).read_bytes() == data
-    assert sorted(os.listdir(path)) == [fmt.WRITE_LOCK, fmt.DATA_FILE]
+    assert files.directory_bytes(path) == data
+    assert sorted(os.listdir(path)) == _listing(path)
 
 
-def test_one_writer_at_a_time(make_store):
+def test_one_writer_at_a_time_and_the_next_one_waits(make_store):
     import fcntl
+    import threading
 
     path = make_store([[1, 2]], vocab=8)
     fd = os.open(path / fmt.WRITE_LOCK, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        with pytest.raises(DatastoreError, match="another process"):
-            append_corpus(None, path, documents=[[3]], fingerprint="test-vocab-8")
+        t0 = time.monotonic()
+        with pytest.raises(DatastoreError, match=r"another process is writing this datastore "
+                                                 r"\(waited 0.3 s\)"):
+            append_corpus(None, path, documents=[[3]], fingerprint="test-vocab-8", wait_s=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        # a writer that may wait long enough gets its turn once the lock is released
+        threading.Timer(0.5, os.close, (fd,)).start()
+        fd = None
+        m = append_corpus(None, path, documents=[[3]], fingerprint="test-vocab-8", wait_s=30)
+        assert m["n_docs"] == 2
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 _SLOW_BUILD = textwrap.dedent("""
@@ -178,16 +195,16 @@ def _kill_mid_build(path) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def test_killed_build_leaves_previous_store_intact(make_store):
+def test_killed_build_leaves_previous_store_intact(make_store, files):
     path = make_store([[1, 2, 3], [3, 4]], vocab=8)
-    data = (path / fmt.DATA_FILE).read_bytes()
+    data = files.directory_bytes(path)
     _kill_mid_build(path)
-    assert (path / fmt.DATA_FILE).read_bytes() == data
+    assert {f: b for f, b in files.directory_bytes(path).items() if f in data} == data
     with Reader(path, verify=True) as r:
         assert r.tokenizer_fingerprint == "test-vocab-8" and r.count([3]) == 2
     # the next write cleans up what the killed one left behind
     append_corpus(None, path, documents=[[5]], fingerprint="test-vocab-8")
-    assert sorted(os.listdir(path)) == [fmt.WRITE_LOCK, fmt.DATA_FILE]
+    assert sorted(os.listdir(path)) == _listing(path)
 
 
 def test_killed_first_build_leaves_nothing_that_opens(tmp_path):
@@ -197,25 +214,25 @@ def test_killed_first_build_leaves_nothing_that_opens(tmp_path):
         Reader(path)
 
 
-def test_bytes_per_token(make_store):
+def test_bytes_per_token(make_store, files):
     rng = np.random.default_rng(0)
     # Zipf-ish ids over a 1,000-token vocabulary, 300k tokens in 300 documents
     docs = [np.minimum(rng.zipf(1.3, size=1000), 999).tolist() for _ in range(300)]
     path = make_store(docs, vocab=1000)
-    size = os.path.getsize(path / fmt.DATA_FILE)
+    size = os.path.getsize(files.only_segment(path))
     assert size / 300_000 <= 6.2
 
 
-def test_arrays_are_views_of_the_file_map(make_store):
+def test_arrays_are_views_of_the_file_map(make_store, files):
     """Zero-copy: every array is a view into the Reader's map of the file, at the place the
     file holds it (large ones in LMDB overflow pages, small ones inline in a leaf page)."""
     rng = np.random.default_rng(4)
     docs = [rng.integers(0, 300, size=2000).tolist() for _ in range(20)]
     path = make_store(docs, vocab=300)
-    data = (path / fmt.DATA_FILE).read_bytes()
+    data = files.only_segment(path).read_bytes()
     with Reader(path) as r:
         (sh,) = r._shards
-        base = np.frombuffer(r._lm.view, np.uint8).ctypes.data
+        base = np.frombuffer(r._segments[0].lm.view, np.uint8).ctypes.data
         for arr in (sh.tokens, sh.sa, sh.docs, sh.bucket):
             off = arr.ctypes.data - base
             assert 0 < off and off + arr.nbytes <= len(data)

@@ -14,6 +14,7 @@ import sys
 import pytest
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore import format as fmt
+from redraft.datastore import manifest as mf
 from redraft.decoder.cli import main
 
 
@@ -58,7 +59,10 @@ def test_index_query_stats(store, capsys, tmp_path):
     stats = json.loads(out)
     assert rc == 0 and stats["n_docs"] == 3 and stats["n_tokens"] > 20
     assert stats["corpora"]["code"]["n_docs"] == 3 and stats["verified"] is True
-    assert stats["sizes"]["file_bytes"] == (store / fmt.DATA_FILE).stat().st_size
+    assert stats["layout"] == "segments" and stats["n_segments"] == len(stats["segments"]) == 1
+    assert stats["segments"][0]["kind"] == "corpus" and stats["segments"][0]["first_doc"] == 0
+    assert stats["sizes"]["file_bytes"] == sum(
+        (store / f).stat().st_size for f in (mf.MANIFEST_FILE, stats["segments"][0]["file"]))
 
     rc, out, _ = run(capsys, "query", "--datastore", store, "--text", "def sub(a, b):", "--json")
     q = json.loads(out)
@@ -97,8 +101,8 @@ def test_append_filter_and_delete(store, capsys, tmp_path):
     fails(capsys, *ask, "--corpus", "nope", match="unknown corpora")
 
 
-def test_bad_inputs_are_one_line_errors(store, capsys, tmp_path, corpus):
-    before = (store / fmt.DATA_FILE).read_bytes()
+def test_bad_inputs_are_one_line_errors(store, capsys, tmp_path, corpus, files):
+    before = files.directory_bytes(store)
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9\n".encode("latin-1"))
     empty = tmp_path / "empty.txt"
@@ -111,21 +115,25 @@ def test_bad_inputs_are_one_line_errors(store, capsys, tmp_path, corpus):
           match="unknown model")
     fails(capsys, "index", "--out", store, "--delete", "99", match="out of range")
     fails(capsys, "index", "--out", store, "--delete", "x", match="comma-separated integers")
-    assert (store / fmt.DATA_FILE).read_bytes() == before  # nothing above touched it
+    fails(capsys, "index", "--out", store, "--delete", "0", "--wait", "nan",
+          match="--wait: expected a finite number")
+    fails(capsys, "index", "--upgrade", store, "--delete", "0", match="--upgrade DIR takes no")
+    fails(capsys, "index", corpus, match="--out DIR is required")
+    assert files.directory_bytes(store) == before  # nothing above touched it
 
     fails(capsys, "query", "--datastore", tmp_path / "nope", "--tokens", "1",
           match="no such datastore")
-    fails(capsys, "stats", tmp_path, match="missing datastore.lmdb")
+    fails(capsys, "stats", tmp_path, match="no datastore here")
     fails(capsys, "query", "--datastore", store, "--tokens", "1,49152",
           match="token id 49152 is out of range")
     fails(capsys, "query", "--datastore", store, "--tokens", "1,a",
           match="comma-separated integers")
 
 
-def test_corrupt_and_mismatched_stores(tmp_path, capsys, store):
-    trunc = tmp_path / "trunc"
+def test_corrupt_and_mismatched_stores(tmp_path, capsys, store, files):
+    trunc = tmp_path / "trunc"  # a single-file (legacy) datastore, truncated
     trunc.mkdir()
-    data = (store / fmt.DATA_FILE).read_bytes()
+    data = files.only_segment(store).read_bytes()
     (trunc / fmt.DATA_FILE).write_bytes(data[: len(data) // 2])
     fails(capsys, "stats", trunc, match="truncated")
     fails(capsys, "query", "--datastore", trunc, "--tokens", "1", match="truncated")
@@ -141,16 +149,17 @@ def test_corrupt_and_mismatched_stores(tmp_path, capsys, store):
           match="does not match the datastore's")
 
 
-def test_checksum_mismatch_is_reported(store, capsys):
+def test_checksum_mismatch_is_reported(store, capsys, files):
     import lmdb
     import numpy as np
 
-    env = lmdb.open(str(store / fmt.DATA_FILE), subdir=False, lock=False)
+    env = lmdb.open(str(files.only_segment(store)), subdir=False, lock=False)
     with env.begin(write=True) as txn:
         tokens = bytearray(txn.get(fmt.shard_key(0, "tokens")))
         tokens[0:2] = np.array([7], ">u2").tobytes()
         txn.put(fmt.shard_key(0, "tokens"), bytes(tokens))
     env.close()
+    files.resync(store)
     fails(capsys, "stats", store, match="checksum mismatch in shard 0 tokens")
     fails(capsys, "query", "--datastore", store, "--tokens", "1", match="checksum mismatch")
 
@@ -164,13 +173,13 @@ def test_real_process_prints_no_traceback(tmp_path):
         f"redraft query: error: {tmp_path / 'missing'}: no such datastore"]
 
 
-def test_wrong_magic_or_version_is_one_line(tmp_path, capsys):
+def test_wrong_magic_or_version_is_one_line(tmp_path, capsys, files):
     import lmdb
 
     for what in ("magic", "version"):
         out = tmp_path / what
         build_datastore(None, out, documents=[[1, 2, 3]], fingerprint="f", vocab_size=8)
-        env = lmdb.open(str(out / fmt.DATA_FILE), subdir=False, lock=False)
+        env = lmdb.open(str(files.only_segment(out)), subdir=False, lock=False)
         with env.begin(write=True) as txn:
             if what == "magic":
                 txn.put(fmt.KEY_MAGIC, b"not-a-datastore")
@@ -179,6 +188,7 @@ def test_wrong_magic_or_version_is_one_line(tmp_path, capsys):
                 m["version"] = 99
                 fmt.write_header(txn, m)
         env.close()
+        files.resync(out)
         match = "wrong magic" if what == "magic" else "format version 99"
         fails(capsys, "stats", out, match=match)
         fails(capsys, "query", "--datastore", out, "--tokens", "1", match=match)
@@ -225,7 +235,7 @@ def test_out_under_a_regular_file(tmp_path, corpus):
                    "index", "cannot create the directory (Not a directory)")
 
 
-def test_read_only_file_system(tmp_path, store, corpus):
+def test_read_only_file_system(tmp_path, store, corpus, files):
     more = tmp_path / "more.txt"
     more.write_text("def mul(a, b):\n    return a * b\n")
     with tmpfs(tmp_path / "ro", 4096) as ro:
@@ -241,11 +251,11 @@ def test_read_only_file_system(tmp_path, store, corpus):
             reason = "Permission denied"
         else:
             pytest.skip("root without permission to mount: cannot make anything read-only")
-        before = (ro / "ds" / fmt.DATA_FILE).read_bytes()
+        before = files.directory_bytes(ro / "ds")
         for argv in (["--out", ro / "ds", corpus], ["--append", "--out", ro / "ds", more],
                      ["--out", ro / "ds", "--delete", "0"], ["--out", ro / "new", corpus]):
             one_line_error(redraft("index", "--quiet", *argv), "index", reason)
-        assert (ro / "ds" / fmt.DATA_FILE).read_bytes() == before
+        assert files.directory_bytes(ro / "ds") == before
         assert not (ro / "new").exists()
 
 
@@ -256,12 +266,12 @@ def _limit_file_size(limit: int):
     return apply
 
 
-def test_full_disk_leaves_nothing_behind(tmp_path, store, corpus):
+def test_full_disk_leaves_nothing_behind(tmp_path, store, corpus, files):
     """A disk that fills up mid-write: one line, the old datastore intact, no temporary file
     left, and a new --out removed again."""
     more = tmp_path / "more.txt"
     more.write_text("def mul(a, b):\n    return a * b\n")
-    size = (store / fmt.DATA_FILE).stat().st_size
+    size = files.only_segment(store).stat().st_size
     room = size // 2  # too little for any new file
     with tmpfs(tmp_path / "small", 4 * size // 1024 + 64) as small:
         where = small or tmp_path / "small"
@@ -274,11 +284,11 @@ def test_full_disk_leaves_nothing_behind(tmp_path, store, corpus):
 
             def run(*argv):
                 return redraft(*argv, preexec_fn=_limit_file_size(room))
-        before = (where / "ds" / fmt.DATA_FILE).read_bytes()
+        before = files.directory_bytes(where / "ds")
         for argv in (["--append", "--out", where / "ds", more],
                      ["--out", where / "ds", "--delete", "1"]):
             one_line_error(run("index", "--quiet", *argv), "index", "cannot write the datastore")
-            assert (where / "ds" / fmt.DATA_FILE).read_bytes() == before
+            assert files.directory_bytes(where / "ds") == before
             assert _leftovers(where / "ds") == []
         with Reader(where / "ds", verify=True) as r:
             assert r.n_docs == 3
@@ -302,7 +312,7 @@ def test_file_names_that_are_not_utf8(tmp_path, corpus):
     out = os.fsencode(tmp_path) + b"/d\xe9s"
     p = redraft("index", "--quiet", "--out", out, corpus)
     assert p.returncode == 0 and p.stderr == b"" and b"built" in p.stdout, p.stderr
-    assert os.path.isfile(out + b"/" + fmt.DATA_FILE.encode())
+    assert os.path.isfile(out + b"/" + mf.MANIFEST_FILE.encode())
 
 
 def test_jsonl_nested_too_deeply(tmp_path, capsys):
@@ -335,16 +345,16 @@ def test_skip_bad_skips_one_record_and_says_how_many(tmp_path, capsys):
         assert [r.doc_name(i) for i in range(3)] == [f"{f}:1", f"{f}:3", f"{f}:5"]
 
 
-def test_delete_counts_each_document_once(store, capsys):
-    data = store / fmt.DATA_FILE
+def test_delete_counts_each_document_once(store, capsys, files):
     rc, out, _ = run(capsys, "index", "--out", store, "--delete", "1,1,2")
     assert rc == 0 and out.startswith(f"deleted 2 document(s) from {store}: 1 documents")
-    after = data.read_bytes()
+    assert out.strip().endswith("running servers stop drafting them within 2 s")
+    after = files.directory_bytes(store)
     rc, out, _ = run(capsys, "index", "--out", store, "--delete", "2, 2")
     assert rc == 0 and out.startswith("deleted 0 document(s) (1 already deleted)")
     for empty in ("", ",", " , "):
         fails(capsys, "index", "--out", store, "--delete", empty, match="no document ids")
-    assert data.read_bytes() == after  # nothing above rewrote the file
+    assert files.directory_bytes(store) == after  # nothing above rewrote a file
     with Reader(store) as r:
         assert r.n_docs == 1 and sorted(r.deleted) == [1, 2]
 

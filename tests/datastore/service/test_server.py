@@ -419,7 +419,8 @@ def test_malformed_protobuf_is_invalid_argument(server, client, method):
 def flip_byte_in_tokens(path: str) -> None:
     """Damage a token array where opening does not look (opening checks sizes, not crc32)."""
     with Reader(path) as r:
-        data_file = r.file
+        (segment,) = r.segments
+        data_file = os.path.join(r.directory, segment)
     with open(data_file, "rb") as f:  # the first document, as stored: big-endian uint16
         offset = f.read().index(b"".join(t.to_bytes(2, "big") for t in DOCS_A[0][:8])) + 10
     with open(data_file, "r+b") as f:

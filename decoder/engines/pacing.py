@@ -1,0 +1,193 @@
+"""When a chain of drafts pays, learned online from the engine's own forwards.
+
+An engine that verifies a chain of L drafts runs a forward of 1 + L tokens and gains
+1 + (accepted drafts) tokens. Whether that beats plain decoding depends on the machine: on a
+GPU a forward of a few dozen tokens costs about one of a single token, while llama.cpp's
+quantized CPU forward is compute-bound (a 2-token forward costs about twice a 1-token one),
+so only near-certain drafts pay there. The adapter cannot read the hardware, but it sees the
+time from handing out a chain to the next call, which is the forward of that chain (plus the
+engine's per-token work), and how many of the drafts came back accepted. From those:
+
+- cost: seconds per forward fitted as a + b * tokens by exponentially weighted least squares
+  (recent forwards count most); until forwards of two sizes were seen, a flat cost is assumed,
+  so drafting starts, and one plain forward follows the first drafted one to give the slope;
+- calibration: the chance that a node is accepted given its parent was, per source and per
+  bin of the drafter's own estimate, counted from the chains the target verified;
+- choice: the chain prefix L that maximises expected tokens per second,
+  (1 + sum of the prefix's path probabilities) / cost(1 + L), if it beats plain decoding by
+  `min_gain` (10%); else no drafts;
+- back-off: after `patience` calls in a row whose drafts did not pay (counting the drafter's
+  own lookup time), drafting is skipped (the drafter is not even asked) for a number of
+  calls that doubles on every idle round, so a machine where drafts never pay runs at plain
+  speed; an accepted draft resets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostFit:
+    """Forward seconds as a + b * tokens, from timed forwards (recent ones weigh most)."""
+
+    decay: float = 0.97
+    last_tokens: int = 0  # size of the latest observed forward
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wxx, wy, wxy
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        s = self._s
+        for i in range(5):
+            s[i] *= self.decay
+        self.last_tokens = tokens
+        x, y = float(tokens), float(seconds)
+        s[0] += 1.0
+        s[1] += x
+        s[2] += x * x
+        s[3] += y
+        s[4] += x * y
+
+    @property
+    def samples(self) -> float:
+        return self._s[0]
+
+    def slope(self) -> float | None:
+        """Extra seconds per extra token; None until forwards of different sizes were seen."""
+        w, wx, wxx, wy, wxy = self._s
+        spread = w * wxx - wx * wx
+        if w <= 0 or spread <= 1e-9 * w * w:
+            return None
+        return max(0.0, (w * wxy - wx * wy) / spread)
+
+    def cost(self, tokens: int) -> float:
+        """Seconds for a forward of `tokens` tokens (flat, 1.0, before any observation)."""
+        w, wx, _, wy, _ = self._s
+        if w <= 0:
+            return 1.0
+        b = self.slope() or 0.0
+        a = (wy - b * wx) / w
+        return max(a + b * tokens, 1e-9)
+
+
+@dataclass
+class AcceptanceCalibration:
+    """P(node accepted | parent accepted) per (source, bin of the drafter's estimate)."""
+
+    bins: int = 10
+    prior_weight: float = 2.0
+    _table: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+
+    def _counts(self, source: str) -> tuple[list[float], list[float]]:
+        t = self._table.get(source)
+        if t is None:  # prior: the drafter's estimate is right, worth `prior_weight` trials
+            centers = [(i + 0.5) / self.bins for i in range(self.bins)]
+            t = ([c * self.prior_weight for c in centers], [self.prior_weight] * self.bins)
+            self._table[source] = t
+        return t
+
+    def _bin(self, p: float) -> int:
+        return min(self.bins - 1, max(0, int(p * self.bins)))
+
+    def apply(self, probs: Sequence[float], sources: Sequence[str]) -> list[float]:
+        out = []
+        for p, src in zip(probs, sources):
+            hits, trials = self._counts(src)
+            b = self._bin(p)
+            out.append(hits[b] / trials[b])
+        return out
+
+    def record(self, probs: Sequence[float], sources: Sequence[str], accepted: int) -> None:
+        """A chain was verified and its first `accepted` nodes were accepted: every node up to
+        the first miss was tried."""
+        for j, (p, src) in enumerate(zip(probs, sources)):
+            if j > accepted:
+                break
+            hits, trials = self._counts(src)
+            b = self._bin(p)
+            trials[b] += 1.0
+            if j < accepted:
+                hits[b] += 1.0
+
+
+@dataclass
+class ChainPacer:
+    """Decides how many drafts of a chain to hand to the engine (0: none), and when to stop
+    asking the drafter at all. `adaptive=False` always hands out the whole chain."""
+
+    max_drafts: int = 16
+    adaptive: bool = True
+    # Drafts must promise this much more speed than plain decoding: the cost fit and the
+    # calibration are estimates, and where a forward's cost grows with its tokens (a CPU)
+    # a promised 3% is within their error (measured: llama.cpp on one core gained nothing
+    # from chains the rule expected a few percent from).
+    min_gain: float = 0.10
+    patience: int = 8
+    first_backoff: int = 16
+    max_backoff: int = 1024
+    cost: CostFit = field(default_factory=CostFit)
+    calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    lookup_seconds: float = 0.0  # the drafter's own time per call (moving average)
+    _idle: int = 0
+    _skip: int = 0
+    _backoff: int = 0
+
+    def wants_drafts(self) -> bool:
+        """False while backing off: the caller skips drafting for this call."""
+        if not self.adaptive:
+            return True
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def choose(self, probs: Sequence[float], sources: Sequence[str]) -> int:
+        """How many of the chain's first nodes to draft."""
+        n = min(len(probs), self.max_drafts)
+        if not self.adaptive or n == 0:
+            return n
+        if self.cost.slope() is None and self.cost.last_tokens > 1:
+            return 0  # only drafted forwards timed so far: time a plain one to get a slope
+        calibrated = self.calibration.apply(probs[:n], sources[:n])
+        plain = self.cost.cost(1)
+        best, best_rate, best_expected, expected, path = 0, 1.0 / plain, 0.0, 0.0, 1.0
+        for k, p in enumerate(calibrated, start=1):
+            path *= p
+            expected += path
+            rate = (1.0 + expected) / self.cost.cost(1 + k)
+            if rate > best_rate:
+                best, best_rate, best_expected = k, rate, expected
+        if best and best_rate * plain < 1.0 + self.min_gain:
+            best = 0
+        # This call's lookup is paid already; whether drafting is worth going on with counts
+        # it: a lookup that costs more than its drafts gain is no better than none.
+        worth = (1.0 + best_expected) / (self.cost.cost(1 + best) + self.lookup_seconds)
+        self._note_choice(best if best and worth * plain >= 1.0 + self.min_gain else 0)
+        return best
+
+    def drafted(self, seconds: float) -> None:
+        """The drafter took `seconds` to propose this call's chain."""
+        if seconds >= 0:
+            self.lookup_seconds += 0.1 * (seconds - self.lookup_seconds)
+
+    def _note_choice(self, drafted: int) -> None:
+        if drafted:
+            self._idle = 0
+            return
+        self._idle += 1
+        if self._idle >= self.patience:
+            self._idle = 0
+            self._backoff = min(self.max_backoff, self._backoff * 2 or self.first_backoff)
+            self._skip = self._backoff
+
+    def forward(self, tokens: int, seconds: float) -> None:
+        """A forward of `tokens` tokens took `seconds` (handing out drafts to the next call)."""
+        self.cost.observe(tokens, seconds)
+
+    def verified(self, probs: Sequence[float], sources: Sequence[str], accepted: int) -> None:
+        """The drafts handed out last time came back with `accepted` of them accepted."""
+        self.calibration.record(probs, sources, accepted)
+        if accepted:
+            self._backoff = 0
