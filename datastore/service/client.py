@@ -7,6 +7,7 @@ fall back to local drafting), and a session whose server restarted is reopened w
 context the client kept, once, transparently.
 
     client = DraftClient("127.0.0.1:50051", token=None, timeout=2.0)
+    # or replicas: DraftClient("10.0.0.1:50051,10.0.0.2:50051"), DraftClient("dns:///drafts:50051")
     info = client.info()
     with client.session(prompt_ids, DraftParams(budget=32), info.tokenizer_fingerprint) as s:
         draft = s.draft                 # for the prompt
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -215,12 +217,51 @@ def _check_ids(tokens: Sequence[int], what: str) -> list[int]:
     return out
 
 
+def channel_target(address: str) -> str:
+    """The gRPC target for `address`: one `host:port`, or a target with a scheme
+    (`dns:///name:port`: every address the name resolves to), as given; several
+    comma-separated `host:port` as one `ipv4:`/`ipv6:` list, each host resolved here (gRPC
+    has no list of names)."""
+    parts = [p.strip() for p in address.split(",")]
+    if len(parts) == 1:
+        return parts[0]
+    if not all(parts):
+        raise ServiceError(f"draft service address {address!r} has an empty entry")
+    resolved: list[tuple[int, str]] = []
+    for part in parts:
+        host, sep, port = part.rpartition(":")
+        if not sep or not port.isdigit() or "://" in part:
+            raise ServiceError(f"draft service address {part!r}: expected host:port in a "
+                               "comma-separated list")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise ServiceUnavailable(f"draft service {part}: cannot resolve {host!r} "
+                                     f"({exc})") from None
+        families = {info[0] for info in infos}
+        family = socket.AF_INET if socket.AF_INET in families else socket.AF_INET6
+        ip = next(info[4][0] for info in infos if info[0] == family)
+        resolved.append((family, f"{ip}:{port}" if family == socket.AF_INET
+                         else f"[{ip}]:{port}"))
+    if len({f for f, _ in resolved}) > 1:
+        raise ServiceError(f"draft service {address!r}: mixes IPv4 and IPv6 addresses; "
+                           "use one family (or a DNS name)")
+    scheme = "ipv4" if resolved[0][0] == socket.AF_INET else "ipv6"
+    return f"{scheme}:" + ",".join(a for _, a in resolved)
+
+
 class DraftClient:
-    """A connection to one draft server.
+    """A connection to a draft server, or to several replicas of it.
 
     Thread-safe: any number of threads may share one client, each with sessions of its own
     and unary calls (gRPC channels are). A `DraftSession` is not: it is one ordered stream,
     stepped by one thread at a time (steps from two threads would interleave their tokens).
+
+    With several addresses (comma-separated, or a DNS name with several records) gRPC's own
+    round_robin policy spreads calls and sessions over the replicas that are up; a session
+    is one stream, so it stays on its replica; when a replica goes away, new sessions go to
+    the others and a running one reopens on another (its one transparent reconnect).
     """
 
     def __init__(
@@ -233,7 +274,9 @@ class DraftClient:
         reconnect: bool = True,
         own_connection: bool = False,
     ) -> None:
-        """`tls`: False (plaintext), True (system roots) or a CA/cert PEM file path.
+        """`address`: `host:port`, several of them comma-separated, or `dns:///name:port`.
+        `tls`: False (plaintext), True (system roots) or a CA/cert PEM file path (with
+        several addresses the certificate must be valid for the first one's host).
 
         gRPC shares one connection among a process's channels to the same address;
         `own_connection=True` gives this client its own (so a multi-worker server can spread
@@ -252,6 +295,14 @@ class DraftClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
+        target = channel_target(address)
+        if target != address:  # a list: the authority (and TLS host) is the first entry's
+            options.append(("grpc.default_authority", address.split(",")[0].strip()))
+        if target != address or ":///" in address:
+            # Replicas: spread over every address the target names. (One server keeps
+            # pick_first, which reconnects on demand: a restarted server is reached by the
+            # very next call instead of after a reconnect backoff.)
+            options.append(("grpc.lb_policy_name", "round_robin"))
         if own_connection:
             options.append(("grpc.use_local_subchannel_pool", 1))
         if tls:
@@ -264,9 +315,9 @@ class DraftClient:
                     raise ServiceError(f"cannot read TLS certificates {tls}: "
                                        f"{exc.strerror or exc}") from None
             creds = grpc.ssl_channel_credentials(root_certificates=roots)
-            self._channel = grpc.secure_channel(address, creds, options=options)
+            self._channel = grpc.secure_channel(target, creds, options=options)
         else:
-            self._channel = grpc.insecure_channel(address, options=options)
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = draft_pb2_grpc.DrafterStub(self._channel)
         self._sessions: weakref.WeakSet[DraftSession] = weakref.WeakSet()
         self._watchdog: threading.Thread | None = None

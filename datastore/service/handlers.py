@@ -48,7 +48,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.checks = RequestValidator(reader, config)
         self.sessions = Sessions(config, stats)
         self.verification = BackgroundVerification(reader, config.verify_checksums)
-        self.learning = LearnedOutputs(reader, config, stats, self.verification)
+        self.learning = LearnedOutputs(reader, config, stats, self.verification,
+                                       self.checks.token_keys)
         self.reloader: SnapshotReloader | None = None
         self.stopping = False
 

@@ -91,6 +91,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learn-persist-seconds", type=float, default=300.0, metavar="SECONDS",
                    help="append learned outputs to the datastore (corpus 'learned') this "
                    "often and at shutdown; 0 = memory only (default %(default)g)")
+    p.add_argument("--learn-sync-seconds", type=float, default=d.learn_sync_s,
+                   metavar="SECONDS",
+                   help="share learned outputs with the other processes serving the same "
+                   "datastore (--workers, replicas) this often; each reaches them within "
+                   "about twice this (default %(default)g)")
+    p.add_argument("--learn-persist-wait", type=float, default=d.learn_persist_wait_s,
+                   metavar="SECONDS",
+                   help="how long a persist waits for another writer of the datastore "
+                   "before it gives up until the next one (default %(default)g)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the background check of the datastore's checksums (by default "
                    "a damaged datastore turns health NOT_SERVING)")
@@ -122,9 +131,13 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
             raise RedraftError(f"{flag} must be positive and at most {most}, got {value}")
     for flag, value in (("--grace", args.grace),
                         ("--learn-persist-seconds", args.learn_persist_seconds),
+                        ("--learn-persist-wait", args.learn_persist_wait),
                         ("--reload-seconds", args.reload_seconds)):
         if not 0 <= value <= UINT32:
             raise RedraftError(f"{flag} must be between 0 and {UINT32} seconds, got {value}")
+    if not 0.01 <= args.learn_sync_seconds <= 60:  # also false for nan
+        raise RedraftError("--learn-sync-seconds must be between 0.01 and 60, got "
+                           f"{args.learn_sync_seconds}")
     if not 0 <= args.port < 65536:
         raise RedraftError(f"--port must be in 0..65535, got {args.port}")
     if args.budget > args.max_budget or args.depth > args.max_depth:
@@ -160,6 +173,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         learn=args.learn,
         learn_max_tokens=args.learn_max_tokens,
         learn_persist_s=args.learn_persist_seconds,
+        learn_sync_s=args.learn_sync_seconds,
+        learn_persist_wait_s=args.learn_persist_wait,
         reload_interval_s=args.reload_seconds,
     )
 

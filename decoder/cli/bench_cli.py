@@ -41,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sampling temperature with --samples (default %(default)s)")
     rest = p.add_mutually_exclusive_group()
     rest.add_argument("--datastore", metavar="DIR", help="datastore for the rest drafters")
-    rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
+    rest.add_argument("--draft-service", metavar="ADDR",
+                      help="draft service for rest drafters (host:port; replicas: several, "
+                      "comma-separated, or dns:///name:port)")
     p.add_argument("--out", default="bench-out/spec_bench", help="output directory")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--tree-nodes", type=int, default=None, metavar="N",

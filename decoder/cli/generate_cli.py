@@ -66,7 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"else {copying_drafters(True)} with a datastore or draft service, else "
                    f"{copying_drafters(False)})")
     ds = p.add_mutually_exclusive_group()
-    ds.add_argument("--draft-service", metavar="ADDR", help="draft service address (host:port)")
+    ds.add_argument("--draft-service", metavar="ADDR",
+                    help="draft service address (host:port; replicas: several, comma-separated, "
+                    "or dns:///name:port)")
     ds.add_argument("--datastore", metavar="DIR", help="datastore opened in this process")
     p.add_argument("--max-nodes", type=int, default=None,
                    help="cap on tree nodes per step (default: chosen from the hardware)")

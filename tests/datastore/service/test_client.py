@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import signal
 import socket
@@ -53,12 +52,6 @@ def reader(store):
         yield r
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
     from redraft.datastore.service.serve_cli import TOKEN_ENV, read_tokens
 
@@ -71,8 +64,8 @@ def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
     assert read_tokens(str(f)) == ("from-file", "second")
 
 
-def test_bad_parameters_fail_before_the_network():
-    c = DraftClient(f"127.0.0.1:{free_port()}", timeout=1)
+def test_bad_parameters_fail_before_the_network(servers):
+    c = DraftClient(f"127.0.0.1:{servers.free_port()}", timeout=1)
     with pytest.raises(InvalidRequest, match="budget"):
         c.propose([1], DraftParams(budget=-1))
     with pytest.raises(InvalidRequest, match="sources"):
@@ -82,8 +75,8 @@ def test_bad_parameters_fail_before_the_network():
     c.close()
 
 
-def test_unreachable_server_is_a_typed_error_quickly():
-    with DraftClient(f"127.0.0.1:{free_port()}", timeout=60) as c:
+def test_unreachable_server_is_a_typed_error_quickly(servers):
+    with DraftClient(f"127.0.0.1:{servers.free_port()}", timeout=60) as c:
         t0 = time.monotonic()
         with pytest.raises(ServiceUnavailable):
             c.info()
@@ -119,8 +112,8 @@ def test_one_client_serves_many_threads_at_once(reader):
         assert c.stats()["sessions_opened"] == 32
 
 
-def test_session_reopens_after_a_server_restart(reader):
-    port = free_port()
+def test_session_reopens_after_a_server_restart(reader, servers):
+    port = servers.free_port()
     prompt, more = DOCS[0][:30], DOCS[0][30:34]
     with DraftClient(f"127.0.0.1:{port}", timeout=3) as c:
         with ServerThread(reader, port=port):
@@ -154,225 +147,100 @@ def test_session_without_reconnect_reports_shutdown(reader):
         c.close()
 
 
-def start_serve(store: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
-    """`redraft serve` as a subprocess in its own process group; returns it once every
-    worker announced its address (or fails within 30 s, never hangs)."""
-    workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    lines: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")],
-                     daemon=True).start()
-    proc.lines = lines  # the rest of stdout, for the caller
-    addresses: list[str] = []
-    while len(addresses) < workers:
+def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, reader, capsys, servers):
+    serve = servers.start(store, "--port", "0", "--grace", "3")
+    proc, address = serve.proc, serve.address
+    with DraftClient(address, timeout=10) as c:
+        s = c.session(DOCS[2][:20], DraftParams(budget=8), FP, timeout=0.5).__enter__()
+        s.step(DOCS[2][20:22])
+        # a frozen server: the step's deadline fires, no hang
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
         try:
-            line = lines.get(timeout=30)
-        except queue.Empty:
-            line = ""
-        if not line:
-            stop_group(proc)
-            raise AssertionError(f"serve did not start: {proc.stderr.read()}")
-        if "listening on" in line:
-            addresses.append(line.split("listening on ")[1].strip())
-    return proc, addresses
+            with pytest.raises(DraftTimeout):
+                s.step(DOCS[2][22:23])
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert time.monotonic() - t0 < 30  # the 0.5 s deadline fired: no hang
+        # the next step reopens the session with every token so far, the lost one too
+        d = s.step(DOCS[2][23:24])
+        ctx = DOCS[2][:24]
+        assert s.reconnects == 1 and s.context_len == 24 and s.context == ctx
+        rest = calibrate(retrieval_tree(reader, ctx, budget=8, max_occurrences=64),
+                         *REST_CALIBRATION)
+        want = merge([rest, prompt_lookup(ctx, 8)], 8)
+        assert (d.tokens, d.parents) == (want.tokens, want.parents) and len(d) > 0
+        assert redraft_main(["stats", "--server", address]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["sessions_opened"] == 2 and printed["requests"] >= 3
+
+        # steps keep flowing while SIGTERM arrives: each one is answered or refused as
+        # UNAVAILABLE, never anything else, and the server exits 0
+        outcomes: list[str] = []
+        done = threading.Event()
+
+        def stepper() -> None:
+            with c.session(DOCS[3][:20], DraftParams(budget=8), FP) as s2:
+                i = 20
+                while not done.is_set() and i < 10_000:
+                    try:
+                        s2.step([DOCS[3][i % len(DOCS[3])]])
+                        outcomes.append("ok")
+                    except ServiceUnavailable:
+                        outcomes.append("unavailable")
+                        return
+                    i += 1
+
+        t = threading.Thread(target=stepper)
+        t.start()
+        while len(outcomes) < 20 and t.is_alive():
+            time.sleep(0.01)
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=2)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        done.set()
+        t.join(10)
+        assert outcomes.count("ok") >= 20 and set(outcomes) <= {"ok", "unavailable"}
+        assert "stopped" in serve.rest_of_stdout()
 
 
-def terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM: the server stops gracefully and exits 0."""
+def test_serve_workers_share_a_port_and_counters(store, servers):
+    port = servers.free_port()
+    serve = servers.start(store, "--port", str(port), "--workers", "2")
+    proc, addresses = serve.proc, serve.addresses
+    assert addresses == [f"127.0.0.1:{port}"] * 2
+    # each client is one connection; the kernel spreads connections over the workers
+    clients: list[DraftClient] = []
+    sessions = []
+    pids: set[int] = set()
+    while len(pids) < 2 and len(clients) < 40:
+        c = DraftClient(addresses[0], own_connection=True)
+        clients.append(c)
+        sessions.append(c.session(DOCS[len(clients) % 20][:20], None, FP).__enter__())
+        sessions[-1].step([1])
+        pids.add(c.stats()["pid"])
+    assert len(pids) == 2  # both workers serve, and count into the same totals:
+    assert all(c.stats()["sessions_active"] == len(clients) for c in clients)
+    for c in clients:
+        c.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """Kill the server and any worker it started (they share its process group)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+def test_workers_exit_when_their_parent_is_killed(store, servers):
+    port = servers.free_port()
+    proc = servers.start(store, "--port", str(port), "--workers", "2").proc
+    import psutil
 
-
-def rest_of_stdout(proc: subprocess.Popen) -> str:
-    out = []
-    while (line := proc.lines.get(timeout=10)) != "":
-        out.append(line)
-    return "".join(out)
-
-
-def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, reader, capsys):
-    proc, (address,) = start_serve(store, "--port", "0", "--grace", "3")
-    try:
-        with DraftClient(address, timeout=10) as c:
-            s = c.session(DOCS[2][:20], DraftParams(budget=8), FP, timeout=0.5).__enter__()
-            s.step(DOCS[2][20:22])
-            # a frozen server: the step's deadline fires, no hang
-            os.kill(proc.pid, signal.SIGSTOP)
-            t0 = time.monotonic()
-            try:
-                with pytest.raises(DraftTimeout):
-                    s.step(DOCS[2][22:23])
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
-            assert time.monotonic() - t0 < 30  # the 0.5 s deadline fired: no hang
-            # the next step reopens the session with every token so far, the lost one too
-            d = s.step(DOCS[2][23:24])
-            ctx = DOCS[2][:24]
-            assert s.reconnects == 1 and s.context_len == 24 and s.context == ctx
-            rest = calibrate(retrieval_tree(reader, ctx, budget=8, max_occurrences=64),
-                             *REST_CALIBRATION)
-            want = merge([rest, prompt_lookup(ctx, 8)], 8)
-            assert (d.tokens, d.parents) == (want.tokens, want.parents) and len(d) > 0
-            assert redraft_main(["stats", "--server", address]) == 0
-            printed = json.loads(capsys.readouterr().out)
-            assert printed["sessions_opened"] == 2 and printed["requests"] >= 3
-
-            # steps keep flowing while SIGTERM arrives: each one is answered or refused as
-            # UNAVAILABLE, never anything else, and the server exits 0
-            outcomes: list[str] = []
-            done = threading.Event()
-
-            def stepper() -> None:
-                with c.session(DOCS[3][:20], DraftParams(budget=8), FP) as s2:
-                    i = 20
-                    while not done.is_set() and i < 10_000:
-                        try:
-                            s2.step([DOCS[3][i % len(DOCS[3])]])
-                            outcomes.append("ok")
-                        except ServiceUnavailable:
-                            outcomes.append("unavailable")
-                            return
-                        i += 1
-
-            t = threading.Thread(target=stepper)
-            t.start()
-            while len(outcomes) < 20 and t.is_alive():
-                time.sleep(0.01)
-            with grpc.insecure_channel(address) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                             timeout=2)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(15) == 0
-            done.set()
-            t.join(10)
-            assert outcomes.count("ok") >= 20 and set(outcomes) <= {"ok", "unavailable"}
-            assert "stopped" in rest_of_stdout(proc)
-    finally:
-        stop_group(proc)
-
-
-def test_serve_workers_share_a_port_and_counters(store):
-    port = free_port()
-    proc, addresses = start_serve(store, "--port", str(port), "--workers", "2")
-    try:
-        assert addresses == [f"127.0.0.1:{port}"] * 2
-        # each client is one connection; the kernel spreads connections over the workers
-        clients: list[DraftClient] = []
-        sessions = []
-        pids: set[int] = set()
-        while len(pids) < 2 and len(clients) < 40:
-            c = DraftClient(addresses[0], own_connection=True)
-            clients.append(c)
-            sessions.append(c.session(DOCS[len(clients) % 20][:20], None, FP).__enter__())
-            sessions[-1].step([1])
-            pids.add(c.stats()["pid"])
-        assert len(pids) == 2  # both workers serve, and count into the same totals:
-        assert all(c.stats()["sessions_active"] == len(clients) for c in clients)
-        for c in clients:
-            c.close()
-        terminate(proc)
-    finally:
-        stop_group(proc)
-
-
-@pytest.mark.parametrize("signum, workers", [
-    (signal.SIGHUP, "1"), (signal.SIGINT, "1"), (signal.SIGHUP, "2"),
-], ids=["sighup", "sigint", "sighup-2-workers"])
-def test_sighup_and_sigint_stop_serve_as_sigterm_does(tmp_path, signum, workers):
-    """A closed terminal (SIGHUP) or a Ctrl-C (SIGINT): the server stops gracefully, says
-    so, and persists what it learned, whether one process or several."""
-    store = str(tmp_path / "ds")
-    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
-    port = free_port()
-    proc, addresses = start_serve(store, "--port", str(port), "--workers", workers,
-                                  "--learn-persist-seconds", "300")
-    try:
-        learned = [RNG.randrange(1, VOCAB) for _ in range(40)]
-        with DraftClient(addresses[0], timeout=10) as c:
-            with c.session(DOCS[4][:20], DraftParams(budget=8), FP, tenant="alice") as s:
-                for i in range(0, len(learned), 4):
-                    s.step(learned[i:i + 4])
-        proc.send_signal(signum)
-        assert proc.wait(30) == 0
-        assert rest_of_stdout(proc).count("redraft serve: stopped") == int(workers)
-        with Reader(store) as r:
-            docs = list(r.documents("learned"))
-        assert len(docs) == 1 and docs[0][1] == "learned:alice"
-        assert docs[0][2][-len(learned):] == learned
-    finally:
-        stop_group(proc)
-
-
-_HUGE_CLIENT = r"""
-import random, sys
-from redraft.datastore.service.client import DraftClient, DraftParams
-
-address, fp, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rng = random.Random(9)
-huge = [rng.randrange(1, vocab) for _ in range(131_000)]
-with DraftClient(address, timeout=60) as c:
-    with c.session(huge[:20], DraftParams(budget=8), fp) as s:
-        s.step(huge)  # one step of 131,000 tokens
-        assert s.context_len == 20 + len(huge)
-    with c.session(huge, DraftParams(budget=8), fp) as s:  # and a prompt of as many
-        assert s.context_len == len(huge)
-print("done")
-"""
-
-
-def test_a_huge_step_does_not_stall_other_sessions(store):
-    """A real server: while another process sends a 131,000-token step (and opens a session
-    with a 131,000-token prompt), this one's health checks and session steps stay fast."""
-    proc, (address,) = start_serve(store, "--port", "0", "--learn-persist-seconds", "0")
-    try:
-        latencies: list[float] = []
-        with DraftClient(address, timeout=30) as c, grpc.insecure_channel(address) as ch, \
-                c.session(DOCS[5][:20], DraftParams(budget=8), FP) as s:
-            health = health_pb2_grpc.HealthStub(ch)
-            before = c.stats()["requests"]
-            huge = subprocess.Popen([sys.executable, "-c", _HUGE_CLIENT, address, FP,
-                                     str(VOCAB)], stdout=subprocess.PIPE, text=True)
-            i = 20
-            while huge.poll() is None:
-                t0 = time.monotonic()
-                health.Check(health_pb2.HealthCheckRequest(), timeout=30)
-                s.step([DOCS[5][i % len(DOCS[5])]])
-                latencies.append(time.monotonic() - t0)
-                i += 1
-            assert huge.wait(60) == 0 and huge.stdout.read() == "done\n"
-            assert c.stats()["requests"] - before >= len(latencies) + 3  # theirs too
-        # the huge requests took a while; every check and step meanwhile was quick
-        assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
-        terminate(proc)
-    finally:
-        stop_group(proc)
-
-
-def test_workers_exit_when_their_parent_is_killed(store):
-    port = free_port()
-    proc, _ = start_serve(store, "--port", str(port), "--workers", "2")
-    try:
-        import psutil
-
-        workers = psutil.Process(proc.pid).children()
-        assert len(workers) >= 2
-        os.kill(proc.pid, signal.SIGKILL)  # cannot be forwarded
-        proc.wait(10)
-        gone, alive = psutil.wait_procs(workers, timeout=10)
-        assert not alive
-    finally:
-        stop_group(proc)
+    workers = psutil.Process(proc.pid).children()
+    assert len(workers) >= 2
+    os.kill(proc.pid, signal.SIGKILL)  # cannot be forwarded
+    proc.wait(10)
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
 
 
 def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
@@ -389,6 +257,74 @@ def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
     empty.write_text("\n")
     assert redraft_main(["serve", "--datastore", store, "--token-file", str(empty)]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--idle-timeout", "inf"), ("--idle-timeout", "nan"), ("--idle-timeout", "1e10"),
+    ("--max-sessions", str(1 << 32)), ("--max-budget", str(1 << 32)),
+    ("--max-message-bytes", "99999999999"), ("--grace", "nan"),
+])
+def test_serve_refuses_limits_it_cannot_honour(store, taken_port, capsys, flag, value):
+    # on a port in use: were the limit accepted, the command would fail there, not serve
+    argv = ["serve", "--datastore", store, "--port", str(taken_port), flag, value]
+    assert redraft_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag} must be" in err
+
+
+@pytest.fixture()
+def taken_port():
+    """A loopback port something else listens on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_on_a_port_in_use_is_one_line(store, taken_port, workers):
+    port = taken_port
+    proc = subprocess.run(
+        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store,
+         "--port", str(port), "--workers", workers],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == f"redraft serve: error: cannot listen on 127.0.0.1:{port}: " \
+                          "Address already in use\n"
+
+
+def test_a_client_of_replicas_spreads_sessions_and_moves_on_when_one_dies(store, servers):
+    a, b = (servers.start(store, "--port", "0") for _ in range(2))
+    with DraftClient(f"{a.address}, {b.address}", timeout=5) as c, \
+            DraftClient(a.address) as on_a, DraftClient(b.address) as on_b:
+        pids = {on_a.stats()["pid"]: "a", on_b.stats()["pid"]: "b"}
+        seen = [pids[c.stats()["pid"]]]
+        while len(set(seen)) < 2 and len(seen) < 50:  # until both connections are up
+            seen.append(pids[c.stats()["pid"]])
+        seen = [pids[c.stats()["pid"]] for _ in range(6)]  # then gRPC's round_robin: in turn
+        assert seen.count("a") == seen.count("b") == 3
+        sessions = []
+        for i in range(8):  # each session one stream, on one replica
+            s = c.session(DOCS[i][:20], DraftParams(budget=8), FP).__enter__()
+            s.step(DOCS[i][20:22])
+            sessions.append(s)
+        assert on_a.stats()["sessions_active"] == on_b.stats()["sessions_active"] == 4
+        a.kill()  # a replica dies: its sessions reopen on the other, in step
+        for i, s in enumerate(sessions):
+            d = s.step(DOCS[i][22:24])
+            assert s.context == DOCS[i][:24] and s.context_len == 24 and len(d) > 0
+        assert sum(s.reconnects for s in sessions) == 4
+        for i in range(4):  # new sessions go to the replica that is left
+            with c.session(DOCS[i][:20], DraftParams(budget=8), FP) as s:
+                assert len(s.step(DOCS[i][20:22])) > 0
+        assert on_b.stats()["sessions_opened"] == 4 + 4 + 4
+        for s in sessions:
+            s.close()
+    with DraftClient(f"dns:///localhost:{b.address.rsplit(':', 1)[1]}") as by_name:
+        assert by_name.info().tokenizer_fingerprint == FP
+    with pytest.raises(ServiceError, match="host:port"):
+        DraftClient(f"{b.address},nothing")
+    assert b.stop() == 0
 
 
 @pytest.mark.parametrize("source", ["file", "environment"])
@@ -448,74 +384,106 @@ def test_stats_server_takes_tls_and_a_token_from_a_file_or_the_environment(
         assert rc == 2 and "holds 2 tokens; a client sends one" in err
 
 
-def test_stats_of_several_workers_add_up_their_learned_outputs(store):
-    """Each worker learns on its own: `Stats` reports the whole server's learned figures
-    (and each worker's), the same whichever worker answers, never one worker's as the
-    server's."""
-    port = free_port()
-    proc, addresses = start_serve(store, "--port", str(port), "--workers", "2",
-                                  "--learn-persist-seconds", "0")
-    try:
-        by_pid: dict[int, DraftClient] = {}
-        clients = []
-        while len(by_pid) < 2 and len(clients) < 40:
-            c = DraftClient(addresses[0], own_connection=True)
-            clients.append(c)
-            by_pid.setdefault(c.stats()["pid"], c)
-        assert len(by_pid) == 2
-        for n, pid in enumerate(sorted(by_pid)):
-            with by_pid[pid].session(DOCS[n][:20], DraftParams(budget=8), FP,
-                                     tenant=f"t{n}") as s:
-                for i in range(20, 20 + 30 * (n + 1), 3):  # the two learn different amounts
-                    s.step(DOCS[n][i:i + 3])
-        answers = [c.stats() for _, c in sorted(by_pid.items())]
-        for a in answers:
-            per_worker = a["learned_per_worker"]
-            assert sorted(w["pid"] for w in per_worker) == sorted(by_pid)
-            assert all(w["learned_tokens"] > 0 for w in per_worker)
-            for name in ("learned_tokens", "learned_docs", "learned_pools"):
-                assert a[name] == sum(w[name] for w in per_worker)
-            assert a["learned_max_tokens"] == 2 * per_worker[0]["learned_max_tokens"]
-        first, second = ({k: v for k, v in a.items() if k.startswith("learned_")}
-                         for a in answers)
-        assert first == second  # whichever worker answers
-        assert len({w["learned_tokens"] for w in answers[0]["learned_per_worker"]}) == 2
-        for c in clients:
-            c.close()
-        terminate(proc)
-    finally:
-        stop_group(proc)
+def test_stats_label_each_workers_learned_outputs(tmp_path, servers, until):
+    """Each worker has its own learned index (the outputs of all, once synced): `Stats`
+    reports the answering worker's sizes (with its pid) and every worker's under
+    `learned_per_worker`, whichever worker answers; never one worker's as another's."""
+    store = str(tmp_path / "ds")  # nothing learned before
+    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    port = servers.free_port()
+    serve = servers.start(store, "--port", str(port), "--workers", "2",
+                          "--learn-persist-seconds", "0")
+    by_pid: dict[int, DraftClient] = {}
+    clients = []
+    while len(by_pid) < 2 and len(clients) < 40:
+        c = DraftClient(serve.address, own_connection=True)
+        clients.append(c)
+        by_pid.setdefault(c.stats()["pid"], c)
+    assert len(by_pid) == 2
+    for n, pid in enumerate(sorted(by_pid)):  # one output learned on each worker
+        with by_pid[pid].session(DOCS[n][:20], DraftParams(budget=8), FP,
+                                 tenant=f"t{n}") as s:
+            for i in range(20, 20 + 30 * (n + 1), 3):
+                s.step(DOCS[n][i:i + 3])
+
+    def synced() -> bool:  # each worker holds both outputs
+        return all(w["learned_docs"] == 2 for c in by_pid.values()
+                   for w in c.stats()["learned_per_worker"])
+
+    until(synced)
+    for pid, c in by_pid.items():
+        st = c.stats()
+        per_worker = {w["pid"]: w for w in st["learned_per_worker"]}
+        assert st["pid"] == pid and sorted(per_worker) == sorted(by_pid)
+        for name in ("learned_tokens", "learned_docs", "learned_pools"):
+            assert st[name] == per_worker[pid][name]  # the top level is the answering one's
+    for c in clients:
+        c.close()
+    assert serve.stop() == 0
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--idle-timeout", "inf"), ("--idle-timeout", "nan"), ("--idle-timeout", "1e10"),
-    ("--max-sessions", str(1 << 32)), ("--max-budget", str(1 << 32)),
-    ("--max-message-bytes", "99999999999"), ("--grace", "nan"),
-])
-def test_serve_refuses_limits_it_cannot_honour(store, taken_port, capsys, flag, value):
-    # on a port in use: were the limit accepted, the command would fail there, not serve
-    argv = ["serve", "--datastore", store, "--port", str(taken_port), flag, value]
-    assert redraft_main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{flag} must be" in err
+@pytest.mark.parametrize("signum, workers", [
+    (signal.SIGHUP, "1"), (signal.SIGINT, "1"), (signal.SIGHUP, "2"),
+], ids=["sighup", "sigint", "sighup-2-workers"])
+def test_sighup_and_sigint_stop_serve_as_sigterm_does(tmp_path, servers, signum, workers):
+    """A closed terminal (SIGHUP) or a Ctrl-C (SIGINT): the server stops gracefully, says
+    so, and persists what it learned, whether one process or several."""
+    store = str(tmp_path / "ds")
+    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    serve = servers.start(store, "--port", str(servers.free_port()), "--workers", workers,
+                          "--learn-persist-seconds", "300")
+    learned = [RNG.randrange(1, VOCAB) for _ in range(40)]
+    with DraftClient(serve.address, timeout=10) as c:
+        with c.session(DOCS[4][:20], DraftParams(budget=8), FP, tenant="alice") as s:
+            for i in range(0, len(learned), 4):
+                s.step(learned[i:i + 4])
+    serve.proc.send_signal(signum)
+    assert serve.proc.wait(30) == 0
+    assert serve.rest_of_stdout().count("redraft serve: stopped") == int(workers)
+    with Reader(store) as r:
+        docs = list(r.documents("learned"))
+    assert len(docs) == 1 and docs[0][1] == "t:alice"
+    assert docs[0][2][-len(learned):] == learned
 
 
-@pytest.fixture()
-def taken_port():
-    """A loopback port something else listens on."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        yield taken.getsockname()[1]
+_HUGE_CLIENT = r"""
+import random, sys
+from redraft.datastore.service.client import DraftClient, DraftParams
+
+address, fp, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = random.Random(9)
+huge = [rng.randrange(1, vocab) for _ in range(131_000)]
+with DraftClient(address, timeout=60) as c:
+    with c.session(huge[:20], DraftParams(budget=8), fp) as s:
+        s.step(huge)  # one step of 131,000 tokens
+        assert s.context_len == 20 + len(huge)
+    with c.session(huge, DraftParams(budget=8), fp) as s:  # and a prompt of as many
+        assert s.context_len == len(huge)
+print("done")
+"""
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_serve_on_a_port_in_use_is_one_line(store, taken_port, workers):
-    port = taken_port
-    proc = subprocess.run(
-        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store,
-         "--port", str(port), "--workers", workers],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr == f"redraft serve: error: cannot listen on 127.0.0.1:{port}: " \
-                          "Address already in use\n"
+def test_a_huge_step_does_not_stall_other_sessions(store, servers):
+    """A real server: while another process sends a 131,000-token step (and opens a session
+    with a 131,000-token prompt), this one's health checks and session steps stay fast."""
+    serve = servers.start(store, "--port", "0", "--learn-persist-seconds", "0")
+    latencies: list[float] = []
+    with DraftClient(serve.address, timeout=30) as c, \
+            grpc.insecure_channel(serve.address) as ch, \
+            c.session(DOCS[5][:20], DraftParams(budget=8), FP) as s:
+        health = health_pb2_grpc.HealthStub(ch)
+        before = c.stats()["requests"]
+        huge = subprocess.Popen([sys.executable, "-c", _HUGE_CLIENT, serve.address, FP,
+                                 str(VOCAB)], stdout=subprocess.PIPE, text=True)
+        i = 20
+        while huge.poll() is None:
+            t0 = time.monotonic()
+            health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            s.step([DOCS[5][i % len(DOCS[5])]])
+            latencies.append(time.monotonic() - t0)
+            i += 1
+        assert huge.wait(60) == 0 and huge.stdout.read() == "done\n"
+        assert c.stats()["requests"] - before >= len(latencies) + 3  # theirs too
+    # the huge requests took a while; every check and step meanwhile was quick
+    assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
+    assert serve.stop() == 0
