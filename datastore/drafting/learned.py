@@ -16,8 +16,12 @@ occurrences' continuations into one trie with prompt lookup's tree builder, labe
 
 Documents live in pools: one per tenant, so that text one tenant generated is never drafted
 for another (`shared=True` puts every tenant in one pool). Memory is bounded by `max_tokens`:
-whole documents are evicted oldest first, their index entries with them. All methods are
-thread-safe.
+whole documents are evicted oldest first, their index entries with them, and a pool left
+without documents is dropped (memory stays bounded in the number of tenants too). All
+methods are thread-safe.
+
+A `journal` sees every output as it is written (the draft service logs them there, for its
+other processes and for persisting); the index itself keeps nothing on disk.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 from redraft.datastore.drafting.prompt_lookup import continuation_tree
 from redraft.proto.tree import LEARNED, Tree
@@ -54,48 +59,63 @@ def _key(tokens: Sequence[int], end: int, n: int) -> int:
     return ((tokens[end - 3] << 21 | tokens[end - 2]) << 21 | tokens[end - 1]) << 21 | tokens[end]
 
 
+class OutputJournal(Protocol):
+    """Where writers also record their outputs, in the order they are written."""
+
+    def begin(self, tenant: str) -> object:
+        """A new output of `tenant`; returns its handle for `append` and `end`."""
+
+    def append(self, output: object, tokens: Sequence[int]) -> None:
+        """Tokens added to the output (the first call carries its prompt tail)."""
+
+    def end(self, output: object) -> None:
+        """The output is final."""
+
+
 class _Doc:
     """One generation's output in the index."""
 
-    __slots__ = ("id", "tenant", "pool", "tokens", "closed", "persisted")
+    __slots__ = ("id", "pool_name", "pool", "tokens")
 
-    def __init__(self, doc_id: int, tenant: str, pool: dict, tokens: list[int]) -> None:
+    def __init__(self, doc_id: int, pool_name: str, pool: dict, tokens: list[int]) -> None:
         self.id = doc_id
-        self.tenant = tenant
+        self.pool_name = pool_name
         self.pool = pool  # this doc's n-gram index: key -> positions (entries)
         self.tokens = tokens
-        self.closed = False
-        self.persisted = False
 
 
 class LearnedIndex:
     """Outputs of many generations, indexed for drafting; bounded to `max_tokens` tokens."""
 
-    def __init__(self, max_tokens: int = 1_000_000, shared: bool = False) -> None:
+    def __init__(self, max_tokens: int = 1_000_000, shared: bool = False,
+                 journal: OutputJournal | None = None) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         self.max_tokens = int(max_tokens)
         self.shared = shared
+        self.journal = journal
         self.n_tokens = 0
         self._docs: OrderedDict[int, _Doc] = OrderedDict()  # oldest first
-        self._pools: dict[str, dict[int, list[int]]] = {}
+        self._pools: dict[str, dict[int, int | list[int]]] = {}  # key -> entry or entries
+        self._pool_docs: dict[str, int] = {}  # documents per pool: 0 drops the pool
         self._next_id = 0
         self._lock = threading.Lock()
 
-    def _pool(self, tenant: str) -> dict[int, list[int]]:
+    # ---- writing ------------------------------------------------------------------------
+    def writer(self, tenant: str, prompt: Sequence[int], journal: bool = True
+               ) -> LearnedWriter:
+        """A handle that records one generation's accepted tokens for `tenant` (and in the
+        journal, unless `journal` is False: outputs replayed from elsewhere)."""
+        return LearnedWriter(self, tenant, list(prompt[-PROMPT_TAIL:]),
+                             self.journal if journal else None)
+
+    def _new_doc(self, tenant: str, head: list[int]) -> _Doc:
         name = "" if self.shared else tenant
         pool = self._pools.get(name)
         if pool is None:
             pool = self._pools[name] = {}
-        return pool
-
-    # ---- writing ------------------------------------------------------------------------
-    def writer(self, tenant: str, prompt: Sequence[int]) -> LearnedWriter:
-        """A handle that records one generation's accepted tokens for `tenant`."""
-        return LearnedWriter(self, tenant, list(prompt[-PROMPT_TAIL:]))
-
-    def _new_doc(self, tenant: str, head: list[int]) -> _Doc:
-        doc = _Doc(self._next_id, tenant, self._pool(tenant), [])
+        self._pool_docs[name] = self._pool_docs.get(name, 0) + 1
+        doc = _Doc(self._next_id, name, pool, [])
         self._next_id += 1
         self._docs[doc.id] = doc
         self._append(doc, head)
@@ -109,9 +129,12 @@ class LearnedIndex:
             toks.append(int(t))
             end = len(toks) - 1
             for key in _ending_keys(toks, end):
+                # an int until the n-gram repeats, then a list (see PromptLookup.extend)
                 positions = pool.get(key)
                 if positions is None:
-                    pool[key] = [base | end]
+                    pool[key] = base | end
+                elif type(positions) is int:
+                    pool[key] = [positions, base | end]
                 else:
                     positions.append(base | end)
                     if len(positions) > KEEP:
@@ -137,6 +160,10 @@ class LearnedIndex:
                 positions = pool.get(key)
                 if positions is None:
                     continue
+                if type(positions) is int:
+                    if positions == base | end:
+                        del pool[key]
+                    continue
                 try:
                     positions.remove(base | end)
                 except ValueError:  # already pushed out by newer positions
@@ -144,6 +171,13 @@ class LearnedIndex:
                 if not positions:
                     del pool[key]
         doc.tokens = toks[-PROMPT_TAIL:]  # what a writer still on this output continues from
+        left = self._pool_docs[doc.pool_name] - 1
+        if left:
+            self._pool_docs[doc.pool_name] = left
+        else:  # the tenant's last document: its pool goes too
+            del self._pool_docs[doc.pool_name]
+            if self._pools.get(doc.pool_name) is doc.pool:
+                del self._pools[doc.pool_name]
 
     # ---- drafting -----------------------------------------------------------------------
     def propose(self, tenant: str, context: Sequence[int], budget: int, max_depth: int
@@ -163,7 +197,8 @@ class LearnedIndex:
             for level in LEVELS:
                 if n < level or found:  # a shorter n-gram only when the longer found nothing
                     continue
-                for entry in reversed(pool.get(_key(ctx, n - 1, level), ())):
+                entries = pool.get(_key(ctx, n - 1, level), ())
+                for entry in reversed((entries,) if type(entries) is int else entries):
                     if entry in found:
                         continue
                     doc = docs.get(entry >> _POS_BITS)
@@ -180,25 +215,13 @@ class LearnedIndex:
                              for _, (m, doc, end) in best]
         return continuation_tree(continuations, budget, LEARNED)
 
-    # ---- persistence --------------------------------------------------------------------
-    def take_unpersisted(self, include_open: bool = False) -> list[tuple[str, list[int]]]:
-        """(tenant, tokens) of finished documents not handed out before, oldest first; they
-        count as persisted from now on. `include_open`: also those still being written (at
-        shutdown)."""
-        out = []
-        with self._lock:
-            for doc in self._docs.values():
-                if not doc.persisted and (doc.closed or include_open) and doc.tokens:
-                    doc.persisted = True
-                    out.append((doc.tenant, list(doc.tokens)))
-        return out
-
+    # ---- loading ------------------------------------------------------------------------
     def load(self, documents: Iterable[tuple[str, Sequence[int]]]) -> None:
-        """Add finished, already persisted documents (tenant, tokens), oldest first."""
+        """Add finished documents (tenant, tokens), oldest first (outputs persisted earlier:
+        not journaled again)."""
         with self._lock:
             for tenant, tokens in documents:
-                doc = self._new_doc(tenant, list(tokens))
-                doc.closed = doc.persisted = True
+                self._new_doc(tenant, list(tokens))
             self._evict(None)
 
     def stats(self) -> dict:
@@ -225,29 +248,40 @@ def _match_len(doc_tokens: list[int], end: int, ctx: list[int], level: int) -> i
 
 class LearnedWriter:
     """Records one generation's accepted tokens; the document is created by the first
-    accepted token (a generation that produced nothing leaves nothing)."""
+    accepted token (a generation that produced nothing leaves nothing, in the journal too)."""
 
-    def __init__(self, index: LearnedIndex, tenant: str, head: list[int]) -> None:
+    def __init__(self, index: LearnedIndex, tenant: str, head: list[int],
+                 journal: OutputJournal | None = None) -> None:
         self.index = index
         self.tenant = tenant
         self._head = head
         self._doc: _Doc | None = None
+        self._journal = journal
+        self._output: object | None = None  # the journal's handle, once begun
 
     def extend(self, tokens: Sequence[int]) -> None:
         if not tokens:
             return
         index = self.index
+        journal = self._journal
         with index._lock:
             doc = self._doc
+            first = doc is None
             if doc is None or doc.id not in index._docs:  # new, or evicted meanwhile
                 head = self._head if doc is None else doc.tokens[-PROMPT_TAIL:]
                 doc = self._doc = index._new_doc(self.tenant, head)
             index._append(doc, tokens)
             index._evict(doc)
+        if journal is not None:
+            if first:
+                self._output = journal.begin(self.tenant)
+                journal.append(self._output, [*self._head, *tokens])
+            else:
+                journal.append(self._output, tokens)
 
     def close(self) -> None:
-        """The generation ended: its document is final (and may be persisted)."""
-        doc, self._doc = self._doc, None
-        if doc is not None:
-            with self.index._lock:
-                doc.closed = True
+        """The generation ended: its output is final."""
+        self._doc = None
+        output, self._output = self._output, None
+        if output is not None:
+            self._journal.end(output)

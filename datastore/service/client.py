@@ -7,6 +7,7 @@ fall back to local drafting), and a session whose server restarted is reopened w
 context the client kept, once, transparently.
 
     client = DraftClient("127.0.0.1:50051", token=None, timeout=2.0)
+    # or replicas: DraftClient("10.0.0.1:50051,10.0.0.2:50051"), DraftClient("dns:///drafts:50051")
     info = client.info()
     with client.session(prompt_ids, DraftParams(budget=32), info.tokenizer_fingerprint) as s:
         draft = s.draft                 # for the prompt
@@ -16,7 +17,9 @@ context the client kept, once, transparently.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -152,6 +155,61 @@ def tree_from_proto(reply: draft_pb2.DraftReply) -> Tree:
     return draft
 
 
+TOKEN_ENV = "REDRAFT_TOKEN"  # as `redraft.datastore.cli.client_options` names it
+
+
+def check_token(token: str, where: str = "token") -> None:
+    """A token must be printable ASCII: gRPC sends metadata values as such, so no client
+    could present any other (a server would accept it and refuse every call)."""
+    if not (token.isascii() and token.isprintable()):
+        raise ServiceError(f"{where}: a token must be printable ASCII (gRPC metadata "
+                           "cannot carry anything else)")
+
+
+def read_tokens(path: str | None) -> tuple[str, ...]:
+    """The shared secrets in the file at `path` (one per line), else the one in
+    $REDRAFT_TOKEN, else none; each checked (`check_token`)."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                tokens = tuple(line.strip() for line in f if line.strip())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ServiceError(f"cannot read --token-file: {exc}") from exc
+        if not tokens:
+            raise ServiceError(f"--token-file {path} is empty")
+        where = f"--token-file {path}"
+    else:
+        token = os.environ.get(TOKEN_ENV)
+        tokens, where = ((token,) if token else ()), f"${TOKEN_ENV}"
+    for t in tokens:
+        check_token(t, where)
+    return tokens
+
+
+def client_token(token: str | None = None, token_file: str | None = None) -> str | None:
+    """The one token a client sends: `--token`, else the one in `--token-file`, else
+    $REDRAFT_TOKEN, else none. A file keeps the secret out of `ps`."""
+    if token is not None and token_file is not None:
+        raise ServiceError("give --token or --token-file, not both")
+    if token is not None:
+        check_token(token, "--token")
+        return token
+    tokens = read_tokens(token_file)
+    if len(tokens) > 1:
+        raise ServiceError(f"--token-file {token_file} holds {len(tokens)} tokens; a client "
+                           "sends one")
+    return tokens[0] if tokens else None
+
+
+def client_tls(tls: bool, tls_ca: str | None) -> bool | str:
+    """`DraftClient`'s `tls` from the command line: a CA file, the system's roots, or off."""
+    if tls_ca is not None:
+        if not os.path.isfile(tls_ca):
+            raise ServiceError(f"TLS file not found: {tls_ca}")
+        return tls_ca
+    return bool(tls)
+
+
 def _check_ids(tokens: Sequence[int], what: str) -> list[int]:
     out = [int(t) for t in tokens]
     if out and (min(out) < 0 or max(out) >= 1 << 31):
@@ -159,8 +217,52 @@ def _check_ids(tokens: Sequence[int], what: str) -> list[int]:
     return out
 
 
+def channel_target(address: str) -> str:
+    """The gRPC target for `address`: one `host:port`, or a target with a scheme
+    (`dns:///name:port`: every address the name resolves to), as given; several
+    comma-separated `host:port` as one `ipv4:`/`ipv6:` list, each host resolved here (gRPC
+    has no list of names)."""
+    parts = [p.strip() for p in address.split(",")]
+    if len(parts) == 1:
+        return parts[0]
+    if not all(parts):
+        raise ServiceError(f"draft service address {address!r} has an empty entry")
+    resolved: list[tuple[int, str]] = []
+    for part in parts:
+        host, sep, port = part.rpartition(":")
+        if not sep or not port.isdigit() or "://" in part:
+            raise ServiceError(f"draft service address {part!r}: expected host:port in a "
+                               "comma-separated list")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise ServiceUnavailable(f"draft service {part}: cannot resolve {host!r} "
+                                     f"({exc})") from None
+        families = {info[0] for info in infos}
+        family = socket.AF_INET if socket.AF_INET in families else socket.AF_INET6
+        ip = next(info[4][0] for info in infos if info[0] == family)
+        resolved.append((family, f"{ip}:{port}" if family == socket.AF_INET
+                         else f"[{ip}]:{port}"))
+    if len({f for f, _ in resolved}) > 1:
+        raise ServiceError(f"draft service {address!r}: mixes IPv4 and IPv6 addresses; "
+                           "use one family (or a DNS name)")
+    scheme = "ipv4" if resolved[0][0] == socket.AF_INET else "ipv6"
+    return f"{scheme}:" + ",".join(a for _, a in resolved)
+
+
 class DraftClient:
-    """A connection to one draft server. Thread-safe; one instance can run many sessions."""
+    """A connection to a draft server, or to several replicas of it.
+
+    Thread-safe: any number of threads may share one client, each with sessions of its own
+    and unary calls (gRPC channels are). A `DraftSession` is not: it is one ordered stream,
+    stepped by one thread at a time (steps from two threads would interleave their tokens).
+
+    With several addresses (comma-separated, or a DNS name with several records) gRPC's own
+    round_robin policy spreads calls and sessions over the replicas that are up; a session
+    is one stream, so it stays on its replica; when a replica goes away, new sessions go to
+    the others and a running one reopens on another (its one transparent reconnect).
+    """
 
     def __init__(
         self,
@@ -172,7 +274,9 @@ class DraftClient:
         reconnect: bool = True,
         own_connection: bool = False,
     ) -> None:
-        """`tls`: False (plaintext), True (system roots) or a CA/cert PEM file path.
+        """`address`: `host:port`, several of them comma-separated, or `dns:///name:port`.
+        `tls`: False (plaintext), True (system roots) or a CA/cert PEM file path (with
+        several addresses the certificate must be valid for the first one's host).
 
         gRPC shares one connection among a process's channels to the same address;
         `own_connection=True` gives this client its own (so a multi-worker server can spread
@@ -181,6 +285,8 @@ class DraftClient:
         self.address = address
         self.timeout = float(timeout)
         self.reconnect = reconnect
+        if token:
+            check_token(token)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -189,6 +295,14 @@ class DraftClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
+        target = channel_target(address)
+        if target != address:  # a list: the authority (and TLS host) is the first entry's
+            options.append(("grpc.default_authority", address.split(",")[0].strip()))
+        if target != address or ":///" in address:
+            # Replicas: spread over every address the target names. (One server keeps
+            # pick_first, which reconnects on demand: a restarted server is reached by the
+            # very next call instead of after a reconnect backoff.)
+            options.append(("grpc.lb_policy_name", "round_robin"))
         if own_connection:
             options.append(("grpc.use_local_subchannel_pool", 1))
         if tls:
@@ -201,9 +315,9 @@ class DraftClient:
                     raise ServiceError(f"cannot read TLS certificates {tls}: "
                                        f"{exc.strerror or exc}") from None
             creds = grpc.ssl_channel_credentials(root_certificates=roots)
-            self._channel = grpc.secure_channel(address, creds, options=options)
+            self._channel = grpc.secure_channel(target, creds, options=options)
         else:
-            self._channel = grpc.insecure_channel(address, options=options)
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = draft_pb2_grpc.DrafterStub(self._channel)
         self._sessions: weakref.WeakSet[DraftSession] = weakref.WeakSet()
         self._watchdog: threading.Thread | None = None
@@ -272,7 +386,9 @@ class DraftClient:
 
     def close(self) -> None:
         self._closed.set()
-        for s in list(self._sessions):
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
             s.close()
         self._channel.close()
 
@@ -297,7 +413,9 @@ class DraftClient:
         while not self._closed.wait(tick):
             now = time.monotonic()
             busy = False
-            for s in list(self._sessions):
+            with self._lock:  # sessions are added from other threads
+                sessions = list(self._sessions)
+            for s in sessions:
                 busy = s._check_deadline(now) or busy
             tick = 0.02 if busy else 0.1  # a step's deadline is checked at least every 0.1 s
 
@@ -306,7 +424,11 @@ _END = object()
 
 
 class DraftSession:
-    """One streaming session: the server keeps the context, each step sends only new tokens."""
+    """One streaming session: the server keeps the context, each step sends only new tokens.
+
+    Not thread-safe: its steps are one ordered conversation; use one session per thread
+    (sessions of one client may run in parallel threads).
+    """
 
     def __init__(self, client: DraftClient, prompt: Sequence[int], params: DraftParams,
                  tokenizer_fingerprint: str, timeout: float, tenant: str = "") -> None:

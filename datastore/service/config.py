@@ -38,6 +38,11 @@ class ServiceConfig:
     # Append what was learned to the datastore (corpus "learned") this often and at
     # shutdown; 0 = keep it in memory only.
     learn_persist_s: float = 0.0
+    # Share learned outputs with the other processes serving the datastore this often
+    # (each output reaches them within about twice this).
+    learn_sync_s: float = 0.25
+    # How long a persist waits for another process's persist or write to finish.
+    learn_persist_wait_s: float = 30.0
     # Check every array's crc32 in the background once serving (opening stays O(1)); a
     # damaged datastore turns health NOT_SERVING and drafting UNAVAILABLE.
     verify_checksums: bool = True

@@ -1,20 +1,23 @@
-"""Learned outputs on the server: the index every session shares, reloaded from the
-datastore at start and appended to it as corpus `learned` while serving and at shutdown."""
+"""Learned outputs on the server: the index every session shares, shared in turn with every
+other process serving the same datastore (`sharing`), persisted to the datastore exactly
+once by whichever process gets to it (`persisting`), and reloaded at start."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import os
 
-from redraft.datastore.build import append_corpus
-from redraft.datastore.drafting import LEARNED_CORPUS, LearnedIndex
+from redraft.datastore.drafting import LearnedIndex
 from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.persisting import PersistBusy, load_persisted, persist_outputs
+from redraft.datastore.service.sharing import LogFollower, OutputJournal
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.verification import BackgroundVerification
+from redraft.proto.errors import RedraftError
 
 log = logging.getLogger("redraft.serve")
-LEARNED_NAME_PREFIX = "learned:"  # + tenant: the name of a persisted output
 
 
 async def run_in_thread(fn, *args):
@@ -22,83 +25,135 @@ async def run_in_thread(fn, *args):
 
 
 class LearnedOutputs:
-    """The server's learned index (`index`: None with learning off) and its persistence."""
+    """The server's learned index (`index`: None with learning off), its sharing with the
+    other processes of the datastore, and its persistence."""
 
     def __init__(self, reader, config: ServiceConfig, stats: ServiceStats,
-                 verification: BackgroundVerification) -> None:
+                 verification: BackgroundVerification, token_keys: list[str] = ()) -> None:
         self.reader = reader
         self.config = config
         self.stats = stats
         self.verification = verification  # a damaged datastore is never appended to
+        self.token_keys = list(token_keys)  # to map outputs persisted before tenant keys
         self.fingerprint = str(reader.tokenizer_fingerprint)
+        path = getattr(reader, "path", None)  # the datastore directory, or its file
+        self.path = (None if path is None else
+                     path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
         self.index = (None if config.learn == "off" else
                       LearnedIndex(config.learn_max_tokens, shared=config.learn == "global"))
-        self._loading: asyncio.Future | None = None  # persisted learned outputs, on a thread
-        self._persisting: asyncio.Future | None = None  # the periodic persisting loop
+        self.slot = stats.claim_worker()  # where this process publishes its index's sizes
+        self.journal: OutputJournal | None = None
+        self.follower: LogFollower | None = None
+        if self.index is not None and self.path is not None:
+            try:
+                self.journal = OutputJournal(str(self.path), keep=config.learn_persist_s > 0)
+            except RedraftError as exc:  # e.g. a read-only datastore: learn in this process
+                log.warning("redraft serve: learned outputs stay in this process: %s", exc)
+            else:
+                self.index.journal = self.journal
+                self.follower = LogFollower(str(self.path), self.index, self.journal.names)
+        self._loaded = False
+        self._tasks: list[asyncio.Future] = []
+        self._in_flight: asyncio.Future | None = None  # a persist running on a thread
+        self._loading: asyncio.Future | None = None
+        self._syncing: asyncio.Future | None = None  # a sync running on a thread
 
     def start(self) -> None:
-        """Reload persisted outputs and persist new ones periodically, without delaying
-        serving."""
-        if self.index is None:
+        """Reload persisted outputs, share with the other processes, persist periodically;
+        none of it delays serving."""
+        if self.journal is None:
             return
-        if LEARNED_CORPUS in (getattr(self.reader, "corpora", None) or {}):
-            self._loading = asyncio.ensure_future(run_in_thread(self._load))
+        self._loading = asyncio.ensure_future(run_in_thread(self._load))
+        self._tasks.append(asyncio.ensure_future(self._sync_every(self.config.learn_sync_s)))
         if self.config.learn_persist_s > 0:
-            self._persisting = asyncio.ensure_future(self._persist_every(
-                self.config.learn_persist_s))
+            self._tasks.append(asyncio.ensure_future(
+                self._persist_every(self.config.learn_persist_s)))
+
+    def publish(self) -> None:
+        """Share this process's index sizes with the other workers (after every change)."""
+        if self.index is not None:
+            self.stats.publish_worker(self.slot, self.index.stats())
 
     def counters(self) -> dict:
-        """The index's sizes and bound (none with learning off)."""
-        return self.index.stats() if self.index is not None else {}
+        """The index's sizes and bound, what this process replayed from the other
+        processes' logs, and every worker's own index sizes, labelled with its pid
+        (`learned_per_worker`): none with learning off. The top-level sizes are this
+        process's (`pid`); every process's index holds every output once synced."""
+        if self.index is None:
+            return {}
+        self.publish()
+        shared = self.follower.counters() if self.follower is not None else {}
+        return {**self.index.stats(), **shared, "learned_per_worker": self.stats.per_worker()}
 
+    # ---- start ---------------------------------------------------------------------------
     def _load(self) -> None:
-        """Reload the newest persisted outputs that fit the bound (on a thread, in batches,
-        so sessions keep drafting meanwhile)."""
-        newest: list[tuple[str, list[int]]] = []
-        total = 0
-        for _, name, tokens in self.reader.documents(LEARNED_CORPUS, newest_first=True):
-            if total + len(tokens) > self.index.max_tokens:
-                break
-            tenant = name[len(LEARNED_NAME_PREFIX):] if name.startswith(
-                LEARNED_NAME_PREFIX) else name
-            newest.append((tenant, tokens))
-            total += len(tokens)
-        newest.reverse()
-        for i in range(0, len(newest), 64):
-            self.index.load(newest[i:i + 64])
+        """The newest persisted outputs that fit the bound, then (from the next sync on)
+        every logged output they are not. Runs on a thread; sessions keep drafting."""
+        try:
+            snapshot = load_persisted(str(self.path), self.index.max_tokens, self.token_keys,
+                                      self.config.learn_persist_wait_s,
+                                      opened=self.follower.open_all)
+        except (RedraftError, OSError) as exc:
+            log.error("redraft serve: could not reload learned outputs: %s", exc)
+        else:
+            self.follower.skip = snapshot.skip
+            for i in range(0, len(snapshot.documents), 64):
+                self.index.load(snapshot.documents[i:i + 64])
+            self.publish()
+        self._loaded = True
 
+    # ---- sharing -------------------------------------------------------------------------
+    async def _sync_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            self._syncing = asyncio.ensure_future(run_in_thread(self._sync))
+            try:
+                await asyncio.shield(self._syncing)
+            except OSError as exc:  # the next sync tries again
+                log.error("redraft serve: could not share learned outputs: %s", exc)
+
+    def _sync(self) -> None:
+        self.journal.flush()
+        if self._loaded:
+            self.follower.poll()
+            self.publish()  # what the other processes' outputs added
+
+    # ---- persisting ----------------------------------------------------------------------
     async def _persist_every(self, seconds: float) -> None:
         while True:
             await asyncio.sleep(seconds)
-            await self._persist(include_open=False)
+            await self._persist(self.journal.locked_names())
 
-    async def _persist(self, include_open: bool) -> None:
-        """Append learned outputs not yet persisted to the datastore as corpus `learned`
-        (the datastore's own append path: a new file published atomically; this server keeps
-        reading the snapshot it opened)."""
-        path = getattr(self.reader, "path", None)
-        if self.index is None or path is None or self.verification.damage is not None:
+    async def _persist(self, alive: set[str]) -> None:
+        """Persist what any process logged and nobody persisted yet. A failure is logged;
+        the outputs stay in their logs for the next persist, by this or any process."""
+        if self.verification.damage is not None:
             return
-        docs = self.index.take_unpersisted(include_open)
-        if not docs:
-            return
-        documents = [(LEARNED_NAME_PREFIX + tenant, tokens) for tenant, tokens in docs]
+        self._in_flight = asyncio.ensure_future(run_in_thread(functools.partial(
+            persist_outputs, str(self.path), alive, self.fingerprint,
+            self.config.learn_persist_wait_s)))
         try:
-            await run_in_thread(functools.partial(
-                append_corpus, None, path, documents=documents, fingerprint=self.fingerprint,
-                corpus=LEARNED_CORPUS))
-        except Exception as exc:  # the server keeps serving; what failed stays in memory
-            log.error("redraft serve: could not persist %d learned outputs: %s",
-                      len(documents), exc)
+            done = await asyncio.shield(self._in_flight)
+        except PersistBusy as exc:
+            log.warning("redraft serve: learned outputs not persisted yet (%s); "
+                        "the next persist retries", exc)
+        except (RedraftError, OSError) as exc:
+            log.error("redraft serve: could not persist learned outputs: %s; "
+                      "the next persist retries", exc)
         else:
-            self.stats.add(learned_persisted=len(documents))
+            if done.outputs:
+                self.stats.add(learned_persisted=done.outputs)
 
     async def finish(self) -> None:
-        """After the server stopped: persist what was learned. A reload still running is
-        awaited (its thread reads the Reader, which the caller may close next)."""
-        if self._persisting is not None:
-            self._persisting.cancel()
-        if self._loading is not None:
-            await asyncio.gather(self._loading, return_exceptions=True)
+        """After the server stopped (every session ended): write the last outputs, give up
+        this process's logs, and persist everything not persisted yet."""
+        if self.journal is None:
+            return
+        for task in self._tasks:
+            task.cancel()
+        pending = [f for f in (self._loading, self._syncing, self._in_flight) if f is not None]
+        await asyncio.gather(*pending, return_exceptions=True)
+        await run_in_thread(self.journal.close)
+        self.follower.close()
         if self.config.learn_persist_s > 0:
-            await self._persist(include_open=True)
+            await self._persist(set())

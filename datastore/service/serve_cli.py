@@ -2,8 +2,10 @@
 
 With `--workers N > 1` the parent starts N server processes (spawned, each opening its own
 Reader: LMDB environments must not cross fork) on one port with SO_REUSEPORT, sharing
-counters and the session limit; SIGTERM to the parent is passed on, each child finishes its
-in-flight steps, and the parent exits 0 when they have.
+counters and the session limit; SIGTERM, SIGINT or SIGHUP to the parent is passed on (as
+SIGTERM), each child finishes its in-flight steps and persists what it learned, and the
+parent exits 0 when they have. One process (`--workers 1`) stops the same way on each of
+the three.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import socket
 import sys
 
 from redraft.datastore.reader import Reader
-from redraft.datastore.service.client import DraftClient
+from redraft.datastore.service.client import (
+    TOKEN_ENV,
+    DraftClient,
+    client_tls,
+    client_token,
+    read_tokens,
+)
 from redraft.datastore.service.config import LEARN_MODES, ServiceConfig
-from redraft.datastore.service.server import TLSFiles, serve_forever
+from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.errors import RedraftError
 
-TOKEN_ENV = "REDRAFT_TOKEN"
 UINT32 = (1 << 32) - 1
 UINT64 = (1 << 64) - 1
 INT32 = (1 << 31) - 1
@@ -84,6 +91,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learn-persist-seconds", type=float, default=300.0, metavar="SECONDS",
                    help="append learned outputs to the datastore (corpus 'learned') this "
                    "often and at shutdown; 0 = memory only (default %(default)g)")
+    p.add_argument("--learn-sync-seconds", type=float, default=d.learn_sync_s,
+                   metavar="SECONDS",
+                   help="share learned outputs with the other processes serving the same "
+                   "datastore (--workers, replicas) this often; each reaches them within "
+                   "about twice this (default %(default)g)")
+    p.add_argument("--learn-persist-wait", type=float, default=d.learn_persist_wait_s,
+                   metavar="SECONDS",
+                   help="how long a persist waits for another writer of the datastore "
+                   "before it gives up until the next one (default %(default)g)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the background check of the datastore's checksums (by default "
                    "a damaged datastore turns health NOT_SERVING)")
@@ -115,9 +131,13 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
             raise RedraftError(f"{flag} must be positive and at most {most}, got {value}")
     for flag, value in (("--grace", args.grace),
                         ("--learn-persist-seconds", args.learn_persist_seconds),
+                        ("--learn-persist-wait", args.learn_persist_wait),
                         ("--reload-seconds", args.reload_seconds)):
         if not 0 <= value <= UINT32:
             raise RedraftError(f"{flag} must be between 0 and {UINT32} seconds, got {value}")
+    if not 0.01 <= args.learn_sync_seconds <= 60:  # also false for nan
+        raise RedraftError("--learn-sync-seconds must be between 0.01 and 60, got "
+                           f"{args.learn_sync_seconds}")
     if not 0 <= args.port < 65536:
         raise RedraftError(f"--port must be in 0..65535, got {args.port}")
     if args.budget > args.max_budget or args.depth > args.max_depth:
@@ -153,24 +173,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         learn=args.learn,
         learn_max_tokens=args.learn_max_tokens,
         learn_persist_s=args.learn_persist_seconds,
+        learn_sync_s=args.learn_sync_seconds,
+        learn_persist_wait_s=args.learn_persist_wait,
         reload_interval_s=args.reload_seconds,
     )
-
-
-def read_tokens(path: str | None) -> tuple[str, ...]:
-    """The shared secrets in --token-file (one per line, each its own tenant), else the one
-    in the environment, else none."""
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                tokens = tuple(line.strip() for line in f if line.strip())
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RedraftError(f"cannot read --token-file: {exc}") from exc
-        if not tokens:
-            raise RedraftError(f"--token-file {path} is empty")
-        return tokens
-    token = os.environ.get(TOKEN_ENV)
-    return (token,) if token else ()
 
 
 def _announce(line: str) -> None:
@@ -234,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         _worker(args.datastore, args.host, args.port, config, None, tls, False)
         return 0
     ctx = mp.get_context("spawn")
-    stats = ServiceStats(ctx)
+    stats = ServiceStats(ctx, workers=args.workers)
     errors = ctx.SimpleQueue()
     procs = [
         ctx.Process(target=_worker, name=f"redraft-serve-{i}",
@@ -250,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
             if proc.is_alive() and proc.pid:
                 os.kill(proc.pid, signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, forward)
     running = list(procs)
     while running:
         mp.connection.wait([p.sentinel for p in running])
@@ -270,9 +276,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_server_stats(address: str, timeout: float = 5.0) -> int:
+def print_server_stats(address: str, token: str | None = None, token_file: str | None = None,
+                       tls: bool = False, tls_ca: str | None = None,
+                       timeout: float = 5.0) -> int:
     """`redraft stats --server ADDR`: the service's counters as JSON on stdout."""
-    with DraftClient(address, token=os.environ.get(TOKEN_ENV) or None, timeout=timeout) as c:
+    with DraftClient(address, token=client_token(token, token_file),
+                     tls=client_tls(tls, tls_ca), timeout=timeout) as c:
         json.dump(c.stats(), sys.stdout, indent=2, sort_keys=True)
     print()
     return 0

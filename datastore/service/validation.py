@@ -3,7 +3,6 @@ stands for), token ids, the tokenizer, and the drafting parameters against the l
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Sequence
 
@@ -11,6 +10,7 @@ import grpc
 from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
+from redraft.datastore.service.tenants import session_key, token_key
 from redraft.proto import draft_pb2
 from redraft.proto.tree import LEARNED, PLD, REST
 
@@ -29,20 +29,22 @@ class RequestValidator:
         self.tokenizer_name = getattr(reader, "tokenizer_name", "?")
         self.corpora = set(getattr(reader, "corpora", {}) or {}) - {LEARNED_CORPUS}
         tokens = config.token if isinstance(config.token, tuple) else (config.token,)
-        self._tokens = [f"Bearer {t}".encode() for t in tokens if t]
+        tokens = [t for t in tokens if t]
+        self._tokens = [f"Bearer {t}".encode() for t in tokens]
+        # a digest, not the secret itself: tenant keys are logged and persisted
+        self.token_keys = [token_key(t) for t in tokens]
 
     def auth(self, context: grpc.aio.ServicerContext) -> str:
-        """Check the bearer token; returns the tenant it stands for ("" without auth)."""
+        """Check the bearer token; returns the tenant key it stands for ("" without auth)."""
         if not self._tokens:
             return ""
         for key, value in context.invocation_metadata() or ():
             if key != "authorization":
                 continue
             sent = str(value).encode()
-            for expected in self._tokens:
+            for expected, tenant in zip(self._tokens, self.token_keys):
                 if hmac.compare_digest(sent, expected):
-                    # a digest, not the secret itself: tenants are persisted as names
-                    return "token-" + hashlib.sha256(expected).hexdigest()[:16]
+                    return tenant
         raise Refusal(
             grpc.StatusCode.UNAUTHENTICATED,
             "missing or wrong token: send metadata 'authorization: Bearer <token>'",
@@ -85,13 +87,11 @@ class RequestValidator:
             )
 
     def tenant(self, authenticated: str, declared: str) -> str:
-        """Whose outputs a session learns from: the token's tenant, else the declared one
-        (with a token, a declared tenant subdivides it)."""
+        """The key of whose outputs a session learns from: the token's tenant, else the
+        declared one (with a token, a declared tenant subdivides it); see `tenants`."""
         if len(declared) > _MAX_TENANT_LEN or not declared.isprintable():
             raise bad(f"tenant must be at most {_MAX_TENANT_LEN} printable characters")
-        if authenticated and declared:
-            return f"{authenticated}/{declared}"
-        return authenticated or declared
+        return session_key(authenticated, declared)
 
     def check_budget(self, budget: int, what: str) -> None:
         if budget > self.config.max_budget:

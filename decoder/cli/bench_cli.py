@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from redraft.datastore.cli import add_client_options
 from redraft.decoder.bench.driver import run
 from redraft.decoder.bench.methods import DEFAULT_METHODS, HF_METHODS, redraft_methods
 from redraft.decoder.drafters.registry import add_options
@@ -40,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sampling temperature with --samples (default %(default)s)")
     rest = p.add_mutually_exclusive_group()
     rest.add_argument("--datastore", metavar="DIR", help="datastore for the rest drafters")
-    rest.add_argument("--draft-service", metavar="ADDR", help="draft service for rest drafters")
+    rest.add_argument("--draft-service", metavar="ADDR",
+                      help="draft service for rest drafters (host:port; replicas: several, "
+                      "comma-separated, or dns:///name:port)")
     p.add_argument("--out", default="bench-out/spec_bench", help="output directory")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
@@ -54,5 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     kernels.add_argument("--always-packed", action="store_true",
                          help="redraft's methods on packed kernels for every forward, without "
                          "the per-size choice of the faster kind")
+    add_client_options(p)
     add_options(p)
     p.set_defaults(func=run)

@@ -43,14 +43,55 @@ def test_a_second_answer_to_the_same_prompt_is_drafted_from_the_first():
     assert mid.tokens[:6] == answer[4:]
 
 
-def test_an_ongoing_output_counts_as_soon_as_it_is_accepted():
-    index = LearnedIndex()
-    w = record(index, "", [1, 2, 3], [4, 5, 6, 7, 8, 9], close=False)
-    assert index.propose("", [50, 4, 5, 6], budget=8, max_depth=8).tokens[:3] == [7, 8, 9]
-    assert index.take_unpersisted() == []  # not final yet
-    assert index.take_unpersisted(include_open=True) == [("", [1, 2, 3, 4, 5, 6, 7, 8, 9])]
+class ListJournal:
+    """A journal that keeps what it is told: (event, output, tenant or tokens)."""
+
+    def __init__(self):
+        self.events = []
+
+    def begin(self, tenant):
+        self.events.append(("begin", len(self.events), tenant))
+        return len(self.events) - 1
+
+    def append(self, output, tokens):
+        self.events.append(("append", output, list(tokens)))
+
+    def end(self, output):
+        self.events.append(("end", output, None))
+
+
+def test_an_ongoing_output_counts_as_soon_as_it_is_accepted_and_is_journaled_as_written():
+    journal = ListJournal()
+    index = LearnedIndex(journal=journal)
+    w = record(index, "t", [1, 2, 3], [4, 5, 6, 7, 8, 9], close=False)
+    assert index.propose("t", [50, 4, 5, 6], budget=8, max_depth=8).tokens[:3] == [7, 8, 9]
+    assert journal.events == [("begin", 0, "t"), ("append", 0, [1, 2, 3, 4, 5, 6]),
+                              ("append", 0, [7, 8, 9])]  # the prompt tail comes first
     w.close()
-    assert index.take_unpersisted() == []  # handed out once
+    assert journal.events[-1] == ("end", 0, None)
+    index.writer("t", [1]).close()  # nothing accepted: nothing journaled
+    replayed = index.writer("t", [], journal=False)  # an output learned elsewhere
+    replayed.extend([1, 2, 3])
+    replayed.close()
+    assert len(journal.events) == 4
+
+
+def test_empty_pools_are_dropped_so_memory_is_bounded_in_tenants_too():
+    index = LearnedIndex(max_tokens=1000)
+    for t in range(5000):
+        record(index, f"tenant-{t}", [1, 2], [t % 900 + 3, 7, 8, 9])
+    stats = index.stats()
+    assert stats["learned_tokens"] <= 1000
+    assert stats["learned_pools"] == stats["learned_docs"] <= 1000 // 6 + 1
+    assert len(index._pool_docs) == stats["learned_pools"]
+    # a writer whose document was evicted goes on in a fresh pool
+    w = index.writer("again", [1, 2])
+    w.extend([3, 4])
+    for t in range(300):
+        record(index, f"other-{t}", [1, 2], [5, 6, 7, 8])
+    w.extend([5, 6, 7])
+    w.close()
+    assert index.propose("again", [3, 4, 5], 4, 4).tokens == [6, 7]
 
 
 def test_every_drafted_path_continues_a_real_match_of_the_same_tenant():
@@ -96,9 +137,11 @@ def test_memory_is_bounded_oldest_evicted_first_index_entries_with_them():
         record(index, "", [9000 + s], out)
         outputs.append(out)
         assert index.n_tokens <= 2000
-    entries = sum(len(v) for pool in index._pools.values() for v in pool.values())
-    assert entries <= len(LEVELS) * index.n_tokens  # nothing left behind by evicted outputs
-    assert max(len(v) for pool in index._pools.values() for v in pool.values()) <= KEEP
+    # an n-gram's entries: one int, or a list once it repeats
+    counts = [1 if isinstance(v, int) else len(v) for pool in index._pools.values()
+              for v in pool.values()]
+    assert sum(counts) <= len(LEVELS) * index.n_tokens  # nothing left behind by evicted outputs
+    assert max(counts) <= KEEP
     assert len(index.propose("", outputs[-1][:10], 8, 8)) > 0  # the newest is drafted
     assert len(index.propose("", outputs[0][:10], 8, 8)) == 0  # the oldest is gone
     for s in range(10):  # one output longer than the bound keeps only its recent part
@@ -106,9 +149,10 @@ def test_memory_is_bounded_oldest_evicted_first_index_entries_with_them():
         assert index.n_tokens <= 2000
 
 
-def test_load_keeps_the_bound_and_marks_outputs_persisted():
-    index = LearnedIndex(max_tokens=100)
+def test_load_keeps_the_bound_and_journals_nothing():
+    journal = ListJournal()
+    index = LearnedIndex(max_tokens=100, journal=journal)
     index.load([("t", list(range(i * 60, i * 60 + 60))) for i in range(5)])
     assert index.n_tokens == 60 and index.stats()["learned_docs"] == 1
-    assert index.take_unpersisted(include_open=True) == []
+    assert journal.events == []
     assert index.propose("t", [240, 241, 242], 4, 4).tokens == [243, 244, 245, 246]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import signal
 import socket
@@ -13,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -52,12 +52,6 @@ def reader(store):
         yield r
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
     from redraft.datastore.service.serve_cli import TOKEN_ENV, read_tokens
 
@@ -70,8 +64,8 @@ def test_serve_token_from_file_or_environment(tmp_path, monkeypatch):
     assert read_tokens(str(f)) == ("from-file", "second")
 
 
-def test_bad_parameters_fail_before_the_network():
-    c = DraftClient(f"127.0.0.1:{free_port()}", timeout=1)
+def test_bad_parameters_fail_before_the_network(servers):
+    c = DraftClient(f"127.0.0.1:{servers.free_port()}", timeout=1)
     with pytest.raises(InvalidRequest, match="budget"):
         c.propose([1], DraftParams(budget=-1))
     with pytest.raises(InvalidRequest, match="sources"):
@@ -81,8 +75,8 @@ def test_bad_parameters_fail_before_the_network():
     c.close()
 
 
-def test_unreachable_server_is_a_typed_error_quickly():
-    with DraftClient(f"127.0.0.1:{free_port()}", timeout=60) as c:
+def test_unreachable_server_is_a_typed_error_quickly(servers):
+    with DraftClient(f"127.0.0.1:{servers.free_port()}", timeout=60) as c:
         t0 = time.monotonic()
         with pytest.raises(ServiceUnavailable):
             c.info()
@@ -96,8 +90,30 @@ def test_missing_tls_file_is_a_service_error(tmp_path):
         DraftClient("127.0.0.1:1", tls=str(tmp_path / "missing.pem"))
 
 
-def test_session_reopens_after_a_server_restart(reader):
-    port = free_port()
+def test_one_client_serves_many_threads_at_once(reader):
+    """DraftClient is thread-safe: threads sharing one client, each with its own sessions and
+    unary calls, get exactly the drafts they get one at a time."""
+    params = DraftParams(budget=16, sources=("rest", "pld"))  # nothing learned between runs
+
+    def run(k: int) -> list:
+        doc = DOCS[k % len(DOCS)]
+        out = [c.propose(doc[:25], params).tokens, c.info().vocab_size]
+        with c.session(doc[:20], params, FP) as s:
+            out.append(s.draft.tokens)
+            for i in range(20, 60, 4):
+                out.append(s.step(doc[i:i + 4]).tokens)
+        return out
+
+    with ServerThread(reader) as srv, DraftClient(srv.address, timeout=30) as c:
+        serial = [run(k) for k in range(16)]
+        with ThreadPoolExecutor(8) as ex:
+            parallel = list(ex.map(run, range(16)))
+        assert parallel == serial
+        assert c.stats()["sessions_opened"] == 32
+
+
+def test_session_reopens_after_a_server_restart(reader, servers):
+    port = servers.free_port()
     prompt, more = DOCS[0][:30], DOCS[0][30:34]
     with DraftClient(f"127.0.0.1:{port}", timeout=3) as c:
         with ServerThread(reader, port=port):
@@ -131,147 +147,100 @@ def test_session_without_reconnect_reports_shutdown(reader):
         c.close()
 
 
-def start_serve(store: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
-    """`redraft serve` as a subprocess in its own process group; returns it once every
-    worker announced its address (or fails within 30 s, never hangs)."""
-    workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    lines: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")],
-                     daemon=True).start()
-    proc.lines = lines  # the rest of stdout, for the caller
-    addresses: list[str] = []
-    while len(addresses) < workers:
+def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, reader, capsys, servers):
+    serve = servers.start(store, "--port", "0", "--grace", "3")
+    proc, address = serve.proc, serve.address
+    with DraftClient(address, timeout=10) as c:
+        s = c.session(DOCS[2][:20], DraftParams(budget=8), FP, timeout=0.5).__enter__()
+        s.step(DOCS[2][20:22])
+        # a frozen server: the step's deadline fires, no hang
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
         try:
-            line = lines.get(timeout=30)
-        except queue.Empty:
-            line = ""
-        if not line:
-            stop_group(proc)
-            raise AssertionError(f"serve did not start: {proc.stderr.read()}")
-        if "listening on" in line:
-            addresses.append(line.split("listening on ")[1].strip())
-    return proc, addresses
+            with pytest.raises(DraftTimeout):
+                s.step(DOCS[2][22:23])
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert time.monotonic() - t0 < 30  # the 0.5 s deadline fired: no hang
+        # the next step reopens the session with every token so far, the lost one too
+        d = s.step(DOCS[2][23:24])
+        ctx = DOCS[2][:24]
+        assert s.reconnects == 1 and s.context_len == 24 and s.context == ctx
+        rest = calibrate(retrieval_tree(reader, ctx, budget=8, max_occurrences=64),
+                         *REST_CALIBRATION)
+        want = merge([rest, prompt_lookup(ctx, 8)], 8)
+        assert (d.tokens, d.parents) == (want.tokens, want.parents) and len(d) > 0
+        assert redraft_main(["stats", "--server", address]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["sessions_opened"] == 2 and printed["requests"] >= 3
 
+        # steps keep flowing while SIGTERM arrives: each one is answered or refused as
+        # UNAVAILABLE, never anything else, and the server exits 0
+        outcomes: list[str] = []
+        done = threading.Event()
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """Kill the server and any worker it started (they share its process group)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        def stepper() -> None:
+            with c.session(DOCS[3][:20], DraftParams(budget=8), FP) as s2:
+                i = 20
+                while not done.is_set() and i < 10_000:
+                    try:
+                        s2.step([DOCS[3][i % len(DOCS[3])]])
+                        outcomes.append("ok")
+                    except ServiceUnavailable:
+                        outcomes.append("unavailable")
+                        return
+                    i += 1
 
-
-def rest_of_stdout(proc: subprocess.Popen) -> str:
-    out = []
-    while (line := proc.lines.get(timeout=10)) != "":
-        out.append(line)
-    return "".join(out)
-
-
-def test_serve_subprocess_deadline_stats_and_graceful_sigterm(store, reader, capsys):
-    proc, (address,) = start_serve(store, "--port", "0", "--grace", "3")
-    try:
-        with DraftClient(address, timeout=10) as c:
-            s = c.session(DOCS[2][:20], DraftParams(budget=8), FP, timeout=0.5).__enter__()
-            s.step(DOCS[2][20:22])
-            # a frozen server: the step's deadline fires, no hang
-            os.kill(proc.pid, signal.SIGSTOP)
-            t0 = time.monotonic()
-            try:
-                with pytest.raises(DraftTimeout):
-                    s.step(DOCS[2][22:23])
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
-            assert time.monotonic() - t0 < 30  # the 0.5 s deadline fired: no hang
-            # the next step reopens the session with every token so far, the lost one too
-            d = s.step(DOCS[2][23:24])
-            ctx = DOCS[2][:24]
-            assert s.reconnects == 1 and s.context_len == 24 and s.context == ctx
-            rest = calibrate(retrieval_tree(reader, ctx, budget=8, max_occurrences=64),
-                             *REST_CALIBRATION)
-            want = merge([rest, prompt_lookup(ctx, 8)], 8)
-            assert (d.tokens, d.parents) == (want.tokens, want.parents) and len(d) > 0
-            assert redraft_main(["stats", "--server", address]) == 0
-            printed = json.loads(capsys.readouterr().out)
-            assert printed["sessions_opened"] == 2 and printed["requests"] >= 3
-
-            # steps keep flowing while SIGTERM arrives: each one is answered or refused as
-            # UNAVAILABLE, never anything else, and the server exits 0
-            outcomes: list[str] = []
-            done = threading.Event()
-
-            def stepper() -> None:
-                with c.session(DOCS[3][:20], DraftParams(budget=8), FP) as s2:
-                    i = 20
-                    while not done.is_set() and i < 10_000:
-                        try:
-                            s2.step([DOCS[3][i % len(DOCS[3])]])
-                            outcomes.append("ok")
-                        except ServiceUnavailable:
-                            outcomes.append("unavailable")
-                            return
-                        i += 1
-
-            t = threading.Thread(target=stepper)
-            t.start()
-            while len(outcomes) < 20 and t.is_alive():
-                time.sleep(0.01)
-            with grpc.insecure_channel(address) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                             timeout=2)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(15) == 0
-            done.set()
-            t.join(10)
-            assert outcomes.count("ok") >= 20 and set(outcomes) <= {"ok", "unavailable"}
-            assert "stopped" in rest_of_stdout(proc)
-    finally:
-        stop_group(proc)
-
-
-def test_serve_workers_share_a_port_and_counters(store):
-    port = free_port()
-    proc, addresses = start_serve(store, "--port", str(port), "--workers", "2")
-    try:
-        assert addresses == [f"127.0.0.1:{port}"] * 2
-        # each client is one connection; the kernel spreads connections over the workers
-        clients: list[DraftClient] = []
-        sessions = []
-        pids: set[int] = set()
-        while len(pids) < 2 and len(clients) < 40:
-            c = DraftClient(addresses[0], own_connection=True)
-            clients.append(c)
-            sessions.append(c.session(DOCS[len(clients) % 20][:20], None, FP).__enter__())
-            sessions[-1].step([1])
-            pids.add(c.stats()["pid"])
-        assert len(pids) == 2  # both workers serve, and count into the same totals:
-        assert all(c.stats()["sessions_active"] == len(clients) for c in clients)
-        for c in clients:
-            c.close()
+        t = threading.Thread(target=stepper)
+        t.start()
+        while len(outcomes) < 20 and t.is_alive():
+            time.sleep(0.01)
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=2)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
-    finally:
-        stop_group(proc)
+        done.set()
+        t.join(10)
+        assert outcomes.count("ok") >= 20 and set(outcomes) <= {"ok", "unavailable"}
+        assert "stopped" in serve.rest_of_stdout()
 
 
-def test_workers_exit_when_their_parent_is_killed(store):
-    port = free_port()
-    proc, _ = start_serve(store, "--port", str(port), "--workers", "2")
-    try:
-        import psutil
+def test_serve_workers_share_a_port_and_counters(store, servers):
+    port = servers.free_port()
+    serve = servers.start(store, "--port", str(port), "--workers", "2")
+    proc, addresses = serve.proc, serve.addresses
+    assert addresses == [f"127.0.0.1:{port}"] * 2
+    # each client is one connection; the kernel spreads connections over the workers
+    clients: list[DraftClient] = []
+    sessions = []
+    pids: set[int] = set()
+    while len(pids) < 2 and len(clients) < 40:
+        c = DraftClient(addresses[0], own_connection=True)
+        clients.append(c)
+        sessions.append(c.session(DOCS[len(clients) % 20][:20], None, FP).__enter__())
+        sessions[-1].step([1])
+        pids.add(c.stats()["pid"])
+    assert len(pids) == 2  # both workers serve, and count into the same totals:
+    assert all(c.stats()["sessions_active"] == len(clients) for c in clients)
+    for c in clients:
+        c.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
 
-        workers = psutil.Process(proc.pid).children()
-        assert len(workers) >= 2
-        os.kill(proc.pid, signal.SIGKILL)  # cannot be forwarded
-        proc.wait(10)
-        gone, alive = psutil.wait_procs(workers, timeout=10)
-        assert not alive
-    finally:
-        stop_group(proc)
+
+def test_workers_exit_when_their_parent_is_killed(store, servers):
+    port = servers.free_port()
+    proc = servers.start(store, "--port", str(port), "--workers", "2").proc
+    import psutil
+
+    workers = psutil.Process(proc.pid).children()
+    assert len(workers) >= 2
+    os.kill(proc.pid, signal.SIGKILL)  # cannot be forwarded
+    proc.wait(10)
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
 
 
 def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
@@ -322,3 +291,199 @@ def test_serve_on_a_port_in_use_is_one_line(store, taken_port, workers):
     assert proc.returncode == 2
     assert proc.stderr == f"redraft serve: error: cannot listen on 127.0.0.1:{port}: " \
                           "Address already in use\n"
+
+
+def test_a_client_of_replicas_spreads_sessions_and_moves_on_when_one_dies(store, servers):
+    a, b = (servers.start(store, "--port", "0") for _ in range(2))
+    with DraftClient(f"{a.address}, {b.address}", timeout=5) as c, \
+            DraftClient(a.address) as on_a, DraftClient(b.address) as on_b:
+        pids = {on_a.stats()["pid"]: "a", on_b.stats()["pid"]: "b"}
+        seen = [pids[c.stats()["pid"]]]
+        while len(set(seen)) < 2 and len(seen) < 50:  # until both connections are up
+            seen.append(pids[c.stats()["pid"]])
+        seen = [pids[c.stats()["pid"]] for _ in range(6)]  # then gRPC's round_robin: in turn
+        assert seen.count("a") == seen.count("b") == 3
+        sessions = []
+        for i in range(8):  # each session one stream, on one replica
+            s = c.session(DOCS[i][:20], DraftParams(budget=8), FP).__enter__()
+            s.step(DOCS[i][20:22])
+            sessions.append(s)
+        assert on_a.stats()["sessions_active"] == on_b.stats()["sessions_active"] == 4
+        a.kill()  # a replica dies: its sessions reopen on the other, in step
+        for i, s in enumerate(sessions):
+            d = s.step(DOCS[i][22:24])
+            assert s.context == DOCS[i][:24] and s.context_len == 24 and len(d) > 0
+        assert sum(s.reconnects for s in sessions) == 4
+        for i in range(4):  # new sessions go to the replica that is left
+            with c.session(DOCS[i][:20], DraftParams(budget=8), FP) as s:
+                assert len(s.step(DOCS[i][20:22])) > 0
+        assert on_b.stats()["sessions_opened"] == 4 + 4 + 4
+        for s in sessions:
+            s.close()
+    with DraftClient(f"dns:///localhost:{b.address.rsplit(':', 1)[1]}") as by_name:
+        assert by_name.info().tokenizer_fingerprint == FP
+    with pytest.raises(ServiceError, match="host:port"):
+        DraftClient(f"{b.address},nothing")
+    assert b.stop() == 0
+
+
+@pytest.mark.parametrize("source", ["file", "environment"])
+def test_serve_refuses_a_token_no_client_can_send(store, tmp_path, capsys, monkeypatch, source):
+    from redraft.datastore.service.client import TOKEN_ENV
+
+    argv = ["serve", "--datastore", store, "--port", "0"]
+    if source == "file":
+        (tmp_path / "tok").write_text("fine\nsécret\n")
+        argv += ["--token-file", str(tmp_path / "tok")]
+        where = f"--token-file {tmp_path / 'tok'}"
+    else:
+        monkeypatch.setenv(TOKEN_ENV, "sécret")
+        where = f"${TOKEN_ENV}"
+    assert redraft_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"redraft serve: error: {where}: a token must be printable ASCII (gRPC " \
+                  "metadata cannot carry anything else)\n"
+
+
+def test_stats_server_takes_tls_and_a_token_from_a_file_or_the_environment(
+        reader, tls_cert, tmp_path, capsys, monkeypatch):
+    from redraft.datastore.service.client import TOKEN_ENV
+    from redraft.datastore.service.config import ServiceConfig
+    from redraft.datastore.service.server import TLSFiles
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    cert, key = tls_cert
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    config = ServiceConfig(token="s3cret")
+    with ServerThread(reader, config=config, tls=TLSFiles(cert, key)) as srv:
+        def stats(*argv: str) -> tuple[int, str, str]:
+            rc = redraft_main(["stats", "--server", srv.address, *argv])
+            out, err = capsys.readouterr()
+            return rc, out, err
+
+        rc, out, _ = stats("--tls-ca", cert, "--token-file", str(secret))
+        assert rc == 0 and json.loads(out)["limits"]["max_sessions"] > 0
+        rc, out, _ = stats("--tls-ca", cert, "--token", "s3cret")  # --token stays
+        assert rc == 0 and json.loads(out)["requests"] >= 0
+        rc, _, err = stats("--tls-ca", cert)  # no token anywhere
+        assert rc == 2 and err.count("\n") == 1 and "UNAUTHENTICATED" in err
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        rc, out, _ = stats("--tls-ca", cert)
+        assert rc == 0 and "uptime_s" in json.loads(out)
+        rc, _, err = stats("--tls-ca", str(tmp_path / "missing.pem"))
+        assert rc == 2 and err == "redraft stats: error: TLS file not found: " \
+                                  f"{tmp_path / 'missing.pem'}\n"
+        rc, _, err = stats("--tls-ca", cert, "--token", "a", "--token-file", str(secret))
+        assert rc == 2 and "give --token or --token-file, not both" in err
+        rc, _, err = stats("--tls-ca", cert, "--token", "sécret")
+        assert rc == 2 and "--token: a token must be printable ASCII" in err
+        two = tmp_path / "two"
+        two.write_text("a\nb\n")
+        rc, _, err = stats("--tls-ca", cert, "--token-file", str(two))
+        assert rc == 2 and "holds 2 tokens; a client sends one" in err
+
+
+def test_stats_label_each_workers_learned_outputs(tmp_path, servers, until):
+    """Each worker has its own learned index (the outputs of all, once synced): `Stats`
+    reports the answering worker's sizes (with its pid) and every worker's under
+    `learned_per_worker`, whichever worker answers; never one worker's as another's."""
+    store = str(tmp_path / "ds")  # nothing learned before
+    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    port = servers.free_port()
+    serve = servers.start(store, "--port", str(port), "--workers", "2",
+                          "--learn-persist-seconds", "0")
+    by_pid: dict[int, DraftClient] = {}
+    clients = []
+    while len(by_pid) < 2 and len(clients) < 40:
+        c = DraftClient(serve.address, own_connection=True)
+        clients.append(c)
+        by_pid.setdefault(c.stats()["pid"], c)
+    assert len(by_pid) == 2
+    for n, pid in enumerate(sorted(by_pid)):  # one output learned on each worker
+        with by_pid[pid].session(DOCS[n][:20], DraftParams(budget=8), FP,
+                                 tenant=f"t{n}") as s:
+            for i in range(20, 20 + 30 * (n + 1), 3):
+                s.step(DOCS[n][i:i + 3])
+
+    def synced() -> bool:  # each worker holds both outputs
+        return all(w["learned_docs"] == 2 for c in by_pid.values()
+                   for w in c.stats()["learned_per_worker"])
+
+    until(synced)
+    for pid, c in by_pid.items():
+        st = c.stats()
+        per_worker = {w["pid"]: w for w in st["learned_per_worker"]}
+        assert st["pid"] == pid and sorted(per_worker) == sorted(by_pid)
+        for name in ("learned_tokens", "learned_docs", "learned_pools"):
+            assert st[name] == per_worker[pid][name]  # the top level is the answering one's
+    for c in clients:
+        c.close()
+    assert serve.stop() == 0
+
+
+@pytest.mark.parametrize("signum, workers", [
+    (signal.SIGHUP, "1"), (signal.SIGINT, "1"), (signal.SIGHUP, "2"),
+], ids=["sighup", "sigint", "sighup-2-workers"])
+def test_sighup_and_sigint_stop_serve_as_sigterm_does(tmp_path, servers, signum, workers):
+    """A closed terminal (SIGHUP) or a Ctrl-C (SIGINT): the server stops gracefully, says
+    so, and persists what it learned, whether one process or several."""
+    store = str(tmp_path / "ds")
+    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    serve = servers.start(store, "--port", str(servers.free_port()), "--workers", workers,
+                          "--learn-persist-seconds", "300")
+    learned = [RNG.randrange(1, VOCAB) for _ in range(40)]
+    with DraftClient(serve.address, timeout=10) as c:
+        with c.session(DOCS[4][:20], DraftParams(budget=8), FP, tenant="alice") as s:
+            for i in range(0, len(learned), 4):
+                s.step(learned[i:i + 4])
+    serve.proc.send_signal(signum)
+    assert serve.proc.wait(30) == 0
+    assert serve.rest_of_stdout().count("redraft serve: stopped") == int(workers)
+    with Reader(store) as r:
+        docs = list(r.documents("learned"))
+    assert len(docs) == 1 and docs[0][1] == "t:alice"
+    assert docs[0][2][-len(learned):] == learned
+
+
+_HUGE_CLIENT = r"""
+import random, sys
+from redraft.datastore.service.client import DraftClient, DraftParams
+
+address, fp, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = random.Random(9)
+huge = [rng.randrange(1, vocab) for _ in range(131_000)]
+with DraftClient(address, timeout=60) as c:
+    with c.session(huge[:20], DraftParams(budget=8), fp) as s:
+        s.step(huge)  # one step of 131,000 tokens
+        assert s.context_len == 20 + len(huge)
+    with c.session(huge, DraftParams(budget=8), fp) as s:  # and a prompt of as many
+        assert s.context_len == len(huge)
+print("done")
+"""
+
+
+def test_a_huge_step_does_not_stall_other_sessions(store, servers):
+    """A real server: while another process sends a 131,000-token step (and opens a session
+    with a 131,000-token prompt), this one's health checks and session steps stay fast."""
+    serve = servers.start(store, "--port", "0", "--learn-persist-seconds", "0")
+    latencies: list[float] = []
+    with DraftClient(serve.address, timeout=30) as c, \
+            grpc.insecure_channel(serve.address) as ch, \
+            c.session(DOCS[5][:20], DraftParams(budget=8), FP) as s:
+        health = health_pb2_grpc.HealthStub(ch)
+        before = c.stats()["requests"]
+        huge = subprocess.Popen([sys.executable, "-c", _HUGE_CLIENT, serve.address, FP,
+                                 str(VOCAB)], stdout=subprocess.PIPE, text=True)
+        i = 20
+        while huge.poll() is None:
+            t0 = time.monotonic()
+            health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            s.step([DOCS[5][i % len(DOCS[5])]])
+            latencies.append(time.monotonic() - t0)
+            i += 1
+        assert huge.wait(60) == 0 and huge.stdout.read() == "done\n"
+        assert c.stats()["requests"] - before >= len(latencies) + 3  # theirs too
+    # the huge requests took a while; every check and step meanwhile was quick
+    assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
+    assert serve.stop() == 0

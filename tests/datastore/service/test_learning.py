@@ -132,7 +132,7 @@ def test_learned_outputs_persist_and_a_restart_keeps_them(store, capsys):
     manifest = json.loads(capsys.readouterr().out)
     assert manifest["corpora"]["learned"]["n_docs"] == 2
     with Reader(store) as r:
-        assert {name for _, name, _ in r.documents("learned")} == {"learned:alice"}
+        assert {name for _, name, _ in r.documents("learned")} == {"t:alice"}  # a declared key
         with ServerThread(r) as srv, DraftClient(srv.address) as c:
             wait_until(lambda: c.stats()["learned_docs"] == 2)  # reloaded in the background
             assert secret_drafted(c, "alice") > 30

@@ -18,7 +18,7 @@ from redraft.datastore import TokenizerMismatch, build_datastore
 from redraft.datastore.service.client import DraftClient
 from redraft.proto.errors import DatastoreNotFound, ModelNotFound
 
-from ...datastore.service.test_client import free_port, start_serve, stop_group
+from ...conftest import free_port
 from ..conftest import have_default_model
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra is not installed")
@@ -106,43 +106,38 @@ def test_greedy_with_an_in_process_datastore_equals_plain(store, answers):
         assert s["drafted"] <= s["drafted_calls"] * 62
 
 
-def test_greedy_with_the_draft_service_equals_plain(store, answers):
-    proc, (address,) = start_serve(store, "--port", "0")
-    try:
-        with RedraftDraft(service=address, adaptive=False, tenant="t1") as draft:
-            drafted_equals_plain(draft, answers)
-            assert draft.stats["accepted"] >= NEW_TOKENS and draft.failures == 0
-        with DraftClient(address, timeout=10) as c:
-            stats = c.stats()
-        assert stats["sessions_opened"] >= len(QUESTIONS)
-    finally:
-        stop_group(proc)
+def test_greedy_with_the_draft_service_equals_plain(store, answers, servers):
+    address = servers.start(store, "--port", "0").address
+    with RedraftDraft(service=address, adaptive=False, tenant="t1") as draft:
+        drafted_equals_plain(draft, answers)
+        assert draft.stats["accepted"] >= NEW_TOKENS and draft.failures == 0
+    with DraftClient(address, timeout=10) as c:
+        stats = c.stats()
+    assert stats["sessions_opened"] >= len(QUESTIONS)
 
 
-def test_a_dead_service_mid_generation_does_not_change_the_output(store, answers):
-    proc, (address,) = start_serve(store, "--port", "0")
+def test_a_dead_service_mid_generation_does_not_change_the_output(store, answers, servers):
+    serve = servers.start(store, "--port", "0")
+    address = serve.address
     killed = []
 
     def kill_after(k: int) -> None:
         if k == 5 and not killed:
-            stop_group(proc)
+            serve.kill()
             killed.append(k)
 
-    try:
-        draft = RedraftDraft(service=address, adaptive=False, timeout=2.0)
-        llm = Llama(draft_model=draft, **LLAMA_ARGS)
-        q = QUESTIONS[0]
-        assert greedy(llm, chat(llm, q), after=kill_after) == answers[q]
-        assert killed and draft.failures == 1
-        drafted_before = draft.stats["drafted"]
-        # the next generation starts without the service (within its retry delay): prompt
-        # lookup only, same output
-        q = QUESTIONS[3]
-        assert greedy(llm, chat(llm, q)) == answers[q]
-        assert draft.failures == 1 and draft.stats["drafted"] > drafted_before
-        draft.close()
-    finally:
-        stop_group(proc)
+    draft = RedraftDraft(service=address, adaptive=False, timeout=2.0)
+    llm = Llama(draft_model=draft, **LLAMA_ARGS)
+    q = QUESTIONS[0]
+    assert greedy(llm, chat(llm, q), after=kill_after) == answers[q]
+    assert killed and draft.failures == 1
+    drafted_before = draft.stats["drafted"]
+    # the next generation starts without the service (within its retry delay): prompt
+    # lookup only, same output
+    q = QUESTIONS[3]
+    assert greedy(llm, chat(llm, q)) == answers[q]
+    assert draft.failures == 1 and draft.stats["drafted"] > drafted_before
+    draft.close()
 
 
 def test_an_unreachable_service_at_start_falls_back_to_prompt_lookup(answers):

@@ -1,0 +1,171 @@
+"""Learned outputs persisted exactly once, whichever serving process persists them and
+however it dies.
+
+Any process may persist (every `learn_persist_s` and at shutdown): under the persist lock
+(one persister at a time, bounded wait) it reads the marks of the last commit (which outputs
+of which log are persisted), reads every log, and persists the outputs that are final, or
+whose owner died, and are not marked yet: as one learned segment whose marks are committed
+in the same atomic publish. Nothing counts as persisted before that commit: a persister
+killed anywhere before it leaves the logs and the marks as they were, and the next persister
+(any process, or a restart) does the work again. After the commit, logs whose owner is gone
+and whose outputs are all persisted are removed (never before: the marks alone could not
+tell a removed log's outputs from new ones).
+
+Startup (`load_persisted`) takes the same lock for a consistent view: the persisted outputs,
+the marks that say which logged outputs they are, and every log opened, so that the logs'
+other outputs are replayed exactly once in memory too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from redraft.datastore.build import learned_marks, persist_learned
+from redraft.datastore.drafting import LEARNED_CORPUS
+from redraft.datastore.learned_log import (
+    list_logs,
+    owner_alive,
+    persist_lock,
+    read_log,
+    remove_stale_new_logs,
+)
+from redraft.datastore.reader import Reader
+from redraft.datastore.service.tenants import persisted_key
+from redraft.proto.errors import DatastoreError
+
+MARKS_KEY = "logs"  # marks: {"logs": {log name: [[start, end), ...] persisted}}
+
+
+class PersistBusy(DatastoreError):
+    """Another process kept the persist or write lock past the wait; retried later."""
+
+
+class Ranges:
+    """Output numbers of one log, as sorted disjoint [start, end) ranges: a log's outputs
+    end roughly in the order they began, so this stays a few ranges long."""
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        for start, end in ranges:
+            self.starts.append(int(start))
+            self.ends.append(int(end))
+
+    def __contains__(self, n: int) -> bool:
+        i = bisect.bisect_right(self.starts, n) - 1
+        return i >= 0 and n < self.ends[i]
+
+    def add(self, n: int) -> None:
+        if n in self:
+            return
+        i = bisect.bisect_right(self.starts, n)
+        self.starts.insert(i, n)
+        self.ends.insert(i, n + 1)
+        if i + 1 < len(self.starts) and self.starts[i + 1] == n + 1:  # joins the next
+            self.ends[i] = self.ends.pop(i + 1)
+            del self.starts[i + 1]
+        if i > 0 and self.ends[i - 1] == n:  # joins the previous
+            self.ends[i - 1] = self.ends.pop(i)
+            del self.starts[i]
+
+    def to_json(self) -> list[list[int]]:
+        return [[s, e] for s, e in zip(self.starts, self.ends)]
+
+
+@dataclass
+class Persisted:
+    outputs: int = 0  # outputs persisted by this call
+    tokens: int = 0
+    removed_logs: int = 0
+
+
+def log_marks(marks: dict) -> dict[str, Ranges]:
+    logs = marks.get(MARKS_KEY) if isinstance(marks, dict) else None
+    return {name: Ranges(r) for name, r in (logs or {}).items()}
+
+
+def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
+                    wait_s: float) -> Persisted:
+    """Persist every final or orphaned output not persisted yet, exactly once. `alive`:
+    this process's own logs it still writes (their lock is its own). Raises PersistBusy
+    when another process kept a lock longer than `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    with persist_lock(datastore, wait_s) as held:
+        if not held:
+            raise PersistBusy(f"{datastore}: another process kept persisting learned outputs "
+                              f"for more than {wait_s:g} s")
+        remove_stale_new_logs(datastore)
+        committed = learned_marks(datastore)
+        done = log_marks(committed)
+        documents: list[tuple[str, list[int]]] = []
+        marks: dict[str, list[list[int]]] = {}
+        finished = []  # logs of gone owners, removable once all is persisted
+        for path in list_logs(datastore):
+            # the owner's liveness first: a dead owner wrote all it ever will, so what is
+            # read next is the whole log
+            live = path.name in alive or owner_alive(path)
+            outputs, _ = read_log(path)
+            ranges = done.get(path.name) or Ranges()
+            for number in sorted(outputs):
+                out = outputs[number]
+                if number in ranges or not (out.final or not live):
+                    continue
+                if out.tokens:
+                    documents.append((out.tenant, out.tokens))
+                ranges.add(number)
+            if ranges.starts:
+                marks[path.name] = ranges.to_json()
+            if not live and all(n in ranges for n in outputs):
+                finished.append(path)
+        result = Persisted()
+        if documents:  # the commit: the documents and their marks, both or neither
+            persist_learned(datastore, documents, {MARKS_KEY: marks}, fingerprint=fingerprint,
+                            wait_s=max(0.0, deadline - time.monotonic()), expect=committed)
+            result.outputs = len(documents)
+            result.tokens = sum(len(t) for _, t in documents)
+        for path in finished:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            result.removed_logs += 1
+        return result
+
+
+@dataclass
+class Snapshot:
+    """What a starting process loads: persisted outputs (tenant key, tokens) oldest first,
+    and which logged outputs they are."""
+
+    documents: list[tuple[str, list[int]]]
+    persisted: dict[str, Ranges]
+
+    def skip(self, name: str, number: int) -> bool:
+        ranges = self.persisted.get(name)
+        return ranges is not None and number in ranges
+
+
+def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
+                   wait_s: float, opened=lambda: None) -> Snapshot:
+    """The newest persisted outputs that fit `max_tokens` and the marks of the same commit;
+    `opened()` runs under the same lock (to open the logs as they are at that commit)."""
+    with persist_lock(datastore, wait_s):  # not held after the wait: a best effort view
+        newest: list[tuple[str, list[int]]] = []
+        total = 0
+        with Reader(datastore) as reader:
+            marks = log_marks(reader.manifest.get("learned") or {})  # this very commit's
+            if LEARNED_CORPUS in (reader.corpora or {}):
+                for _, name, tokens in reader.documents(LEARNED_CORPUS, newest_first=True):
+                    key = persisted_key(name, token_keys)
+                    if key is None:
+                        continue  # no session of this server may draft it
+                    if total + len(tokens) > max_tokens:
+                        break
+                    newest.append((key, list(tokens)))
+                    total += len(tokens)
+        opened()
+    newest.reverse()
+    return Snapshot(newest, marks)

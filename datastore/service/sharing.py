@@ -1,0 +1,215 @@
+"""What one serving process learns reaches the others: its outputs go to its own log in the
+datastore directory, and it replays everyone else's logs into its learned index.
+
+Why: each `--workers` process and each replica keeps its own in-memory index; without
+this, a session drafts only from outputs its own process happened to serve. Sessions write
+to memory (the journal's `append` is a list append on the serving path); a sync every
+`learn_sync_s` seconds writes them to the log in one write and reads the other logs from
+where it stopped, so an output reaches every other process within about two syncs. The log
+format and its locks: `redraft.datastore.learned_log`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from redraft.datastore.drafting import LearnedIndex
+from redraft.datastore.drafting.learned import LearnedWriter
+from redraft.datastore.learned_log import LogTail, OwnedLog, Record, list_logs
+
+log = logging.getLogger("redraft.serve")
+ROTATE_BYTES = 4 << 20  # a log this long is retired; its open outputs end in it
+
+
+class _Output:
+    """A journaled output: its log, its number there, what is not written yet."""
+
+    __slots__ = ("log", "number", "tenant", "pending", "final", "dirty")
+
+    def __init__(self, log: _Log, number: int, tenant: str) -> None:
+        self.log = log
+        self.number = number
+        self.tenant = tenant
+        self.pending: list[int] = []
+        self.final = False
+        self.dirty = False
+
+
+class _Log:
+    """One of this process's logs and its outputs not final yet."""
+
+    def __init__(self, datastore: str) -> None:
+        self.file = OwnedLog(datastore)
+        self.next_number = 0
+        self.open = 0
+
+
+class OutputJournal:
+    """The learned index's journal in a serving process: its outputs, into its own logs.
+
+    Thread-safe: sessions call `begin`/`append`/`end` on the event loop, `flush` runs on a
+    worker thread. A log past `rotate_bytes` is retired: new outputs go to a new log, the old
+    one's lock is released once its last open output ended (it then reads as finished, and a
+    persister removes it once persisted; with `keep=False` this process removes it itself).
+    """
+
+    def __init__(self, datastore: str, keep: bool = True,
+                 rotate_bytes: int = ROTATE_BYTES) -> None:
+        self.datastore = datastore
+        self.keep = keep
+        self.rotate_bytes = rotate_bytes
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # one flush at a time, records in order
+        self._dirty: list[_Output] = []
+        self._current = _Log(datastore)
+        self._retired: list[_Log] = []
+        self.names: set[str] = {self._current.file.name}  # every log this process wrote
+
+    # ---- the learned index's side ----------------------------------------------------
+    def begin(self, tenant: str) -> _Output:
+        with self._lock:
+            log_ = self._current
+            out = _Output(log_, log_.next_number, tenant)
+            log_.next_number += 1
+            log_.open += 1
+            return out
+
+    def append(self, output: _Output, tokens: Sequence[int]) -> None:
+        with self._lock:
+            output.pending.extend(tokens)
+            if not output.dirty:
+                output.dirty = True
+                self._dirty.append(output)
+
+    def end(self, output: _Output) -> None:
+        with self._lock:
+            output.final = True
+            if not output.dirty:
+                output.dirty = True
+                self._dirty.append(output)
+
+    # ---- the sync's side --------------------------------------------------------------
+    def flush(self) -> None:
+        """Write what sessions added since the last flush, one write per log."""
+        with self._write_lock:
+            with self._lock:
+                dirty, self._dirty = self._dirty, []
+                batches: dict[int, tuple[_Log, list[Record]]] = {}
+                for out in dirty:
+                    out.dirty = False
+                    rec = Record(out.number, out.tenant, out.pending, out.final)
+                    out.pending = []
+                    batches.setdefault(id(out.log), (out.log, []))[1].append(rec)
+            for log_, records in batches.values():
+                log_.file.append(records)
+            with self._lock:
+                for log_, records in batches.values():
+                    log_.open -= sum(r.final for r in records)
+                self._rotate()
+
+    def _rotate(self) -> None:
+        if self._current.file.size >= self.rotate_bytes:
+            self._retired.append(self._current)
+            self._current = _Log(self.datastore)
+            self.names.add(self._current.file.name)
+        for log_ in [g for g in self._retired if g.open <= 0]:
+            self._retired.remove(log_)
+            if self.keep:
+                log_.file.release()
+            else:
+                log_.file.remove()
+
+    def locked_names(self) -> set[str]:
+        """This process's logs it still writes (alive, whatever their lock reads as)."""
+        with self._lock:
+            return {g.file.name for g in (self._current, *self._retired)}
+
+    def close(self) -> None:
+        """At shutdown, once every session ended: write everything, give the logs up (an
+        output still open then reads as ended by a dead owner), or remove them with
+        `keep=False`."""
+        self.flush()
+        with self._write_lock, self._lock:
+            for g in (self._current, *self._retired):
+                if self.keep:
+                    g.file.release()
+                else:
+                    g.file.remove()
+            self._retired = []
+
+
+class LogFollower:
+    """Replays the other processes' logs into this process's learned index.
+
+    `skip(name, number)`: whether output `number` of log `name` was persisted by the time
+    this process loaded the persisted outputs (so it is in the index already).
+    """
+
+    def __init__(self, datastore: str, index: LearnedIndex, own: set[str],
+                 skip: Callable[[str, int], bool] = lambda name, number: False) -> None:
+        self.datastore = datastore
+        self.index = index
+        self.own = own
+        self.skip = skip
+        self._tails: dict[str, LogTail] = {}
+        self._writers: dict[tuple[str, int], LearnedWriter] = {}
+        self._reported: set[str] = set()  # damaged logs already logged once
+        self.replayed = 0  # records applied so far
+
+    def counters(self) -> dict:
+        return {"learned_logs_followed": len(self._tails),
+                "learned_records_replayed": self.replayed}
+
+    def open_all(self) -> None:
+        """Open every log there now: it stays readable if a persister removes it next."""
+        for path in list_logs(self.datastore):
+            if path.name not in self.own and path.name not in self._tails:
+                tail = self._tails[path.name] = LogTail(path)
+                tail.open()
+
+    def poll(self) -> int:
+        """Apply what the other logs gained since the last poll; the records applied."""
+        listed = {p.name: p for p in list_logs(self.datastore)}
+        n = 0
+        for name in [k for k in self._tails if k not in listed]:  # removed: read the rest
+            n += self._apply(name, self._tails[name].read())
+            self._forget(name)
+        for name, path in listed.items():
+            if name in self.own:
+                continue
+            tail = self._tails.get(name)
+            if tail is None:
+                tail = self._tails[name] = LogTail(path)
+            n += self._apply(name, tail.read())
+            if tail.damaged and name not in self._reported:
+                self._reported.add(name)
+                log.error("redraft serve: learned-output log %s is damaged after byte %d; "
+                          "the rest of it is not replayed", path, tail.offset)
+        self.replayed += n
+        return n
+
+    def _apply(self, name: str, records: list[Record]) -> int:
+        for r in records:
+            key = (name, r.output)
+            writer = self._writers.get(key)
+            if writer is None:
+                if self.skip(name, r.output):
+                    continue
+                writer = self._writers[key] = self.index.writer(r.tenant, (), journal=False)
+            writer.extend(r.tokens)
+            if r.final:
+                writer.close()
+                del self._writers[key]
+        return len(records)
+
+    def _forget(self, name: str) -> None:
+        self._tails.pop(name).close()
+        self._reported.discard(name)
+        for key in [k for k in self._writers if k[0] == name]:
+            self._writers.pop(key).close()
+
+    def close(self) -> None:
+        for name in list(self._tails):
+            self._forget(name)

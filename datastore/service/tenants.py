@@ -1,0 +1,55 @@
+"""Tenant keys: the names learned outputs are kept, logged and persisted under.
+
+Why keys and not the names sessions declare: a learned output outlives the server's
+configuration. Outputs learned under a bearer token are keyed `k:<sha256 hex>` of the token
+as sent ("Bearer <token>"), a name no one can produce without the token; declared tenants are
+keyed `t:<name>`, so no declared name can ever equal a token's key, whatever the server's
+configuration is later (restarted without auth, a session declaring anything still gets a
+`t:` key). A token with a declared tenant is `k:<hex>/<name>`.
+
+Outputs persisted before keys (`learned:<tenant>`) map safely: `learned:token-<hex16>[/name]`
+(a token's tenant then) only to a token configured now whose digest starts with those 16
+digits (else it is not loaded at all), any other `learned:<name>` to `t:<name>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+
+TOKEN_PREFIX = "k:"
+DECLARED_PREFIX = "t:"
+LEGACY_PREFIX = "learned:"
+_LEGACY_TOKEN = re.compile(r"token-([0-9a-f]{16})(/.*)?", re.DOTALL)
+
+
+def token_key(token: str) -> str:
+    """The tenant key of a bearer token."""
+    return TOKEN_PREFIX + hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
+
+
+def session_key(authenticated: str, declared: str) -> str:
+    """The key of a session: its token's key (`authenticated`, "" without auth), subdivided
+    by the tenant it declares, or the declared tenant alone."""
+    if authenticated:
+        return f"{authenticated}/{declared}" if declared else authenticated
+    return DECLARED_PREFIX + declared
+
+
+def persisted_key(name: str, token_keys: Iterable[str]) -> str | None:
+    """The tenant key of a persisted output named `name`; None when no session of this
+    server may ever draft it (a legacy token tenant whose token is not configured, or a
+    name that is no key)."""
+    if name.startswith((TOKEN_PREFIX, DECLARED_PREFIX)):
+        return name
+    if not name.startswith(LEGACY_PREFIX):
+        return None
+    tenant = name[len(LEGACY_PREFIX):]
+    m = _LEGACY_TOKEN.fullmatch(tenant)
+    if m is None:
+        return DECLARED_PREFIX + tenant
+    for key in token_keys:
+        if key[len(TOKEN_PREFIX):].startswith(m.group(1)):
+            return key + (m.group(2) or "")
+    return None

@@ -1,0 +1,168 @@
+"""Learned outputs persisted exactly once, with real `redraft serve` processes: replicas and
+workers persisting at the same moment, a replica killed with SIGKILL in the middle of a
+persist, another writer holding the datastore's lock through persists and a shutdown.
+Every output is found once in the datastore afterwards, by its name (each test session has
+its own tenant, and a persisted output is named by its tenant's key)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from redraft.datastore import Reader, build_datastore
+from redraft.datastore.format import WRITE_LOCK
+from redraft.datastore.learned_log import list_logs
+from redraft.datastore.service.client import DraftClient, DraftParams
+from redraft.datastore.service.persisting import Ranges
+
+FP = "sha256:persisting-test"
+VOCAB = 30000
+RNG = random.Random(211)
+DOCS = [[RNG.randrange(1, 1000) for _ in range(80)] for _ in range(20)]
+PROMPT = [RNG.randrange(1, 1000) for _ in range(30)]
+
+
+@pytest.fixture()
+def store(tmp_path) -> str:
+    path = str(tmp_path / "ds")
+    build_datastore(None, path, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    return path
+
+
+def output_of(tenant: str, n_tokens: int = 40) -> list[int]:
+    rng = random.Random(tenant)
+    return [rng.randrange(1000, VOCAB) for _ in range(n_tokens)]
+
+
+def learn(address: str, tenants, n_tokens: int = 40, chunk: int = 10) -> None:
+    """One session per tenant, each accepting its own output after PROMPT; they all end
+    together (so that one persist has them all)."""
+    with DraftClient(address, timeout=30) as c:
+        sessions = []
+        for tenant in tenants:
+            text = output_of(tenant, n_tokens)
+            s = c.session(PROMPT, DraftParams(budget=4), FP, tenant=tenant).__enter__()
+            for i in range(0, len(text), chunk):
+                s.step(text[i:i + chunk])
+            sessions.append(s)
+        for s in sessions:
+            s.close()
+
+
+def persisted(store: str) -> Counter:
+    """How often each tenant's output is in the datastore (checked to be that output)."""
+    found: Counter = Counter()
+    with Reader(store) as r:
+        if "learned" not in r.corpora:
+            return found
+        for _, name, tokens in r.documents("learned"):
+            tenant = name.removeprefix("t:")
+            text = output_of(tenant, len(tokens) - 16)
+            assert tokens == PROMPT[-16:] + text, f"{name} persisted with other tokens"
+            found[tenant] += 1
+    return found
+
+
+def test_ranges_hold_a_log_s_persisted_outputs():
+    r = Ranges()
+    order = list(range(200))
+    random.Random(1).shuffle(order)
+    for i, n in enumerate(order):
+        r.add(n)
+        r.add(n)  # twice is once
+        assert all(m in r for m in order[:i + 1]) and sum(m in r for m in range(200)) == i + 1
+    assert r.to_json() == [[0, 200]]
+    assert Ranges(r.to_json()).to_json() == [[0, 200]]
+    gaps = Ranges([[0, 5], [7, 9]])
+    assert 4 in gaps and 5 not in gaps and 7 in gaps and 9 not in gaps
+
+
+@pytest.mark.parametrize("layout", ["replicas", "workers"])
+def test_processes_persisting_at_the_same_moment_persist_each_output_once(
+        store, servers, until, layout):
+    often = ("--learn-persist-seconds", "0.2")  # they keep colliding while serving too
+    if layout == "replicas":
+        procs = [servers.start(store, "--port", "0", *often) for _ in range(2)]
+        addresses = [p.address for p in procs]
+    else:
+        procs = [servers.start(store, "--port", str(servers.free_port()), "--workers", "2",
+                               *often)]
+        addresses = procs[0].addresses
+    tenants = [f"{layout}-{i}" for i in range(20)]
+    with ThreadPoolExecutor(4) as pool:  # sessions on every process at once
+        list(pool.map(lambda k: learn(addresses[k % 2], tenants[k::4]), range(4)))
+    stopping = [threading.Thread(target=p.stop) for p in procs]
+    for t in stopping:  # SIGTERM at once: their shutdown persists race
+        t.start()
+    for t in stopping:
+        t.join()
+    assert [p.proc.returncode for p in procs] == [0] * len(procs)
+    assert persisted(store) == Counter(tenants)
+    assert list_logs(store) == []  # every log persisted and removed
+    # a restart loads them, once each
+    again = servers.start(store, "--port", "0")
+    with DraftClient(again.address) as c:
+        until(lambda: c.stats()["learned_docs"] == 20)  # loading runs in the background
+    assert again.stop() == 0
+    assert persisted(store) == Counter(tenants)
+
+
+def holds_write_lock(store: str, pid: int) -> bool:
+    """Whether process `pid` holds the datastore's write lock (read from /proc/locks, which
+    takes nothing away from the writer)."""
+    inode = os.stat(os.path.join(store, WRITE_LOCK)).st_ino
+    with open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            if "FLOCK" in parts and parts[4] == str(pid) and parts[5].endswith(f":{inode}"):
+                return True
+    return False
+
+
+def test_a_replica_killed_in_the_middle_of_a_persist_loses_and_doubles_nothing(
+        store, servers, until):
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "1")
+    tenants = [f"big-{i}" for i in range(60)]
+    # a large batch: the persist that commits it holds the write lock for long enough
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda k: learn(a.address, tenants[k::2], n_tokens=8000, chunk=2000),
+                      range(2)))
+    until(lambda: holds_write_lock(store, a.pid), timeout=30, step=0.002)
+    a.kill()  # SIGKILL while it writes
+    assert persisted(store) == Counter()  # the commit never happened: nothing published
+    b = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.5")
+    until(lambda: persisted(store) == Counter(tenants), timeout=30, step=0.2)
+    assert b.stop() == 0
+    assert persisted(store) == Counter(tenants) and list_logs(store) == []
+
+
+def test_a_writer_holding_the_lock_delays_persists_and_loses_nothing(store, servers, until):
+    serve = ("--port", "0", "--learn-persist-seconds", "0.3", "--learn-persist-wait", "0.2")
+    a = servers.start(store, *serve)
+    lock = os.open(os.path.join(store, WRITE_LOCK), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as `redraft index --append` holds it
+        learn(a.address, ["held-0", "held-1", "held-2"])
+        until(lambda: "the next persist retries" in a.stderr, timeout=10)
+        assert persisted(store) == Counter()
+        fcntl.flock(lock, fcntl.LOCK_UN)  # the writer is done: the next persist gets them
+        until(lambda: persisted(store) == Counter(["held-0", "held-1", "held-2"]), timeout=10)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # and again, this time through a shutdown
+        learn(a.address, ["late-0", "late-1"])
+        warned = a.stderr.count("the next persist retries")
+        assert a.stop() == 0
+        assert a.stderr.count("the next persist retries") > warned  # the shutdown persist gave up
+        assert len(list_logs(store)) == 1  # what it could not persist stays logged
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    b = servers.start(store, *serve)  # any process persists it later
+    until(lambda: persisted(store) == Counter(
+        ["held-0", "held-1", "held-2", "late-0", "late-1"]), timeout=10)
+    assert b.stop() == 0
+    assert list_logs(store) == []

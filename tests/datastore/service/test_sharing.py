@@ -1,0 +1,151 @@
+"""What one serving process learns drafts on the others: two `redraft serve` replicas (two
+processes, two ports, one datastore directory) and `--workers 2`, each with a session; the
+second drafts (source `learned`) what the first is learning, within the default bound."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from redraft.datastore import Reader, build_datastore
+from redraft.datastore.drafting import LearnedIndex
+from redraft.datastore.learned_log import list_logs
+from redraft.datastore.service.client import DraftClient, DraftParams
+from redraft.datastore.service.persisting import persist_outputs
+from redraft.datastore.service.sharing import LogFollower, OutputJournal
+
+FP = "sha256:sharing-test"
+VOCAB = 3000
+RNG = random.Random(23)
+DOCS = [[RNG.randrange(1, 1000) for _ in range(80)] for _ in range(20)]
+PROMPT = [RNG.randrange(1, 1000) for _ in range(30)]
+SECRET = [RNG.randrange(1000, VOCAB) for _ in range(120)]  # in no corpus: only learnable
+LEARNED_ONLY = DraftParams(budget=16, max_depth=8, sources=("learned",))
+BOUND_S = 2.0  # the default bound on sharing between processes
+
+
+@pytest.fixture()
+def store(tmp_path) -> str:
+    path = str(tmp_path / "ds")
+    build_datastore(None, path, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    return path
+
+
+def learn(client: DraftClient, tenant: str, text=SECRET, close: bool = True):
+    """A session of `tenant` whose decoder accepts `text` after PROMPT."""
+    s = client.session(PROMPT, DraftParams(budget=8), FP, tenant=tenant).__enter__()
+    for i in range(0, len(text), 10):
+        s.step(text[i:i + 10])
+    if close:
+        s.close()
+    return s
+
+
+def delay_until_drafted(watcher, step_s: float = 0.01, timeout: float = 30.0) -> float:
+    """Seconds until `watcher` (a session sitting at PROMPT + SECRET[:8]) drafts the rest of
+    SECRET from learned outputs."""
+    t0 = time.monotonic()
+    while True:
+        draft = watcher.step([])
+        if draft.tokens[:4] == SECRET[8:12]:
+            assert set(draft.sources) == {"learned"}
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, "never drafted"
+        time.sleep(step_s)
+
+
+def watcher(client: DraftClient, tenant: str):
+    s = client.session(PROMPT, LEARNED_ONLY, FP, tenant=tenant).__enter__()
+    assert s.step(SECRET[:8]).tokens == []  # nothing learned yet, anywhere
+    return s
+
+
+def test_a_replica_drafts_what_another_replica_is_learning(store, servers):
+    a = servers.start(store, "--port", "0")
+    b = servers.start(store, "--port", "0")
+    with DraftClient(a.address) as on_a, DraftClient(b.address) as on_b:
+        assert on_a.stats()["pid"] != on_b.stats()["pid"]
+        alice_b, bob_b = watcher(on_b, "alice"), watcher(on_b, "bob")
+        writing = learn(on_a, "alice", close=False)  # still generating on replica A
+        assert delay_until_drafted(alice_b) < BOUND_S
+        writing.close()
+        time.sleep(1.0)  # twice the bound's worth of syncs: nothing reaches another tenant
+        assert bob_b.step([]).tokens == []
+        replayed = on_b.stats()
+        assert replayed["learned_logs_followed"] == 1 and replayed["learned_records_replayed"] > 0
+        # and the other way round, for a new tenant
+        carol_a = watcher(on_a, "carol")
+        learn(on_b, "carol")
+        assert delay_until_drafted(carol_a) < BOUND_S
+        for s in (alice_b, bob_b, carol_a):
+            s.close()
+    assert a.stop() == 0 and b.stop() == 0
+    assert list_logs(store) == []  # persisted at shutdown, then removed
+    with Reader(store) as r:
+        assert r.corpora["learned"]["n_docs"] == 5  # each session's output, once
+
+
+def test_workers_of_one_server_draft_what_each_other_learns(store, servers):
+    serve = servers.start(store, "--port", str(servers.free_port()), "--workers", "2",
+                          "--learn-persist-seconds", "0")  # memory only: logs share still
+    by_pid: dict[int, DraftClient] = {}
+    clients = []
+    try:
+        while len(by_pid) < 2 and len(clients) < 40:  # the kernel spreads connections
+            c = DraftClient(serve.address, own_connection=True)
+            clients.append(c)
+            by_pid.setdefault(c.stats()["pid"], c)
+        assert len(by_pid) == 2
+        first, second = by_pid.values()
+        alice = watcher(second, "alice")
+        learn(first, "alice", close=False)
+        assert delay_until_drafted(alice) < BOUND_S
+        alice.close()
+    finally:
+        for c in clients:
+            c.close()
+    assert serve.stop() == 0
+    assert list_logs(store) == []  # each worker removed its own log
+    with Reader(store) as r:
+        assert "learned" not in r.corpora
+
+
+def test_a_process_rotates_its_log_and_a_retired_log_goes_once_persisted(store):
+    """The journal and a follower as two processes see them (each its own open files): a
+    full log is retired, released when its last open output ends, then persisted and
+    removed; the follower replays every output once, across the rotation."""
+    journal = OutputJournal(store, rotate_bytes=1000)
+    index = LearnedIndex()
+    follower = LogFollower(store, index, own=set())
+    long_running = journal.begin("t:long")
+    journal.append(long_running, SECRET[:20])
+    outputs = {"t:long": SECRET[:20]}
+    for i in range(6):  # ~185 bytes each: the fifth fills the first log
+        out = journal.begin(f"t:{i}")
+        journal.append(out, DOCS[i][:40])
+        journal.end(out)
+        outputs[f"t:{i}"] = DOCS[i][:40]
+        journal.flush()
+    first, second = sorted(journal.names, key=lambda n: n != long_running.log.file.name)
+    assert len(journal.names) == 2 and journal.locked_names() == {first, second}
+    persist_outputs(store, journal.locked_names(), FP, 5.0)
+    assert {p.name for p in list_logs(store)} == {first, second}  # `long` still open
+    journal.append(long_running, SECRET[20:40])
+    journal.end(long_running)
+    outputs["t:long"] = SECRET[:40]
+    journal.flush()
+    assert journal.locked_names() == {second}  # the retired log is released
+    follower.poll()
+    for tenant, tokens in outputs.items():
+        assert index.propose(tenant, tokens[:10], 8, 8).tokens[:4] == tokens[10:14], tenant
+    assert index.stats()["learned_docs"] == len(outputs)
+    done = persist_outputs(store, journal.locked_names(), FP, 5.0)
+    assert done.removed_logs == 1 and {p.name for p in list_logs(store)} == {second}
+    follower.poll()  # it reads the rest of a removed log, then lets it go
+    assert index.stats()["learned_docs"] == len(outputs)
+    journal.close()
+    assert persist_outputs(store, set(), FP, 5.0).outputs == 0 and list_logs(store) == []
+    with Reader(store) as r:
+        found = sorted((name, tokens) for _, name, tokens in r.documents("learned"))
+    assert found == sorted(outputs.items())
