@@ -91,7 +91,7 @@ def run_batch(client: DraftClient, seqs, steps: int, params: DraftParams, rng: r
     ctxs = [list(p) for p, _ in seqs]
     tails = [list(t) for _, t in seqs]
     budgets = [None] * len(seqs)
-    for step in range(steps + 1):
+    for _ in range(steps + 1):
         r = client.batch(entries, params, FP, chain=chain, client_id="engine")
         assert r.errors == [None] * len(seqs)
         assert r.context_lens == [len(c) for c in ctxs]
