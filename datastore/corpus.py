@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from redraft.proto.errors import CorpusError
+from redraft.proto.jsonl import parse_record
 
 # Files a directory walk leaves out: caches and obvious binaries. Named files are never
 # filtered; a binary file named explicitly is reported as not UTF-8.
@@ -87,9 +87,11 @@ def expand_inputs(inputs: Sequence[str | os.PathLike], exclude: Sequence[str] = 
     return out
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, source: Path | None = None) -> str:
+    """The text of file `path` (read from `source` when given: the same file as another
+    process names it)."""
     try:
-        data = path.read_bytes()
+        data = (source or path).read_bytes()
     except OSError as exc:
         raise CorpusError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     try:
@@ -133,12 +135,7 @@ def record_text(rec: object, field: str | None) -> str | None:
 
 def _record(path: Path, lineno: int, line: str, field: str | None) -> str:
     """The text of one .jsonl record, or CorpusError naming path:line."""
-    try:
-        rec = json.loads(line)
-    except ValueError as exc:
-        raise CorpusError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-    except RecursionError as exc:
-        raise CorpusError(f"{path}:{lineno}: JSON nested too deeply") from exc
+    rec = parse_record(line, f"{path}:{lineno}", CorpusError)
     doc = record_text(rec, field)
     if doc is None:
         what = (f"field {field!r}" if field
@@ -147,12 +144,12 @@ def _record(path: Path, lineno: int, line: str, field: str | None) -> str:
     return doc
 
 
-def _jsonl_docs(path: Path, field: str | None,
+def _jsonl_docs(path: Path, source: Path | None, field: str | None,
                 on_bad: Callable[[CorpusError], None] | None) -> Iterator[Document]:
     """One document per record. Records end at "\n" only: JSON text may hold U+2028 and
     other characters that str.splitlines() would also split on. A bad record raises, or,
     given `on_bad`, is reported there and skipped alone."""
-    text = read_text(path)
+    text = read_text(path, source)
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
@@ -181,20 +178,35 @@ def iter_documents(
     With `skip_bad`, unreadable / non-UTF-8 files and malformed .jsonl records are reported
     to `on_skip` (one call each) and skipped.
     """
+    for path in expand_inputs(inputs, exclude):
+        yield from file_documents(path, field=field, skip_bad=skip_bad, on_skip=on_skip)
+
+
+def file_documents(
+    path: Path,
+    *,
+    field: str | None = None,
+    skip_bad: bool = False,
+    on_skip: Callable[[str], None] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> Iterator[Document]:
+    """The documents of one input file, as `iter_documents` yields them. `cwd`: the working
+    directory a relative `path` was listed in (another process's, on another machine), so
+    that the file is found there while its documents keep the names it was listed under."""
 
     def skip(exc: CorpusError) -> None:
         if on_skip is not None:
             on_skip(str(exc))
 
-    for path in expand_inputs(inputs, exclude):
-        try:
-            if path.suffix.lower() == ".jsonl":
-                yield from _jsonl_docs(path, field, skip if skip_bad else None)
-            else:
-                text = read_text(path)
-                if text:
-                    yield Document(str(path), text)
-        except CorpusError as exc:
-            if not skip_bad:
-                raise
-            skip(exc)
+    source = Path(cwd) / path if cwd is not None and not path.is_absolute() else None
+    try:
+        if path.suffix.lower() == ".jsonl":
+            yield from _jsonl_docs(path, source, field, skip if skip_bad else None)
+        else:
+            text = read_text(path, source)
+            if text:
+                yield Document(str(path), text)
+    except CorpusError as exc:
+        if not skip_bad:
+            raise
+        skip(exc)

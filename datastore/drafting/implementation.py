@@ -35,10 +35,13 @@ _warned = False
 
 
 def uses_native(choice: str | None = None) -> bool:
-    """Whether drafting runs on the compiled core: `choice` (or $REDRAFT_DRAFTING) is one
-    of CHOICES; ValueError for anything else, RuntimeError for `native` without the core."""
+    """Whether drafting runs on the compiled core: `choice` (None or auto: $REDRAFT_DRAFTING,
+    else auto) is one of CHOICES; ValueError for anything else, RuntimeError for `native`
+    without the core."""
     global _warned
-    choice = (choice or os.environ.get(DRAFTING_ENV) or "auto").strip().lower()
+    if choice is None or choice.strip().lower() == "auto":  # auto: the environment decides
+        choice = os.environ.get(DRAFTING_ENV) or "auto"
+    choice = choice.strip().lower()
     if choice not in CHOICES:
         raise ValueError(f"{DRAFTING_ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "python":

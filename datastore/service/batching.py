@@ -11,8 +11,11 @@ own result, and never touches the other entries.
 
 Drafting: every sequence of the call is extended, then all draft (`drafting.step_batch`):
 one call into the core, without the GIL. Small batches draft inline on the event loop (a
-hand-off to a thread costs more than they do); from `batch_offload_min` sequences on, the
-call drafts on a thread so the loop goes on answering other calls and health checks.
+hand-off to a thread costs more than they do); from `batch_offload_min` sequences on, or
+when the call's steps add more than OFFLOAD_TOKENS tokens (a step may add up to
+max_context_len: tens of ms of indexing), the call drafts on a thread so the loop goes on
+answering other calls and health checks. Only compiled drafters go to a thread: the core's
+learned index is locked, the Python reference's is not (it is for debugging).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 from redraft.datastore.drafting import BatchStep, step_batch
+from redraft.datastore.drafting.native import NativeSessionDrafter
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.stats import ServiceStats
@@ -34,6 +38,7 @@ from redraft.proto.errors import DatastoreError
 _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _SWEPT_REMEMBERED = 4096  # ids of swept sequences kept to say why they are gone
+OFFLOAD_TOKENS = 1 << 16  # about 20 ms of indexing in the core
 
 
 class BatchedSequence:
@@ -183,6 +188,7 @@ class BatchDrafting:
                     entry.seq = None
         drafting = [x for x in entries if x.drafts]
         out = await self._draft(drafting, request.chain) if drafting else None
+        self.service.learning.publish()
         return self._reply(entries, drafting, out, t0)
 
     # ---- entries -----------------------------------------------------------------------
@@ -261,7 +267,9 @@ class BatchDrafting:
         accepted = [x.accepted for x in drafting]
         budgets = [x.budget for x in drafting]
         threads = self.config.batch_threads
-        if len(drafting) < self.config.batch_offload_min:
+        big = (len(drafting) >= self.config.batch_offload_min
+               or sum(len(a) for a in accepted if a is not None) > OFFLOAD_TOKENS)
+        if not big or not all(d.__class__ is NativeSessionDrafter for d in drafters):
             out = step_batch(drafters, accepted, budgets, chain, threads)
         else:
             for x in drafting:
@@ -277,6 +285,9 @@ class BatchDrafting:
                 self._in_flight.discard(fut)
                 for x in drafting:
                     x.seq.busy = False
+            if self.service.reader is not reader:  # swapped meanwhile: `follow` skipped these
+                for d in drafters:
+                    d.use_reader(self.service.reader)
         now = time.monotonic()
         for i, x in enumerate(drafting):
             x.seq.since = now

@@ -339,6 +339,9 @@ def test_the_implementation_is_chosen_by_setting(narrow_store, monkeypatch):
         monkeypatch.setenv(drafting.DRAFTING_ENV, "python")
         assert type(drafting.new_session_drafter([1], DraftSettings(), reader, index)) is \
             NativeSessionDrafter
+        # auto (a server's default) follows the environment; an explicit choice does not
+        assert type(drafting.new_learned_index(10, choice="auto")) is LearnedIndex
+        assert type(drafting.new_learned_index(10, choice="native")) is NativeLearnedIndex
         monkeypatch.setenv(drafting.DRAFTING_ENV, "fast")
         with pytest.raises(ValueError, match="REDRAFT_DRAFTING"):
             drafting.new_learned_index(10)
