@@ -7,9 +7,11 @@ keys that ended, and makes one `Drafter.Batch` call (through `SequenceBatch`, wh
 only the tokens the server has not seen). When that call fails, this step and every step
 for the source's `retry_after` seconds are drafted by prompt lookup in this process, one
 incremental drafter per sequence; then the service is tried again with fresh sequences
-(the ones it held are swept when they idle). A sequence whose own entry fails (e.g. a
-context over the server's limit) is drafted by prompt lookup until it ends. With a datastore
-in process instead of a service, every sequence is drafted here the same way.
+(the ones it held are swept when they idle). A sequence whose own entry fails is drafted by
+prompt lookup at that step and tried on the service again at the next (a server that was full
+then has room; a refusal the same context would meet again, such as a context over the
+server's limit, is not resent by `SequenceBatch`). With a datastore in process instead of a
+service, every sequence is drafted here the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class BatchedDrafts:
         self.local_steps = 0  # steps drafted in process while the service was down
         self._batch = None  # the SequenceBatch on the service, made when first needed
         self._local: dict[Hashable, list] = {}  # key -> [stream, tokens fed]
-        self._on_local: set[Hashable] = set()  # keys whose service entry failed
+        self._refused: set[Hashable] = set()  # keys whose service entry failed (warned once)
 
     def step(self, contexts: Mapping[Hashable, Sequence[int]],
              end: Iterable[Hashable] = ()) -> dict[Hashable, Tree]:
@@ -45,15 +47,14 @@ class BatchedDrafts:
         end = list(end)
         for key in end:
             self._drop_local(key)
-            self._on_local.discard(key)
+            self._refused.discard(key)
         if self.source.client is None:
             return self._local_step(contexts)
         if not self.source.service_usable():
             self.local_steps += 1
             return self._local_step(contexts)
-        remote = {k: c for k, c in contexts.items() if k not in self._on_local}
         try:
-            drafts = self._sequence_batch().draft(remote, end=end)
+            drafts = self._sequence_batch().draft(contexts, end=end)
         except Exception as exc:  # any failure: prompt lookup, the service later
             self.source.service_failed(exc)
             self._batch = None
@@ -62,20 +63,20 @@ class BatchedDrafts:
         self.calls += 1
         out: dict[Hashable, Tree] = {}
         failed = {}
-        for key in remote:
+        for key in contexts:
             err = drafts.errors.get(key)
             if err is not None:
-                self._on_local.add(key)
                 failed[key] = contexts[key]
-                log.warning("draft service: sequence %r failed (%s); prompt lookup drafts it "
-                            "until it ends", key, err)
+                if key not in self._refused:
+                    self._refused.add(key)
+                    log.warning("draft service: sequence %r failed (%s); prompt lookup drafts "
+                                "it while the service refuses it", key, err)
                 continue
             if self._local:
                 self._drop_local(key)  # back on the service
             out[key] = drafts[key]
-        local = {k: contexts[k] for k in contexts if k in self._on_local}
-        if local:
-            out.update(self._local_step(local))
+        if failed:
+            out.update(self._local_step(failed))
         return out
 
     def close(self) -> None:

@@ -299,6 +299,52 @@ def test_a_dead_service_falls_back_to_prompt_lookup_and_is_used_again(
     proposer.close()
 
 
+def test_a_full_server_refuses_a_row_which_drafts_by_prompt_lookup_until_there_is_room(
+        monkeypatch, servers, answers_store, plain_answers):
+    """Three rows, a server holding two sequences: the third row's open is refused
+    (RESOURCE_EXHAUSTED, that entry alone); it drafts by prompt lookup in process and is
+    offered to the service again every step, which takes it once a finished row's
+    sequence has ended there."""
+    serve = servers.start(answers_store, "--port", "0", "--max-sessions", "2")
+    monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
+    monkeypatch.setenv("REDRAFT_LEARN", "0")
+    k = 4
+    proposer = create_proposer(vllm_config(k))
+    batch = InputBatch()
+    outputs, made = {}, {}
+    for i, q in enumerate(QUESTIONS[:3]):
+        batch.add_request(f"r{i}", plain_answers[q][0])
+        outputs[f"r{i}"], made[f"r{i}"] = plain_answers[q][1], 0
+    client = DraftClient(serve.address, timeout=10)
+
+    def step() -> dict[str, list]:
+        sampled = {}
+        for rid in batch.req_ids:
+            sampled[rid] = outputs[rid][made[rid]:made[rid] + 1]
+            made[rid] += 1
+        return engine_step(proposer, batch, sampled)
+
+    drafts = step()
+    assert drafts["r2"] == pld_chain(proposer, batch.context("r2"), k)
+    for rid in ("r0", "r1"):
+        assert drafts[rid] == service_chain(client, proposer, batch.context(rid), k)
+    batch.remove_request("r0")  # r0 finished: r2 moves into its row
+    batch.condense()
+    for _ in range(2):  # r0's sequence is kept while absent for up to grace (2) steps
+        drafts = step()
+        assert drafts["r2"] == pld_chain(proposer, batch.context("r2"), k)
+        assert client.stats()["sessions_active"] == 2
+    step()  # r0 ends, in the call whose entries (before the end) still found the server full
+    assert client.stats()["sessions_active"] == 1
+    drafts = step()  # the slot is free: r2 is opened on the service
+    for rid in ("r1", "r2"):
+        assert drafts[rid] == service_chain(client, proposer, batch.context(rid), k)
+    assert len(proposer.drafts._batch) == 2
+    assert proposer.drafts.source.failures == 0 and proposer.stats["errors"] == 0
+    client.close()
+    proposer.close()
+
+
 def test_an_unreachable_service_at_start_drafts_by_prompt_lookup(monkeypatch, plain_answers):
     monkeypatch.setenv("REDRAFT_SERVICE", f"127.0.0.1:{free_port()}")
     proposer = create_proposer(vllm_config(4))
