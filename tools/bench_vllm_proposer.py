@@ -128,7 +128,7 @@ def run_batch(address: str, docs: list[list[int]], n: int, args) -> dict:
         "propose_p50_ms": round(pct(times, 0.5) * 1e3, 3),
         "propose_p99_ms": round(pct(times, 0.99) * 1e3, 3),
         "per_row_p50_us": round(pct(times, 0.5) * 1e6 / n, 1),
-        "server_per_sequence_p50_us": after.get("latency_p50_us"),
+        "server_per_sequence_p50_us": round(after.get("latency_p50_us", 0.0), 1),
         "tokens_per_row_step": round(rows_made / (steps * n), 3),
         "accepted_drafts_per_row_step": round(accepted / (steps * n), 3),
         "server_batch_calls": after.get("batch_calls", 0) - before.get("batch_calls", 0),
@@ -152,18 +152,22 @@ def main() -> int:
     sizes = [int(s) for s in args.batch.split(",") if s.strip()]
     server_args = SimpleNamespace(datastore=args.datastore, workers=1, budget=args.budget,
                                   learn_max_tokens=100_000)
-    proc, address = start_server(server_args, args.learn)
-    try:
-        from redraft.datastore.service.client import DraftClient
+    results, docs = [], None
+    for n in sizes:  # a fresh server per size: its Stats are this size's alone
+        # finished rows' sequences are held for a few steps after they leave: room for them
+        proc, address = start_server(server_args, args.learn, "--max-sessions", str(2 * n + 16))
+        try:
+            if docs is None:
+                from redraft.datastore.service.client import DraftClient
 
-        with DraftClient(address, timeout=10) as client:
-            info = client.info()
-        docs = [d for d in held_out_tokens(info.tokenizer_name)
-                if len(d) > PROMPT_TOKENS + args.new_tokens + 1]
-        results = [run_batch(address, docs, n, args) for n in sizes]
-    finally:
-        proc.terminate()
-        proc.wait(30)
+                with DraftClient(address, timeout=10) as client:
+                    info = client.info()
+                docs = [d for d in held_out_tokens(info.tokenizer_name)
+                        if len(d) > PROMPT_TOKENS + args.new_tokens + 1]
+            results.append(run_batch(address, docs, n, args))
+        finally:
+            proc.terminate()
+            proc.wait(30)
     meta = {"datastore": args.datastore, "learn": args.learn, "load_1min": os.getloadavg()[0],
             "cpus": os.cpu_count()}
     if args.json:
