@@ -338,3 +338,24 @@ def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
         with c.session(prompt, params, FP) as s:
             same_tree(r.tree(1), s.draft)
             same_tree(r.tree(0), s.step(big))
+
+
+def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers):
+    """SIGTERM ends every open sequence (its output final), the server exits 0, and a
+    restarted server drafts what they learned for the same tenant only."""
+    store = make_store(str(tmp_path / "ds"))
+    rng = random.Random(15)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(12)]
+    secret = [rng.randrange(1, VOCAB) for _ in range(30)]
+    learned_only = DraftParams(budget=16, max_depth=8, sources=("learned",))
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "300")
+    with DraftClient(a.address, timeout=30) as c:
+        assert c.batch([SequenceOpen("s", prompt)], None, FP, tenant="carol",
+                       client_id="e").errors == [None]
+        assert c.batch([SequenceStep("s", secret)], client_id="e").errors == [None]
+    assert a.stop() == 0
+    b = servers.start(store, "--port", "0")
+    with DraftClient(b.address, timeout=30) as c:
+        got = c.propose(prompt + secret[:10], learned_only, tenant="carol").tokens
+        assert got[:5] == secret[10:15]
+        assert c.propose(prompt + secret[:10], learned_only, tenant="dave").tokens == []
