@@ -34,11 +34,12 @@ def pct(values: list[float], q: float) -> float:
 
 def matched(tokens: np.ndarray, parents: np.ndarray, text: list[int]) -> int:
     """How many tokens of `text` the tree drafts along one path (greedy verification)."""
+    child: dict[tuple[int, int], int] = {}
+    for i, edge in enumerate(zip(parents.tolist(), tokens.tolist())):
+        child.setdefault(edge, i)
     node, depth = -1, 0
-    toks, pars = tokens.tolist(), parents.tolist()
     while depth < len(text):
-        nxt = next((i for i in range(len(toks)) if pars[i] == node and toks[i] == text[depth]),
-                   None)
+        nxt = child.get((node, text[depth]))
         if nxt is None:
             break
         node, depth = nxt, depth + 1

@@ -31,9 +31,14 @@ import time
 
 from bench_service import held_out_tokens, pct
 from redraft.datastore import Reader
-from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter, step_batch
-from redraft.datastore.learned import LearnedIndex
-from redraft.datastore.session import SOURCES, DraftSettings, SessionDrafter
+from redraft.datastore.drafting import (
+    SOURCES,
+    DraftSettings,
+    LearnedIndex,
+    SessionDrafter,
+    step_batch,
+)
+from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

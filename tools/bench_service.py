@@ -158,7 +158,8 @@ def start_server(args, learn: str, *extra: str) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", args.datastore,
          "--port", str(port), "--workers", str(args.workers), "--max-budget",
          str(max(1024, args.budget)), "--learn", learn, "--learn-max-tokens",
-         str(args.learn_max_tokens), "--learn-persist-seconds", "0", *extra],
+         str(args.learn_max_tokens), "--learn-persist-seconds", "0", *extra,
+         *(args.serve_arg or [])],
         stdout=subprocess.PIPE, text=True,
     )
     for _ in range(args.workers):
@@ -190,6 +191,9 @@ def main() -> int:
                     help="time per batch size (--batch)")
     ap.add_argument("--reference-calls", type=int, default=40,
                     help="calls of the core-against-reference replay (--batch; 0 = skip)")
+    ap.add_argument("--serve-arg", action="append", metavar="ARG",
+                    help="one more argument for `redraft serve` (repeat: --serve-arg=--x "
+                    "--serve-arg=1)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.batch:

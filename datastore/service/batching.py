@@ -192,14 +192,20 @@ class BatchDrafting:
         return self._reply(entries, drafting, out, t0)
 
     # ---- entries -----------------------------------------------------------------------
-    def _step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
+    def _held(self, entry: _Entry, key: tuple, required: bool = True) -> BatchedSequence | None:
+        """The open sequence an entry names (NOT_FOUND if `required` and there is none),
+        ABORTED while another call drafts it."""
         seq = self.table.open.get(key)
         if seq is None:
-            raise self.table.missing(key, entry.sequence)
-        if seq.busy:
+            if required:
+                raise self.table.missing(key, entry.sequence)
+        elif seq.busy:
             raise Refusal(grpc.StatusCode.ABORTED, f"sequence {entry.sequence!r} is being "
                           "drafted by another call; send one call at a time per sequence")
-        entry.seq = seq
+        return seq
+
+    def _step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
+        seq = entry.seq = self._held(entry, key)
         checks = self.service.checks
         accepted = step.accepted
         checks.check_tokens(accepted, "step.accepted")
@@ -226,10 +232,7 @@ class BatchDrafting:
                     else defaults.settings())
         tenant = checks.tenant(defaults.auth, opening.tenant or defaults.tenant)
         checks.check_context(opening.prompt, "prompt", "open.prompt")
-        old = self.table.open.get(key)
-        if old is not None and old.busy:
-            raise Refusal(grpc.StatusCode.ABORTED, f"sequence {entry.sequence!r} is being "
-                          "drafted by another call; send one call at a time per sequence")
+        old = self._held(entry, key, required=False)
         if old is not None:
             self.table.end(old)  # opened again: the earlier generation is over
         self.table.take_slot()
@@ -243,13 +246,7 @@ class BatchDrafting:
         entry.drafts = True
 
     def _close(self, entry: _Entry, key: tuple, close: draft_pb2.SequenceClose) -> None:
-        seq = self.table.open.get(key)
-        if seq is None:
-            raise self.table.missing(key, entry.sequence)
-        if seq.busy:
-            raise Refusal(grpc.StatusCode.ABORTED, f"sequence {entry.sequence!r} is being "
-                          "drafted by another call; send one call at a time per sequence")
-        entry.seq = seq
+        seq = entry.seq = self._held(entry, key)
         accepted = close.accepted
         self.service.checks.check_tokens(accepted, "close.accepted")
         if accepted:

@@ -301,3 +301,61 @@ def test_a_call_without_fingerprint_cannot_open(store, servers):
         assert isinstance(r.errors[0], IncompatibleTokenizer)
         assert r.errors[0].code == grpc.StatusCode.FAILED_PRECONDITION
         assert "tokenizer_fingerprint is required" in str(r.errors[0])
+
+
+def test_held_sequences_draft_from_a_commit_made_while_they_are_open(tmp_path, servers, until):
+    """The server follows its datastore's commits: an open sequence drafts from a corpus
+    appended after it opened, at its next step, without being reopened."""
+    store = make_store(str(tmp_path / "ds"))
+    srv = servers.start(store, "--port", "0", "--reload-seconds", "0.2")
+    rng = random.Random(12)
+    extra = [rng.randrange(1, VOCAB) for _ in range(60)]  # tokens no document has in order
+    rest_only = DraftParams(budget=16, sources=("rest",))
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch([SequenceOpen("s", extra[:5], rest_only)], None, FP, client_id="e")
+        assert r.errors == [None] and r.tree(0).tokens[:3] != extra[5:8]
+        append_corpus(None, store, documents=[extra], fingerprint=FP, corpus="new")
+        until(lambda: "new" in c.info().corpora)
+        r = c.batch([SequenceStep("s", extra[5:10])], client_id="e")
+        assert r.errors == [None] and r.context_lens == [10]
+        assert r.tree(0).tokens[:3] == extra[10:13]
+
+
+def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
+    """A step that adds more than the server indexes inline (65,536 tokens) drafts on a
+    thread, and still drafts the session's tree."""
+    srv = servers.start(store, "--port", "0")
+    rng = random.Random(4)
+    prompt = DOCS[3][:20]
+    big = [t for _ in range(700) for t in rng.choice(DOCS)][:70_000]
+    params = DraftParams(budget=32)
+    with DraftClient(srv.address, timeout=60) as c:
+        assert c.batch([SequenceOpen("big", prompt, params)], None, FP,
+                       client_id="e").errors == [None]
+        r = c.batch([SequenceStep("big", big), SequenceOpen("small", prompt, params)], None, FP,
+                    client_id="e")
+        assert r.errors == [None, None] and r.context_lens == [70_020, 20]
+        with c.session(prompt, params, FP) as s:
+            same_tree(r.tree(1), s.draft)
+            same_tree(r.tree(0), s.step(big))
+
+
+def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers):
+    """SIGTERM ends every open sequence (its output final), the server exits 0, and a
+    restarted server drafts what they learned for the same tenant only."""
+    store = make_store(str(tmp_path / "ds"))
+    rng = random.Random(15)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(12)]
+    secret = [rng.randrange(1, VOCAB) for _ in range(30)]
+    learned_only = DraftParams(budget=16, max_depth=8, sources=("learned",))
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "300")
+    with DraftClient(a.address, timeout=30) as c:
+        assert c.batch([SequenceOpen("s", prompt)], None, FP, tenant="carol",
+                       client_id="e").errors == [None]
+        assert c.batch([SequenceStep("s", secret)], client_id="e").errors == [None]
+    assert a.stop() == 0
+    b = servers.start(store, "--port", "0")
+    with DraftClient(b.address, timeout=30) as c:
+        got = c.propose(prompt + secret[:10], learned_only, tenant="carol").tokens
+        assert got[:5] == secret[10:15]
+        assert c.propose(prompt + secret[:10], learned_only, tenant="dave").tokens == []
