@@ -302,6 +302,10 @@ class BatchDrafting:
         add = reply.results.add
         row = {id(x): i for i, x in enumerate(drafting)}
         ok: list[int] = []  # rows of `out` whose trees go out
+        if out is not None:  # plain lists: one conversion, not one per field and row
+            sizes = np.diff(out.offsets).tolist()
+            match_lens = out.match_lens.tolist()
+            expected = out.expected.tolist()
         for x in entries:
             if x.error is not None:
                 add(sequence=x.sequence, code=x.error.code.value[0], message=x.error.message)
@@ -311,11 +315,10 @@ class BatchDrafting:
                 add(sequence=x.sequence)
                 continue
             ok.append(i)
-            ml = out.match_lens[i]
-            add(sequence=x.sequence, nodes=int(out.offsets[i + 1] - out.offsets[i]),
-                context_len=len(x.seq.drafter), match_len=int(ml[0]),
-                pld_match_len=int(ml[1]), learned_match_len=int(ml[2]),
-                expected_accepted=float(out.expected[i]))
+            rest, pld, learned = match_lens[i]
+            add(sequence=x.sequence, nodes=sizes[i], context_len=len(x.seq.drafter),
+                match_len=rest, pld_match_len=pld, learned_match_len=learned,
+                expected_accepted=expected[i])
         if out is not None:
             t = reply.trees
             if len(ok) == len(drafting):  # every tree, in row order: the arrays as they are
