@@ -15,7 +15,7 @@ from redraft.datastore.build import (
 )
 from redraft.datastore.commit import DEFAULT_WAIT_S, CommitConflict, upgrade_datastore
 from redraft.datastore.manifest import commit_stamp
-from redraft.datastore.reader import Reader
+from redraft.datastore.reader import Reader, ReaderClosed
 from redraft.proto.errors import (
     CorpusError,
     DatastoreCorrupt,
@@ -38,6 +38,7 @@ __all__ = [
     "InvalidQuery",
     "ModelNotFound",
     "Reader",
+    "ReaderClosed",
     "RedraftError",
     "TokenizerMismatch",
     "append_corpus",

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from redraft.proto.errors import CorpusError
+from redraft.proto.jsonl import parse_record
 
 # Files a directory walk leaves out: caches and obvious binaries. Named files are never
 # filtered; a binary file named explicitly is reported as not UTF-8.
@@ -133,12 +133,7 @@ def record_text(rec: object, field: str | None) -> str | None:
 
 def _record(path: Path, lineno: int, line: str, field: str | None) -> str:
     """The text of one .jsonl record, or CorpusError naming path:line."""
-    try:
-        rec = json.loads(line)
-    except ValueError as exc:
-        raise CorpusError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-    except RecursionError as exc:
-        raise CorpusError(f"{path}:{lineno}: JSON nested too deeply") from exc
+    rec = parse_record(line, f"{path}:{lineno}", CorpusError)
     doc = record_text(rec, field)
     if doc is None:
         what = (f"field {field!r}" if field

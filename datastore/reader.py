@@ -99,12 +99,32 @@ class _Shard:
         return bisect_right(self.sa_mv, key, lo, hi, key=self._key(len(key)))
 
 
-def _guarded(verb):
-    """Damaged arrays in a Reader opened without verify() surface as DatastoreCorrupt: an
-    index past an array's end is the one way they can show (every slice is bounded)."""
+class ReaderClosed(DatastoreError):
+    """A verb called on a Reader after close() (its map is gone)."""
+
+
+def _while_open(verb):
+    """A verb of an open Reader: on a closed one it raises ReaderClosed, one clear error,
+    instead of whatever its first touch of the released map would raise."""
 
     @functools.wraps(verb)
     def run(self, *args, **kwargs):
+        if self._closed:
+            raise ReaderClosed(f"{self.path}: the Reader is closed")
+        return verb(self, *args, **kwargs)
+    return run
+
+
+def _guarded(verb):
+    """An open Reader's lookup (see `_while_open`) whose damaged arrays, in a Reader opened
+    without verify(), surface as DatastoreCorrupt: an index past an array's end is the one
+    way they can show (every slice is bounded). A SuffixQuery checks its Reader."""
+
+    @functools.wraps(verb)
+    def run(self, *args, **kwargs):
+        reader = getattr(self, "reader", self)
+        if reader._closed:
+            raise ReaderClosed(f"{reader.path}: the Reader is closed")
         try:
             return verb(self, *args, **kwargs)
         except IndexError as exc:
@@ -175,8 +195,9 @@ _OPEN_ATTEMPTS = 8  # commits replacing segments while this open reads the one b
 class Reader:
     """An open datastore snapshot. Cheap to open; use as a context manager or call close().
 
-    Safe to share between threads once open (no call mutates it); close() only when no
-    other thread still uses it.
+    Thread-safe once open: no verb mutates shared state, so many threads may query one
+    Reader at once (the draft service does). close() must wait until they are done; after
+    it every verb, and `with` on it, raises ReaderClosed.
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
@@ -381,7 +402,7 @@ class Reader:
 
     def __enter__(self) -> Reader:
         if self._closed:
-            raise DatastoreError(f"{self.path}: reader is closed; open a new Reader")
+            raise ReaderClosed(f"{self.path}: the Reader is closed; open a new one")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -390,12 +411,11 @@ class Reader:
     def __repr__(self) -> str:
         return f"Reader({self.path!r}, n_tokens={self.manifest.get('n_tokens')})"
 
+    @_while_open
     def verify(self, only: Collection[str] | None = None, skip: Collection[str] = ()) -> None:
         """Check the LMDB structure of every segment and every array, name list and bitmap
         against their crc32 (reads the whole files). `only` / `skip`: segment file names to
         check, or to leave out (segments are immutable: one checked once stays checked)."""
-        if self._closed:
-            raise DatastoreError(f"{self.path}: reader is closed; open a new Reader")
         for seg in self._segments:
             if (only is not None and seg.name not in only) or (
                     seg.name in skip and mf.is_segment_name(seg.name)):
@@ -418,21 +438,22 @@ class Reader:
         for key, want in seg.manifest["checksums"].items():
             seg.checked(key.encode(), want, key)
 
+    @_while_open
     def shard_raw(self, shard: int, what: str) -> memoryview:
         """One stored value of a shard as it is on disk (for writers that carry it over)."""
         sh = self._shards[shard]
         return sh.segment.value(fmt.shard_key(sh.local, what))
 
+    @_while_open
     def shard_documents(self, shard: int) -> list[np.ndarray]:
         """The token ids of every document of one shard (views of the map)."""
         sh = self._shards[shard]
         starts = sh.docs.astype(np.int64)
         return [sh.tokens[a:b - 1] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
+    @_while_open
     def shard_names(self, shard: int) -> list[str]:
         """Document names of one shard, checked: crc32 (version 2), zlib's adler32, count."""
-        if self._closed:
-            raise DatastoreError(f"{self.path}: reader is closed; open a new Reader")
         sh = self._shards[shard]
         seg, n = sh.segment, sh.local
         sm = seg.manifest["shards"][n]
@@ -447,6 +468,7 @@ class Reader:
                                    f"{sm['n_docs']} documents")
         return names
 
+    @_while_open
     def check_tokenizer(self, fingerprint) -> None:
         """Raise TokenizerMismatch unless `fingerprint` (or a tokenizer's) is the datastore's."""
         if not isinstance(fingerprint, str):
@@ -458,8 +480,6 @@ class Reader:
 
     # ---- helpers ------------------------------------------------------------------------
     def _select(self, corpora) -> list[_Shard]:
-        if self._closed:
-            raise DatastoreError(f"{self.path}: reader is closed")
         if corpora is None:
             return self._shards
         names = [corpora] if isinstance(corpora, str) else list(corpora)
@@ -499,6 +519,7 @@ class Reader:
     def _out_of_range(self, what: str, bad: int) -> str:
         return f"{what}: token id {bad} is out of range (the vocabulary is [0, {self.vocab_size}))"
 
+    @_while_open
     def check_ids(self, tokens: Sequence[int], what: str = "tokens") -> None:
         """InvalidQuery unless every id is an integer in [0, vocab_size)."""
         self._ids(tokens, what)
@@ -555,6 +576,7 @@ class Reader:
                 acc[v] = acc.get(v, 0) + c
         return acc
 
+    @_while_open
     def doc_name(self, doc_id: int) -> str:
         """The source (file or file:line) a document came from (deleted ones included)."""
         for sh in self._shards:
@@ -562,6 +584,7 @@ class Reader:
                 return self.shard_names(sh.id)[doc_id - sh.first_doc]
         raise InvalidQuery(f"document id {doc_id} out of range [0, {self.n_docs_total})")
 
+    @_while_open
     def documents(self, corpus: str, newest_first: bool = False
                   ) -> Iterator[tuple[int, str, list[int]]]:
         """(doc_id, name, token ids) of every live document of `corpus`, in id order or

@@ -41,6 +41,12 @@ class Drafter:
     candidates_wanted = 0  # > 0: the loop calls `observe` with the target's top-k per node
     hidden_wanted = False  # True: the loop calls `observe_hidden` after every step
 
+    def check_tokenizer(self, tokenizer) -> None:
+        """Raise TokenizerMismatch if this drafter's drafts are the ids of another tokenizer
+        than `tokenizer` (the target's). The Generator calls it once, when it is made; only
+        drafters that read ids from elsewhere (a datastore, a draft service) have anything
+        to check."""
+
     def begin(self, prompt: Sequence[int]) -> None:
         """A generation starts with this context (prompt tokens)."""
 
@@ -99,6 +105,10 @@ class MergedDrafter(Drafter):
             self._live = [x for x in self._live if x is not d]
             log.warning("drafter %s failed (%s); continuing without it", d.name, exc)
             return None
+
+    def check_tokenizer(self, tokenizer) -> None:
+        for d in self.drafters:  # a mismatch is an error, not a member to drop
+            d.check_tokenizer(tokenizer)
 
     def begin(self, prompt: Sequence[int]) -> None:
         self._live = list(self.drafters)

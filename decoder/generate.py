@@ -9,6 +9,8 @@ exactly the same code.
 from __future__ import annotations
 
 import logging
+import operator
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -18,7 +20,7 @@ from redraft.decoder.acceptance import Acceptance, SamplingParams, accept, top_c
 from redraft.decoder.budget import CostModel
 from redraft.decoder.calibration import Calibrator, calibration_path
 from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
-from redraft.decoder.text import IncrementalText, StopStrings, chat_ids
+from redraft.decoder.text import IncrementalText, StopStrings, chat_ids, unencodable
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.errors import RedraftError
 from redraft.proto.tree import Tree, join
@@ -28,6 +30,29 @@ log = logging.getLogger("redraft.decoder")
 
 class GenerationError(RedraftError):
     """Bad generation input: empty or too-long prompt, max_new_tokens <= 0, bad sampling."""
+
+
+SEEDS = 1 << 64  # what a torch generator's seed holds
+
+
+def check_seed(seed) -> int:
+    """The sampling seed as an int in [0, 2**64) (None: 0), else GenerationError."""
+    if seed is None:
+        return 0
+    try:
+        value = operator.index(seed)  # ints and numpy integers, never a float
+    except TypeError:
+        value = -1
+    if not 0 <= value < SEEDS:
+        raise GenerationError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return value
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """GenerationError if `text` cannot be tokenized (see `unencodable`)."""
+    why = unencodable(text)
+    if why is not None:
+        raise GenerationError(f"{what} is {why}")
 
 
 @dataclass
@@ -161,6 +186,10 @@ class TextStream:
         self._steps = steps
         self.result: GenerationResult | None = None
 
+    def close(self) -> None:
+        """Stop early and free the Generator for its next generation."""
+        self._steps.close()
+
     def __iter__(self) -> Iterator[str]:
         shown = 0
         while True:
@@ -181,6 +210,13 @@ class Generator:
 
     `drafter=None` is plain decoding through the same loop. The cost curve for tree sizes is
     measured on first use (and cached on disk) unless one is given.
+
+    Thread-safe by serializing: one Generator runs one generation at a time (its KV cache,
+    drafter and calibration belong to that generation). A call from another thread waits
+    for the running one to finish; a `stream` or `iter_steps` holds the Generator until it is
+    exhausted or closed. Starting a second generation in the thread that still holds an
+    unfinished one raises GenerationError (waiting would never end). For parallel
+    generations, make one Generator per thread (they may share the model).
     """
 
     def __init__(
@@ -203,6 +239,8 @@ class Generator:
             drafter = (
                 None if not drafter else drafter[0] if len(drafter) == 1 else MergedDrafter(drafter)
             )
+        if drafter is not None:  # drafts in another tokenizer's ids are refused here
+            drafter.check_tokenizer(tokenizer)
         self.drafter: Drafter | None = drafter
         self.model_name = model_name
         self._cost = cost
@@ -221,6 +259,8 @@ class Generator:
         self.verifier = TreeVerifier(model, packed_kernels, choose_kernels)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
+        self._busy = threading.Lock()  # held for a whole generation (see the class docstring)
+        self._holder: int | None = None  # the thread running it
 
     @property
     def cost(self) -> CostModel:
@@ -238,6 +278,7 @@ class Generator:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise GenerationError("empty prompt")
+            check_text(prompt)
             if chat is None:
                 chat = bool(getattr(self.tokenizer, "chat_template", None))
             if chat:
@@ -259,6 +300,8 @@ class Generator:
             raise GenerationError("this model's tokenizer has no chat template")
         if not any(str(m.get("content", "")).strip() for m in messages):
             raise GenerationError("empty prompt")
+        for m in messages:
+            check_text(str(m.get("content", "")), "a message")
         return chat_ids(self.tokenizer, messages)
 
     # -- decoding ----------------------------------------------------------------------
@@ -279,7 +322,9 @@ class Generator:
             steps.close()
 
     def generate(self, prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
-        """Decode until max_new_tokens, EOS or a stop string; returns tokens, text and stats."""
+        """Decode until max_new_tokens, EOS or a stop string; returns tokens, text and stats.
+
+        `stop`: one stop string or a list of them; `seed`: an int in [0, 2**64)."""
         steps = self._run(prompt, max_new_tokens, **kwargs)
         while True:
             try:
@@ -307,18 +352,32 @@ class Generator:
         """The decoding loop: `_start` (checks, prefill), then one `_step` per target forward
         until the length, EOS or a stop string, then `_finish` (the result)."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical)
-        run = self._start(prompt, max_new_tokens, params, stop, eos, chat, seed)
+        self._hold()
         try:
-            while run.remaining > 0:
-                new = self._step(run)
-                yield new, run.shown[-1]
-                if run.finish != "length":
-                    break
+            run = self._start(prompt, max_new_tokens, params, stop, eos, chat, seed)
+            try:
+                while run.remaining > 0:
+                    new = self._step(run)
+                    yield new, run.shown[-1]
+                    if run.finish != "length":
+                        break
+            finally:
+                if run.drafter is not None:
+                    self._safe(run.stats, run.drafter.end)
+                    run.stats.drafter_errors += run.drafter.failures - run.failures_before
+            return self._finish(run)
         finally:
-            if run.drafter is not None:
-                self._safe(run.stats, run.drafter.end)
-                run.stats.drafter_errors += run.drafter.failures - run.failures_before
-        return self._finish(run)
+            self._holder = None
+            self._busy.release()
+
+    def _hold(self) -> None:
+        """Take the Generator for one generation: wait while another thread runs one."""
+        if self._holder == threading.get_ident():
+            raise GenerationError(
+                "this thread is already running a generation on this Generator (an "
+                "unfinished stream or iter_steps): finish or close it first")
+        self._busy.acquire()
+        self._holder = threading.get_ident()
 
     # -- the stages of one generation ---------------------------------------------------
 
@@ -342,13 +401,13 @@ class Generator:
             ids=ids,
             max_new=min(int(max_new_tokens), self.context_limit - len(ids)),
             params=params,
-            sampler=torch.Generator().manual_seed(0 if seed is None else int(seed)),
+            sampler=torch.Generator().manual_seed(check_seed(seed)),
             eos_ids=self.eos_ids if eos else set(),
             stats=GenerationStats(prompt_tokens=len(ids)),
             drafter=drafter,
             cost=self.cost if drafter is not None else None,
             text=IncrementalText(self.tokenizer),
-            stops=StopStrings(stop or []),
+            stops=StopStrings([stop] if isinstance(stop, str) else stop or []),
             context=list(ids),
             packed_before=self.verifier.packed_forwards,
         )

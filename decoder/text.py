@@ -75,6 +75,20 @@ class StopStrings:
         return "" if self.stopped else held
 
 
+def unencodable(text: str) -> str | None:
+    """Why `text` cannot be tokenized, or None: a lone surrogate (from a JSON escape such as
+    "\\ud800", or undecodable bytes Python carried over as surrogate escapes) has no UTF-8
+    form, and tokenizers fail on it with an error that names neither the cause nor where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(text[exc.start])
+        if 0xDC80 <= bad <= 0xDCFF:  # how Python carries an undecodable byte
+            return f"not valid UTF-8 (byte 0x{bad - 0xDC00:02x} at character {exc.start})"
+        return f"not valid Unicode (a lone surrogate U+{bad:04X} at character {exc.start})"
+    return None
+
+
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of chat messages through the tokenizer's chat template; with
     `add_generation_prompt`, ending where the assistant's answer starts."""

@@ -13,6 +13,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from redraft.proto.errors import RedraftError
+
 CACHE_ENV = "REDRAFT_CACHE"
 
 
@@ -46,6 +48,25 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object], *
         raise
     if durable:
         fsync_path(path.parent)
+
+
+def check_writable(path: str | os.PathLike, what: str = "output") -> None:
+    """Refuse, before any work, a file path that `write_atomically` could not replace: an
+    existing directory, a path under a regular file, or a folder this process cannot write.
+
+    Why up front: a long job (training) must not find out at its end that it has nowhere to
+    put its result. Folders that do not exist yet are fine (writers create them).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise RedraftError(f"{what} {path} is a directory; give a file path")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # the nearest folder that exists (or what blocks the path)
+    if not folder.is_dir():
+        raise RedraftError(f"{what} {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RedraftError(f"{what} {path}: cannot write in {folder}")
 
 
 def write_cache(path: str | os.PathLike, write: Callable[[Path], object]) -> bool:

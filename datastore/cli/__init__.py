@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 
 from redraft.datastore.cli import index_cli, query_cli, stats_cli
+from redraft.datastore.cli.client_options import add_client_options
 
 COMMANDS = ("index", "query", "stats")
+__all__ = ["COMMANDS", "add_client_options", "register"]
 
 
 def register(sub: argparse._SubParsersAction, command: str | None = None) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from redraft.datastore.cli.client_options import add_client_options
 from redraft.datastore.reader import Reader
 from redraft.proto.errors import RedraftError
 
@@ -16,10 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("stats", help="print a datastore's manifest, segments and sizes as JSON")
     s.add_argument("datastore", metavar="DIR", nargs="?")
     s.add_argument("--server", metavar="ADDR",
-                   help="print a running draft service's counters instead (token from "
-                   "$REDRAFT_TOKEN)")
+                   help="print a running draft service's counters instead")
     s.add_argument("--no-verify", action="store_true",
                    help="skip checking the arrays' checksums (which reads every segment)")
+    add_client_options(s)
     s.set_defaults(func=cmd_stats)
 
 
@@ -28,7 +29,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         # lazy: gRPC only for --server (`redraft stats DIR` starts without it)
         from redraft.datastore.service.serve_cli import print_server_stats
 
-        return print_server_stats(args.server)
+        return print_server_stats(args.server, args.token, args.token_file, args.tls,
+                                  args.tls_ca)
     if not args.datastore:
         raise RedraftError("stats needs a datastore DIR or --server ADDR")
 

@@ -96,7 +96,7 @@ class LearnedIndex:
         self.journal = journal
         self.n_tokens = 0
         self._docs: OrderedDict[int, _Doc] = OrderedDict()  # oldest first
-        self._pools: dict[str, dict[int, list[int]]] = {}
+        self._pools: dict[str, dict[int, int | list[int]]] = {}  # key -> entry or entries
         self._pool_docs: dict[str, int] = {}  # documents per pool: 0 drops the pool
         self._next_id = 0
         self._lock = threading.Lock()
@@ -129,9 +129,12 @@ class LearnedIndex:
             toks.append(int(t))
             end = len(toks) - 1
             for key in _ending_keys(toks, end):
+                # an int until the n-gram repeats, then a list (see PromptLookup.extend)
                 positions = pool.get(key)
                 if positions is None:
-                    pool[key] = [base | end]
+                    pool[key] = base | end
+                elif type(positions) is int:
+                    pool[key] = [positions, base | end]
                 else:
                     positions.append(base | end)
                     if len(positions) > KEEP:
@@ -156,6 +159,10 @@ class LearnedIndex:
             for key in _ending_keys(toks, end):
                 positions = pool.get(key)
                 if positions is None:
+                    continue
+                if type(positions) is int:
+                    if positions == base | end:
+                        del pool[key]
                     continue
                 try:
                     positions.remove(base | end)
@@ -190,7 +197,8 @@ class LearnedIndex:
             for level in LEVELS:
                 if n < level or found:  # a shorter n-gram only when the longer found nothing
                     continue
-                for entry in reversed(pool.get(_key(ctx, n - 1, level), ())):
+                entries = pool.get(_key(ctx, n - 1, level), ())
+                for entry in reversed((entries,) if type(entries) is int else entries):
                     if entry in found:
                         continue
                     doc = docs.get(entry >> _POS_BITS)

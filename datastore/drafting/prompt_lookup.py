@@ -76,7 +76,7 @@ class PromptLookup:
         self.levels: tuple[int, ...] = tuple(sorted({min_ngram, long_level}, reverse=True))
         self.tokens: list[int] = []
         # level n -> key of an n-gram -> end positions in increasing order
-        self._index: dict[int, dict[int, list[int]]] = {n: {} for n in self.levels}
+        self._index: dict[int, dict[int, int | list[int]]] = {n: {} for n in self.levels}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -90,7 +90,17 @@ class PromptLookup:
             end = len(toks) - 1
             for n in self.levels:
                 if end + 1 >= n:
-                    index[n].setdefault(_key(toks, end, n), []).append(end)
+                    # An int until the n-gram repeats, then a list: most n-grams never do,
+                    # and ints are no work for the garbage collector (a list each made a
+                    # long context cost ~0.1 s pauses).
+                    level, key = index[n], _key(toks, end, n)
+                    ends = level.get(key)
+                    if ends is None:
+                        level[key] = end
+                    elif type(ends) is int:
+                        level[key] = [ends, end]
+                    else:
+                        ends.append(end)
 
     def _match_len(self, end: int) -> int:
         """Length of the common suffix of context[:end+1] and the whole context (capped)."""
@@ -110,8 +120,10 @@ class PromptLookup:
             if last + 1 < n or len(found) >= self.max_occurrences:
                 continue
             ends = self._index[n].get(_key(toks, last, n))
-            if not ends:
+            if ends is None:
                 continue
+            if type(ends) is int:
+                ends = (ends,)
             scanned = 0
             for end in reversed(ends):
                 if end >= last or end in found:

@@ -17,6 +17,7 @@ context the client kept, once, transparently.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import socket
 import threading
@@ -154,6 +155,61 @@ def tree_from_proto(reply: draft_pb2.DraftReply) -> Tree:
     return draft
 
 
+TOKEN_ENV = "REDRAFT_TOKEN"  # as `redraft.datastore.cli.client_options` names it
+
+
+def check_token(token: str, where: str = "token") -> None:
+    """A token must be printable ASCII: gRPC sends metadata values as such, so no client
+    could present any other (a server would accept it and refuse every call)."""
+    if not (token.isascii() and token.isprintable()):
+        raise ServiceError(f"{where}: a token must be printable ASCII (gRPC metadata "
+                           "cannot carry anything else)")
+
+
+def read_tokens(path: str | None) -> tuple[str, ...]:
+    """The shared secrets in the file at `path` (one per line), else the one in
+    $REDRAFT_TOKEN, else none; each checked (`check_token`)."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                tokens = tuple(line.strip() for line in f if line.strip())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ServiceError(f"cannot read --token-file: {exc}") from exc
+        if not tokens:
+            raise ServiceError(f"--token-file {path} is empty")
+        where = f"--token-file {path}"
+    else:
+        token = os.environ.get(TOKEN_ENV)
+        tokens, where = ((token,) if token else ()), f"${TOKEN_ENV}"
+    for t in tokens:
+        check_token(t, where)
+    return tokens
+
+
+def client_token(token: str | None = None, token_file: str | None = None) -> str | None:
+    """The one token a client sends: `--token`, else the one in `--token-file`, else
+    $REDRAFT_TOKEN, else none. A file keeps the secret out of `ps`."""
+    if token is not None and token_file is not None:
+        raise ServiceError("give --token or --token-file, not both")
+    if token is not None:
+        check_token(token, "--token")
+        return token
+    tokens = read_tokens(token_file)
+    if len(tokens) > 1:
+        raise ServiceError(f"--token-file {token_file} holds {len(tokens)} tokens; a client "
+                           "sends one")
+    return tokens[0] if tokens else None
+
+
+def client_tls(tls: bool, tls_ca: str | None) -> bool | str:
+    """`DraftClient`'s `tls` from the command line: a CA file, the system's roots, or off."""
+    if tls_ca is not None:
+        if not os.path.isfile(tls_ca):
+            raise ServiceError(f"TLS file not found: {tls_ca}")
+        return tls_ca
+    return bool(tls)
+
+
 def _check_ids(tokens: Sequence[int], what: str) -> list[int]:
     out = [int(t) for t in tokens]
     if out and (min(out) < 0 or max(out) >= 1 << 31):
@@ -196,8 +252,11 @@ def channel_target(address: str) -> str:
 
 
 class DraftClient:
-    """A connection to a draft server, or to several replicas of it. Thread-safe; one
-    instance can run many sessions.
+    """A connection to a draft server, or to several replicas of it.
+
+    Thread-safe: any number of threads may share one client, each with sessions of its own
+    and unary calls (gRPC channels are). A `DraftSession` is not: it is one ordered stream,
+    stepped by one thread at a time (steps from two threads would interleave their tokens).
 
     With several addresses (comma-separated, or a DNS name with several records) gRPC's own
     round_robin policy spreads calls and sessions over the replicas that are up; a session
@@ -226,6 +285,8 @@ class DraftClient:
         self.address = address
         self.timeout = float(timeout)
         self.reconnect = reconnect
+        if token:
+            check_token(token)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -325,7 +386,9 @@ class DraftClient:
 
     def close(self) -> None:
         self._closed.set()
-        for s in list(self._sessions):
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
             s.close()
         self._channel.close()
 
@@ -350,7 +413,9 @@ class DraftClient:
         while not self._closed.wait(tick):
             now = time.monotonic()
             busy = False
-            for s in list(self._sessions):
+            with self._lock:  # sessions are added from other threads
+                sessions = list(self._sessions)
+            for s in sessions:
                 busy = s._check_deadline(now) or busy
             tick = 0.02 if busy else 0.1  # a step's deadline is checked at least every 0.1 s
 
@@ -359,7 +424,11 @@ _END = object()
 
 
 class DraftSession:
-    """One streaming session: the server keeps the context, each step sends only new tokens."""
+    """One streaming session: the server keeps the context, each step sends only new tokens.
+
+    Not thread-safe: its steps are one ordered conversation; use one session per thread
+    (sessions of one client may run in parallel threads).
+    """
 
     def __init__(self, client: DraftClient, prompt: Sequence[int], params: DraftParams,
                  tokenizer_fingerprint: str, timeout: float, tenant: str = "") -> None:

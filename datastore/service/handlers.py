@@ -5,11 +5,15 @@ in-process path runs the same class); around it the service validates every requ
 it touches the datastore (`validation`), keeps sessions in bounds (`sessions`), shares the
 learned outputs between them (`learning`) and stops drafting from a datastore found damaged
 (`verification`). A bad request ends only its own call with INVALID_ARGUMENT /
-FAILED_PRECONDITION / RESOURCE_EXHAUSTED and a message that says what was wrong.
+FAILED_PRECONDITION / RESOURCE_EXHAUSTED and a message that says what was wrong. A huge
+step or prompt (up to max_context_len tokens) never stalls the others: steps are indexed in
+pieces with the event loop free in between, long prompts on a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
 from dataclasses import asdict
@@ -18,7 +22,7 @@ import grpc
 from grpc_health.v1 import health
 from redraft.datastore.drafting import LEARNED_CORPUS, SessionDrafter
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
-from redraft.datastore.service.learning import LearnedOutputs
+from redraft.datastore.service.learning import LearnedOutputs, run_in_thread
 from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
 from redraft.datastore.service.reload import SnapshotReloader
 from redraft.datastore.service.sessions import Sessions
@@ -28,6 +32,10 @@ from redraft.datastore.service.verification import BackgroundVerification
 from redraft.proto import draft_pb2, draft_pb2_grpc
 from redraft.proto.errors import DatastoreError
 from redraft.proto.tree import source_bits
+
+# Tokens a step adds, or a prompt indexes, before other calls get the event loop again:
+# about 15 ms of indexing on a CPU core (a step of max_context_len tokens takes ~1 s).
+PIECE_TOKENS = 2048
 
 
 class DrafterService(draft_pb2_grpc.DrafterServicer):
@@ -82,14 +90,27 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         sources = {name for label in set(tree.sources) for name in label.split("+")}
         self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
 
-    def _drafter(self, tokens, noun: str, field: str, params, tenant) -> SessionDrafter:
+    async def _drafter(self, tokens, noun: str, field: str, params, tenant) -> SessionDrafter:
         """A session drafter over `tokens` (the context or an opening prompt, message `field`),
-        checked first: length within max_context_len, every id in the vocabulary."""
+        checked first: length within max_context_len, every id in the vocabulary. A long one
+        is indexed on a thread (the drafter is nobody else's yet), not on the event loop."""
         self.checks.check_context(tokens, noun, field)
+        make = functools.partial(SessionDrafter, tokens, params, self.reader,
+                                 self.learning.index, tenant)
         try:
-            return SessionDrafter(tokens, params, self.reader, self.learning.index, tenant)
+            return make() if len(tokens) <= PIECE_TOKENS else await run_in_thread(make)
         except DatastoreError as exc:
             raise bad(str(exc)) from exc
+
+    @staticmethod
+    async def _extend(drafter: SessionDrafter, accepted) -> None:
+        """Add a step's tokens in pieces, letting every other call run in between: a step of
+        100,000 tokens costs about a second of indexing, which must not stall the server.
+        (Not on a thread: the learned index it writes is shared with every session.)"""
+        for i in range(0, len(accepted), PIECE_TOKENS):
+            if i:
+                await asyncio.sleep(0)
+            drafter.extend(accepted[i:i + PIECE_TOKENS])
 
     # ---- RPCs --------------------------------------------------------------------------
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Refusal) -> None:
@@ -105,7 +126,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             p = self.checks.settings(request.params)
             tenant = self.checks.tenant(tenant, request.tenant)
             # learns nothing: no tokens are accepted in a one-off call
-            drafter = self._drafter(request.context, "context", "context", p, tenant)
+            drafter = await self._drafter(request.context, "context", "context", p, tenant)
             reply = draft_pb2.DraftReply()
             self._draft(drafter, p.budget, reply, "propose_calls")
             return reply
@@ -133,7 +154,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.checks.check_fingerprint(opening.tokenizer_fingerprint, required=True)
         p = self.checks.settings(opening.params)
         tenant = self.checks.tenant(tenant, opening.tenant)
-        drafter = self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
+        drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
         session_id = sessions.open()
         try:
             # Headers go out on their own first: gRPC marks them sent only when a write
@@ -159,7 +180,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                         f"session context would reach {len(ctx) + len(step.accepted)} tokens, "
                         f"over max_context_len {self.config.max_context_len}",
                     )
-                drafter.extend(step.accepted)  # learned at once, for every session
+                await self._extend(drafter, step.accepted)  # learned at once, for every session
+                self.learning.publish()
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
                 self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
                 await sessions.wait(waiter, context.write(msg), writing=True)
@@ -167,6 +189,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         finally:
             drafter.close()
             sessions.close()
+            self.learning.publish()
 
     async def Info(self, request, context):
         try:

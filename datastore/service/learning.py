@@ -41,6 +41,7 @@ class LearnedOutputs:
                      path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
         self.index = (None if config.learn == "off" else
                       LearnedIndex(config.learn_max_tokens, shared=config.learn == "global"))
+        self.slot = stats.claim_worker()  # where this process publishes its index's sizes
         self.journal: OutputJournal | None = None
         self.follower: LogFollower | None = None
         if self.index is not None and self.path is not None:
@@ -68,13 +69,21 @@ class LearnedOutputs:
             self._tasks.append(asyncio.ensure_future(
                 self._persist_every(self.config.learn_persist_s)))
 
+    def publish(self) -> None:
+        """Share this process's index sizes with the other workers (after every change)."""
+        if self.index is not None:
+            self.stats.publish_worker(self.slot, self.index.stats())
+
     def counters(self) -> dict:
-        """The index's sizes and bound, and what this process replayed from the other
-        processes' logs (none with learning off)."""
+        """The index's sizes and bound, what this process replayed from the other
+        processes' logs, and every worker's own index sizes, labelled with its pid
+        (`learned_per_worker`): none with learning off. The top-level sizes are this
+        process's (`pid`); every process's index holds every output once synced."""
         if self.index is None:
             return {}
+        self.publish()
         shared = self.follower.counters() if self.follower is not None else {}
-        return {**self.index.stats(), **shared}
+        return {**self.index.stats(), **shared, "learned_per_worker": self.stats.per_worker()}
 
     # ---- start ---------------------------------------------------------------------------
     def _load(self) -> None:
@@ -90,6 +99,7 @@ class LearnedOutputs:
             self.follower.skip = snapshot.skip
             for i in range(0, len(snapshot.documents), 64):
                 self.index.load(snapshot.documents[i:i + 64])
+            self.publish()
         self._loaded = True
 
     # ---- sharing -------------------------------------------------------------------------
@@ -106,6 +116,7 @@ class LearnedOutputs:
         self.journal.flush()
         if self._loaded:
             self.follower.poll()
+            self.publish()  # what the other processes' outputs added
 
     # ---- persisting ----------------------------------------------------------------------
     async def _persist_every(self, seconds: float) -> None:

@@ -2,8 +2,10 @@
 
 With `--workers N > 1` the parent starts N server processes (spawned, each opening its own
 Reader: LMDB environments must not cross fork) on one port with SO_REUSEPORT, sharing
-counters and the session limit; SIGTERM to the parent is passed on, each child finishes its
-in-flight steps, and the parent exits 0 when they have.
+counters and the session limit; SIGTERM, SIGINT or SIGHUP to the parent is passed on (as
+SIGTERM), each child finishes its in-flight steps and persists what it learned, and the
+parent exits 0 when they have. One process (`--workers 1`) stops the same way on each of
+the three.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import socket
 import sys
 
 from redraft.datastore.reader import Reader
-from redraft.datastore.service.client import DraftClient
+from redraft.datastore.service.client import (
+    TOKEN_ENV,
+    DraftClient,
+    client_tls,
+    client_token,
+    read_tokens,
+)
 from redraft.datastore.service.config import LEARN_MODES, ServiceConfig
-from redraft.datastore.service.server import TLSFiles, serve_forever
+from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.errors import RedraftError
 
-TOKEN_ENV = "REDRAFT_TOKEN"
 UINT32 = (1 << 32) - 1
 UINT64 = (1 << 64) - 1
 INT32 = (1 << 31) - 1
@@ -172,22 +179,6 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     )
 
 
-def read_tokens(path: str | None) -> tuple[str, ...]:
-    """The shared secrets in --token-file (one per line, each its own tenant), else the one
-    in the environment, else none."""
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                tokens = tuple(line.strip() for line in f if line.strip())
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RedraftError(f"cannot read --token-file: {exc}") from exc
-        if not tokens:
-            raise RedraftError(f"--token-file {path} is empty")
-        return tokens
-    token = os.environ.get(TOKEN_ENV)
-    return (token,) if token else ()
-
-
 def _announce(line: str) -> None:
     """One write per line: several workers share stdout, and print() may split a line."""
     sys.stdout.flush()
@@ -249,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         _worker(args.datastore, args.host, args.port, config, None, tls, False)
         return 0
     ctx = mp.get_context("spawn")
-    stats = ServiceStats(ctx)
+    stats = ServiceStats(ctx, workers=args.workers)
     errors = ctx.SimpleQueue()
     procs = [
         ctx.Process(target=_worker, name=f"redraft-serve-{i}",
@@ -265,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
             if proc.is_alive() and proc.pid:
                 os.kill(proc.pid, signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, forward)
     running = list(procs)
     while running:
         mp.connection.wait([p.sentinel for p in running])
@@ -285,9 +276,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_server_stats(address: str, timeout: float = 5.0) -> int:
+def print_server_stats(address: str, token: str | None = None, token_file: str | None = None,
+                       tls: bool = False, tls_ca: str | None = None,
+                       timeout: float = 5.0) -> int:
     """`redraft stats --server ADDR`: the service's counters as JSON on stdout."""
-    with DraftClient(address, token=os.environ.get(TOKEN_ENV) or None, timeout=timeout) as c:
+    with DraftClient(address, token=client_token(token, token_file),
+                     tls=client_tls(tls, tls_ca), timeout=timeout) as c:
         json.dump(c.stats(), sys.stdout, indent=2, sort_keys=True)
     print()
     return 0

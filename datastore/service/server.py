@@ -25,6 +25,9 @@ from redraft.datastore.service.handlers import DrafterService, add_drafter_servi
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.errors import RedraftError
 
+# Each one stops a server gracefully (SIGHUP: its terminal closed; no reload is meant).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 @dataclass
 class TLSFiles:
@@ -86,7 +89,9 @@ async def serve_forever(reader, host: str, port: int, config: ServiceConfig,
                         stats: ServiceStats | None = None, tls: TLSFiles | None = None,
                         reuse_port: bool = False, announce=print,
                         parent_pid: int | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully (in-flight work finishes).
+    """Serve until SIGTERM, SIGINT or SIGHUP, then shut down gracefully (in-flight work
+    finishes, learned outputs are persisted, a `stopped` line is announced): a closed
+    terminal or a Ctrl-C must not lose what was learned.
 
     A worker process passes `parent_pid`: if that parent dies (even by SIGKILL, which it
     cannot forward), the worker stops too instead of holding the port forever.
@@ -97,7 +102,7 @@ async def serve_forever(reader, host: str, port: int, config: ServiceConfig,
     announce(f"redraft serve: listening on {host}:{bound}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     orphan_watch = None
     if parent_pid is not None:

@@ -3,7 +3,9 @@
 Why shared memory: `redraft serve --workers N` runs N processes on one port; `Stats` must
 report the whole server (and `max_sessions` must bound all of them), whichever process
 answers. Latency is a log-bucketed histogram (bucket width ~9%), so percentiles cost O(1)
-memory however long the server runs.
+memory however long the server runs. Each worker keeps its own learned index, so each
+publishes that index's sizes in slots of its own (`publish_worker`): `Stats` adds them up
+for the whole server and lists them per worker, never one worker's figures as the server's.
 """
 
 from __future__ import annotations
@@ -38,20 +40,55 @@ _SLOT = {name: i for i, name in enumerate(FIELDS)}
 _BUCKETS_PER_OCTAVE = 8
 _N_BUCKETS = _BUCKETS_PER_OCTAVE * 24  # 1 us .. ~16 s
 _HIST0 = len(FIELDS)
+# Per worker, after the histogram: its pid and its learned index's sizes.
+WORKER_FIELDS = ("pid", "learned_tokens", "learned_docs", "learned_pools")
+_CLAIMED = _HIST0 + _N_BUCKETS  # how many workers have claimed their slots
+_WORKER0 = _CLAIMED + 1
 
 
 class ServiceStats:
     """Process-shared counters and a latency histogram (microseconds)."""
 
-    def __init__(self, ctx: Any = None) -> None:
-        """`ctx`: a multiprocessing context to share with worker processes; None = local."""
+    def __init__(self, ctx: Any = None, workers: int = 1) -> None:
+        """`ctx`: a multiprocessing context to share with `workers` worker processes;
+        None = local (one process)."""
+        size = _WORKER0 + workers * len(WORKER_FIELDS)
         if ctx is None:
-            self._arr: Any = [0.0] * (_HIST0 + _N_BUCKETS)
+            self._arr: Any = [0.0] * size
             self._lock: Any = threading.Lock()
         else:
-            self._arr = ctx.Array("d", _HIST0 + _N_BUCKETS, lock=False)
+            self._arr = ctx.Array("d", size, lock=False)
             self._lock = ctx.Lock()
+        self.workers = workers
         self.started = time.time()
+
+    def claim_worker(self) -> int:
+        """This process's worker slot (once per server process; -1 when all are taken)."""
+        with self._lock:
+            slot = int(self._arr[_CLAIMED])
+            if slot >= self.workers:
+                return -1
+            self._arr[_CLAIMED] = slot + 1
+            self._arr[_WORKER0 + slot * len(WORKER_FIELDS)] = os.getpid()
+            return slot
+
+    def publish_worker(self, slot: int, figures: dict[str, float]) -> None:
+        """Worker `slot`'s own figures (its learned index's sizes), replacing earlier ones."""
+        if slot < 0:
+            return
+        base = _WORKER0 + slot * len(WORKER_FIELDS)
+        with self._lock:
+            for i, name in enumerate(WORKER_FIELDS[1:], 1):
+                self._arr[base + i] = figures.get(name, 0)
+
+    def per_worker(self) -> list[dict[str, int]]:
+        """Every claimed worker's figures (pid and learned sizes), in slot order."""
+        with self._lock:
+            n = int(self._arr[_CLAIMED])
+            values = list(self._arr[_WORKER0:_WORKER0 + n * len(WORKER_FIELDS)])
+        k = len(WORKER_FIELDS)
+        return [{name: int(values[w * k + i]) for i, name in enumerate(WORKER_FIELDS)}
+                for w in range(n)]
 
     def add(self, **counts: float) -> None:
         with self._lock:

@@ -42,6 +42,7 @@ from redraft.decoder.bench.results import write_results
 from redraft.decoder.bench.sampling import markdown_samples, run_samples, summarize_samples
 from redraft.decoder.budget import MAX_TREE_NODES, CostModel
 from redraft.decoder.drafters.registry import build_drafter, options_from_args
+from redraft.decoder.drafters.rest import service_credentials
 from redraft.decoder.generate import Generator
 from redraft.decoder.kernels import packed_linears
 from redraft.decoder.models.loading import load_model
@@ -74,6 +75,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def method_names(args: argparse.Namespace) -> list[str]:
+    if args.methods is not None and not [m for m in args.methods.split(",") if m.strip()]:
+        raise BenchError(f"--methods names no method: {args.methods!r}")
     if args.samples == 1:
         return parse_methods(args.methods or DEFAULT_METHODS,
                              bool(args.datastore or args.draft_service))
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     per_category = args.per_category or None
     questions = (load_sampling_questions(args.questions, per_category) if sampling
                  else load_questions(args.questions, per_category))
+    token, tls = service_credentials(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     machine_start = machine_state()
@@ -121,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             drafter = build_drafter(method_drafters(name, args.model), model=model,
                                     tokenizer=tokenizer, model_name=model_name,
                                     datastore=args.datastore, draft_service=args.draft_service,
+                                    token=token, tls=tls,
                                     options=drafter_options(name, options, run_id))
             drafters.append(drafter)
             methods.append(RedraftMethod(name, Generator(

@@ -4,13 +4,13 @@ sampling)."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from redraft.proto.errors import RedraftError
+from redraft.proto.jsonl import parse_record
 
 MT_BENCH = {
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
@@ -61,15 +61,25 @@ def read_questions(path: str | Path, category: Callable[[str], str | None]
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            rec = parse_record(line, f"{path}:{n}", BenchError)
             try:
-                rec = json.loads(line)
                 cat = category(rec["category"])
                 if cat is not None:
                     grouped[cat].append(Question(int(rec["question_id"]), cat,
-                                                 [str(t) for t in rec["turns"]]))
+                                                 question_turns(rec["turns"])))
             except (ValueError, KeyError, TypeError) as exc:
                 raise BenchError(f"{path}:{n}: not a Spec-Bench question ({exc})") from None
     return grouped
+
+
+def question_turns(turns: object) -> list[str]:
+    """A question's turns: a non-empty list of non-empty strings (a string is not split into
+    one turn per character, and a question without turns is no question)."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"'turns' must be a non-empty list of strings, got {turns!r:.60}")
+    if not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ValueError("every turn must be a non-empty string")
+    return turns
 
 
 def pick_evenly(grouped: dict[str, list[Question]], order: Sequence[str],

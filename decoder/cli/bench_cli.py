@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from redraft.datastore.cli import add_client_options
 from redraft.decoder.bench.driver import run
 from redraft.decoder.bench.methods import DEFAULT_METHODS, HF_METHODS, redraft_methods
 from redraft.decoder.drafters.registry import add_options
@@ -56,5 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     kernels.add_argument("--always-packed", action="store_true",
                          help="redraft's methods on packed kernels for every forward, without "
                          "the per-size choice of the faster kind")
+    add_client_options(p)
     add_options(p)
     p.set_defaults(func=run)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
 import torch
+from redraft.datastore.cli import add_client_options
 from redraft.decoder.budget import MAX_TREE_NODES, CostModel
 from redraft.decoder.drafters.recycle import RecycleDrafter, table_path
 from redraft.decoder.drafters.registry import (
@@ -25,13 +27,17 @@ from redraft.decoder.drafters.registry import (
     options_from_args,
     parse_names,
 )
+from redraft.decoder.drafters.rest import service_credentials
 from redraft.decoder.generate import (
+    SEEDS,
     GenerationError,
     GenerationResult,
     GenerationStats,
     Generator,
+    check_text,
 )
 from redraft.decoder.models.loading import load_model
+from redraft.proto.jsonl import parse_record
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 
@@ -64,7 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="draft service address (host:port; replicas: several, comma-separated, "
                     "or dns:///name:port)")
     ds.add_argument("--datastore", metavar="DIR", help="datastore opened in this process")
-    p.add_argument("--token", default=None, help="shared secret for the draft service")
     p.add_argument("--max-nodes", type=int, default=None,
                    help="cap on tree nodes per step (default: chosen from the hardware)")
     p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
@@ -85,6 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the target on PyTorch's stock CPU kernels instead of packed oneDNN "
                         "weights (to isolate what drafting alone gains)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_client_options(p)
     add_options(p)
     p.set_defaults(func=run_generate)
 
@@ -99,10 +105,7 @@ def read_prompts(path: str) -> list[list[str]]:
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise GenerationError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+        rec = parse_record(line, f"{path}:{lineno}", GenerationError)
         turns = rec.get("turns") if isinstance(rec, dict) else None
         if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             turns = [rec["prompt"]]
@@ -110,6 +113,8 @@ def read_prompts(path: str) -> list[list[str]]:
             raise GenerationError(f"{path}:{lineno}: needs a 'prompt' string or a 'turns' list")
         if not all(t.strip() for t in turns):
             raise GenerationError(f"{path}:{lineno}: empty prompt")
+        for t in turns:
+            check_text(t, f"{path}:{lineno}: the prompt")
         out.append(turns)
     if not out:
         raise GenerationError(f"{path}: no prompts")
@@ -120,12 +125,15 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
     """Validate what needs no model; return the prompts as turn lists."""
     if args.max_new_tokens <= 0:
         raise GenerationError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise GenerationError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise GenerationError(f"--temperature must be a finite number >= 0, got "
+                              f"{args.temperature}")
     if not 0 < args.top_p <= 1:
         raise GenerationError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise GenerationError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 <= args.seed < SEEDS:
+        raise GenerationError(f"--seed must be in 0..2**64-1, got {args.seed}")
     if args.threads is not None and args.threads <= 0:
         raise GenerationError(f"--threads must be positive, got {args.threads}")
     if args.max_nodes is not None and args.max_nodes < 0:
@@ -136,6 +144,7 @@ def check_args(args: argparse.Namespace) -> list[list[str]]:
     if args.prompt is not None:
         if not args.prompt.strip():
             raise GenerationError("empty prompt")
+        check_text(args.prompt, "--prompt")
         return [[args.prompt]]
     return read_prompts(args.prompts)
 
@@ -144,6 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="redraft: %(message)s")
     prompts = check_args(args)
+    token, tls = service_credentials(args)
     if args.drafters is None:
         args.drafters = default_drafters(bool(args.datastore or args.draft_service), args.model)
     parse_names(args.drafters)  # unknown names fail before anything is loaded
@@ -160,7 +170,7 @@ def run_generate(args: argparse.Namespace) -> int:
     drafter = build_drafter(args.drafters, model_loader=load, tokenizer=tokenizer,
                             model_name=name,
                             datastore=args.datastore, draft_service=args.draft_service,
-                            token=args.token, options=options_from_args(args))
+                            token=token, tls=tls, options=options_from_args(args))
     try:
         return _generate_all(args, prompts, drafter, load(), tokenizer, name)
     finally:

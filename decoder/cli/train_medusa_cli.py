@@ -47,15 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.heads < 1 or args.epochs <= 0 or args.subset < 1 or args.batch_size < 1:
-        raise TrainingError("--heads, --epochs, --subset and --batch-size must be positive")
-    if not 0 < args.held_out < 100:
-        raise TrainingError(f"--held-out must be a percentage in (0, 100), got {args.held_out}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     cfg = TrainConfig(num_heads=args.heads, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, subset_size=args.subset, held_out_percent=args.held_out,
                       seed=args.seed, next_token=not args.hidden_only)
+    cfg.validate()  # train_medusa checks again, with --out and the vocabulary, before loading
+    if args.threads is not None:
+        if args.threads < 1:
+            raise TrainingError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
     train_medusa(args.model, args.data, args.out, cfg, device=args.device,
                  cache_dir=args.cache_dir, hidden_dtype=args.hidden_dtype)
     return 0

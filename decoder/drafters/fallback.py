@@ -78,6 +78,9 @@ class FallbackDrafter(Drafter):
         self._log: list[int] = []  # tokens since begin (update appends)
         self._pending: deque[tuple[int, str, Tree, float]] = deque()
 
+    def check_tokenizer(self, tokenizer) -> None:
+        self._members.check_tokenizer(tokenizer)
+
     def begin(self, prompt: Sequence[int]) -> None:
         self._members.begin(prompt)
         self._log = []

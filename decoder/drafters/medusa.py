@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from redraft.decoder.drafter import Drafter
 from redraft.decoder.heads.blocks import PROJECTIONS, MedusaHeads
 from redraft.decoder.heads.committed import default_heads_path
-from redraft.decoder.heads.heads_file import HeadsError, load_heads, read_meta
+from redraft.decoder.heads.heads_file import HeadsError, build_heads, read_heads
 from redraft.decoder.heads.predictor import HeadsPredictor
 from redraft.decoder.heads.tree_shape import MAX_TREE, sparse_tree
 from redraft.proto.tree import Tree
@@ -45,6 +45,9 @@ class MedusaDrafter(Drafter):
         self.predictor = HeadsPredictor(heads, model, projection)
         width = self.predictor.width  # no head has more guesses than projection rows
         self.shape = sparse_tree([row[:width] for row in accuracy], MAX_TREE, max_depth)
+        if not len(self.shape):
+            raise HeadsError(f"the heads file records no accuracy above 0 for the first head "
+                             f"({projection} projection): no tree to draft")
         self._hidden = None
         self._context_len = -1
 
@@ -66,8 +69,8 @@ class MedusaDrafter(Drafter):
 
 def make(ctx) -> MedusaDrafter:
     """Heads from `--medusa-heads FILE`, else the committed heads of the model. The file is
-    read (and a missing or damaged one refused) before the model loads; heads trained for
-    another model are refused once it has."""
+    read and checked (a missing, damaged or tampered one refused) before the model loads;
+    heads trained for another model are refused once it has."""
     projection = ctx.option("medusa_projection")
     if projection not in (None, *PROJECTIONS):
         raise HeadsError(f"--medusa-projection must be full or subset, got {projection!r}")
@@ -75,6 +78,7 @@ def make(ctx) -> MedusaDrafter:
     if path is None:
         raise HeadsError(f"no Medusa heads for model {ctx.model_name!r}: train them with "
                          "`redraft train-medusa` and pass --medusa-heads FILE")
-    read_meta(path)
+    checked = read_heads(path)  # every check that needs no model, before it loads
     model = ctx.model
-    return MedusaDrafter(load_heads(path, model), model, projection, max_depth=ctx.max_depth)
+    return MedusaDrafter(build_heads(checked, model), model, projection,
+                         max_depth=ctx.max_depth)

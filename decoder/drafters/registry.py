@@ -68,6 +68,7 @@ class DrafterContext:
     options: dict[str, Any] = field(default_factory=dict)
     model_loader: Callable[[], Any] | None = None
     _model: Any = None
+    tls: bool | str = False  # the draft service's: False, True (system roots) or a CA file
 
     @property
     def model(self) -> Any:
@@ -189,6 +190,7 @@ def build_drafter(
     token: str | None = None,
     max_depth: int = DEFAULT_MAX_DEPTH,
     options: dict[str, Any] | None = None,
+    tls: bool | str = False,
 ) -> Drafter | None:
     """A drafter from a name or a comma-separated combination; None for `none`.
 
@@ -201,7 +203,7 @@ def build_drafter(
     if names == [NONE]:
         return None
     ctx = DrafterContext(tokenizer, model_name, datastore, draft_service, token, max_depth,
-                         tuple(names), dict(options or {}), model_loader, model)
+                         tuple(names), dict(options or {}), model_loader, model, tls)
     drafters: list[Drafter] = []
     try:
         for name in REGISTRY:

@@ -29,8 +29,12 @@ log = logging.getLogger("redraft.decoder")
 class DatastoreDrafter(Drafter):
     """Retrieval and learned outputs from a datastore opened in this process (no server).
 
-    `learned`: the index of earlier outputs to draft from and add to (shared across this
-    drafter's generations; pass one to share it further), None for retrieval only.
+    `tokenizer`: the target's tokenizer (or its fingerprint), checked against the datastore's
+    at once; None leaves the check to the Generator this drafter joins, which passes its own
+    (`check_tokenizer`). Drafting before either check raises TokenizerMismatch: drafts in
+    another tokenizer's ids would be verified as garbage. `learned`: the index of earlier
+    outputs to draft from and add to (shared across this drafter's generations; pass one to
+    share it further), None for retrieval only.
     """
 
     name = "rest"
@@ -39,9 +43,10 @@ class DatastoreDrafter(Drafter):
                  corpora: Sequence[str] | None = None,
                  learned: LearnedIndex | None = None) -> None:
         self.reader = Reader(path)
+        self._tokenizer_checked = False
         if tokenizer is not None:
             try:
-                self.reader.check_tokenizer(tokenizer)
+                self.check_tokenizer(tokenizer)
             except BaseException:
                 self.reader.close()
                 raise
@@ -51,8 +56,16 @@ class DatastoreDrafter(Drafter):
                                       corpora=tuple(corpora) if corpora else None)
         self._session = None
 
+    def check_tokenizer(self, tokenizer) -> None:
+        self.reader.check_tokenizer(tokenizer)
+        self._tokenizer_checked = True
+
     def begin(self, prompt: Sequence[int]) -> None:
         self.end()
+        if not self._tokenizer_checked:
+            raise TokenizerMismatch(
+                f"{self.reader.path}: no tokenizer was checked against this datastore's: pass "
+                "DatastoreDrafter(path, tokenizer) or use the drafter in a Generator")
         self._session = SessionDrafter(prompt, self.settings, self.reader, self.learned)
 
     def propose(self, context: Sequence[int], budget: int) -> Tree:
@@ -100,6 +113,7 @@ class ServiceDrafter(Drafter):
         timeout: float = 1.0,
         sources: Sequence[str] = (REST, LEARNED),
         tenant: str = "",
+        tls: bool | str = False,
     ) -> None:
         from redraft.datastore.service.client import DraftClient  # lazy: gRPC only for a service
 
@@ -109,13 +123,21 @@ class ServiceDrafter(Drafter):
         self.max_depth = max_depth
         self.sources = tuple(sources)
         self.tenant = tenant
-        self.client = DraftClient(address, token=token, timeout=timeout)
+        self.client = DraftClient(address, token=token, tls=tls, timeout=timeout)
         self.failures = 0
         self._session = None
         self._sent = 0
         self._first = None
         self._failed = False
         self._unsent: list[int] = []  # accepted since the last step (the server learns them)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """The Generator's tokenizer must be the one this drafter was made for (`check` then
+        compares that with the server's)."""
+        given = tokenizer if isinstance(tokenizer, str) else tokenizer_fingerprint(tokenizer)
+        if given != self.fingerprint:
+            raise TokenizerMismatch(f"this drafter was made for tokenizer {self.fingerprint}; "
+                                    f"the Generator's is {given}")
 
     def check(self) -> None:
         """Raise TokenizerMismatch now if the server's datastore uses another tokenizer.
@@ -206,6 +228,19 @@ class ServiceDrafter(Drafter):
                 pass
 
 
+def service_credentials(args) -> tuple[str | None, bool | str]:
+    """A command's draft-service token (--token, --token-file or $REDRAFT_TOKEN) and TLS
+    (--tls, --tls-ca), checked before any model loads; none without --draft-service."""
+    if not getattr(args, "draft_service", None):
+        return None, False
+    from redraft.datastore.service.client import (  # lazy: gRPC only for a service
+        client_tls,
+        client_token,
+    )
+
+    return client_token(args.token, args.token_file), client_tls(args.tls, args.tls_ca)
+
+
 def make(ctx) -> Drafter:
     """In-process retrieval with a datastore, else the draft service; PLD is the service's
     fallback unless the combination already runs PLD. Learned drafts come with either
@@ -227,7 +262,8 @@ def make(ctx) -> Drafter:
         sources = (REST, LEARNED) if learn == "on" else (REST,)
         service = ServiceDrafter(ctx.draft_service, tokenizer_fingerprint(ctx.tokenizer),
                                  fallback, max_depth=ctx.max_depth, token=ctx.token,
-                                 sources=sources, tenant=str(ctx.option("tenant")))
+                                 sources=sources, tenant=str(ctx.option("tenant")),
+                                 tls=ctx.tls)
         service.check()
         return service
     raise UnknownDrafter("drafter 'rest' needs a datastore (--datastore DIR) or a "

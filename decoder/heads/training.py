@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from redraft.decoder.heads.blocks import DEFAULT_HEADS, MedusaHeads
-from redraft.decoder.heads.heads_file import model_fingerprint, save_heads
+from redraft.decoder.heads.heads_file import MAX_HEADS, model_fingerprint, save_heads
 from redraft.decoder.heads.hidden_cache import HiddenCache, fast_dtype, hidden_cache_dir
 from redraft.decoder.heads.training_data import (
     Positions,
@@ -47,8 +47,8 @@ from redraft.decoder.heads.training_data import (
 )
 from redraft.decoder.heads.tree_shape import sparse_tree
 from redraft.decoder.models.loading import default_device, load_model, resolve_dtype
-from redraft.proto.files import write_atomically
-from redraft.proto.models import DEFAULT_MODEL, load_tokenizer
+from redraft.proto.files import check_writable, write_atomically
+from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, vocab_size
 from redraft.proto.tree import Tree
 from tqdm import tqdm
 
@@ -72,6 +72,22 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 200
     next_token: bool = True  # heads also read the next token's embedding
+
+    def validate(self) -> None:
+        """TrainingError unless every setting is usable (finite, positive, in range): checked
+        before anything loads, so a typo costs no model load and no training."""
+        if self.num_heads < 1 or self.subset_size < 1 or self.batch_size < 1:
+            raise TrainingError("--heads, --subset and --batch-size must be positive")
+        if self.num_heads > MAX_HEADS:
+            raise TrainingError(f"--heads must be at most {MAX_HEADS}, got {self.num_heads}")
+        for flag, value in (("--epochs", self.epochs), ("--lr", self.lr)):
+            if not (math.isfinite(value) and value > 0):
+                raise TrainingError(f"{flag} must be a positive finite number, got {value}")
+        if not 0 < self.held_out_percent < 100:  # also false for nan
+            raise TrainingError("--held-out must be a percentage in (0, 100), got "
+                                f"{self.held_out_percent}")
+        if self.warmup < 1 or self.checkpoint_every < 1:
+            raise TrainingError("warmup and checkpoint_every must be positive")
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:16]
@@ -233,11 +249,15 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
     `hidden_dtype` is the dtype of the training split's forwards (default: `fast_dtype`).
     """
 
-    if cfg.num_heads < 1 or cfg.epochs <= 0 or cfg.subset_size < 1 or cfg.batch_size < 1:
-        raise TrainingError("--heads, --epochs, --subset and --batch-size must be positive")
+    cfg.validate()
+    check_writable(out, "heads file")
     name = model_name or DEFAULT_MODEL
     dev = torch.device(device or default_device())
     tokenizer = load_tokenizer(model_name)
+    vocab = vocab_size(tokenizer)
+    if cfg.subset_size > vocab:
+        raise TrainingError(f"--subset must be at most the vocabulary size ({vocab}), got "
+                            f"{cfg.subset_size}")
     docs, digest = read_documents(data, tokenizer)
     train_idx, held_idx = split_held_out(docs, cfg.held_out_percent)
     if not train_idx or not held_idx:

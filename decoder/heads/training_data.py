@@ -5,7 +5,6 @@ held-out split, and the answer positions with the labels each head learns.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 from redraft.decoder.text import chat_ids
 from redraft.proto.errors import RedraftError
+from redraft.proto.jsonl import parse_record
 
 
 class TrainingError(RedraftError):
@@ -59,8 +59,9 @@ def read_documents(paths: Sequence[str], tokenizer) -> tuple[list[Document], str
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            rec = parse_record(line, f"{path}:{n}", TrainingError)
             try:
-                messages = json.loads(line)["messages"]
+                messages = rec["messages"]
                 ok = (isinstance(messages, list) and len(messages) >= 2
                       and all(isinstance(m.get("content"), str) for m in messages)
                       and messages[-1].get("role") == "assistant")

@@ -22,8 +22,6 @@ import copy
 import json
 import os
 import re
-import subprocess
-import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,74 +34,17 @@ from redraft.datastore import manifest as mf
 from redraft.datastore.lmdbfile import NODE_HEADER, P_BRANCH, P_LEAF, PAGE_HEADER, LmdbFile
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
+from ..conftest import ForkServer, structural_flip
+
 CASES = int(os.environ.get("REDRAFT_FUZZ_CASES", "200"))
 SEED = int(os.environ.get("REDRAFT_FUZZ_SEED", "0"))
 TIMEOUT_S = 120.0  # per command: a hang, not a slow machine
 
-_FORK_SERVER = r"""
-import io, json, os, signal, sys, time, traceback
-from redraft.decoder.cli import main
+WARM_UP = """
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 import redraft.datastore.build, redraft.datastore.cli, redraft.datastore.reader
-
 tokenizer_fingerprint(load_tokenizer("smollm2-135m"))  # both remembered across forks
-channel = os.fdopen(os.dup(1), "w")
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        for fd, path in ((1, req["out"]), (2, req["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False))
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False))
-        try:
-            rc = main(req["argv"])
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            rc = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    deadline = time.monotonic() + req["timeout"]
-    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            done = None
-            break
-        time.sleep(0.002)
-    rc = None if done is None else os.waitstatus_to_exitcode(done[1])
-    channel.write(json.dumps({"rc": rc}) + "\n")
-    channel.flush()
 """
-
-
-class ForkServer:
-    """Runs `redraft` command lines, each in a fresh fork of one warmed-up process."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-
-    def run(self, *argv) -> tuple[int | None, str, str]:
-        """(exit status, or -signal, or None after a hang; stdout; stderr)."""
-        out, err = self.workdir / "out", self.workdir / "err"
-        req = {"argv": [str(a) for a in argv], "out": str(out), "err": str(err),
-               "timeout": TIMEOUT_S}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "the fork server died"
-        return json.loads(line)["rc"], out.read_text(errors="replace"), \
-            err.read_text(errors="replace")
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
 
 
 def _normalized(manifest: dict) -> dict:
@@ -250,12 +191,8 @@ def _flip_or_truncate(clean: bytes, offsets: dict[str, list[int]] | None, i: int
     data = bytearray(clean)
     r = i % 10
     if r < 6 and offsets:
-        kinds = sorted(offsets)
-        kind = kinds[i % len(kinds)]
-        off = int(rng.choice(offsets[kind]))
-        mask = int(rng.choice([0xFF, 1 << int(rng.integers(8)), int(rng.integers(1, 256))]))
-        data[off] ^= mask
-        return f"{kind} flip at {off} (^{mask:#x})", bytes(data)
+        what = structural_flip(data, offsets, i, rng)
+        return what, bytes(data)
     if r < 8:
         off = int(rng.integers(len(data)))
         data[off] ^= int(rng.integers(1, 256))
@@ -294,7 +231,7 @@ def cases(clean: dict[str, bytes], segments: list[str], offsets: dict[str, dict]
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    server = ForkServer(root)
+    server = ForkServer(root, WARM_UP, TIMEOUT_S)
     try:
         yield Target(root, server)
     finally:

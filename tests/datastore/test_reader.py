@@ -231,11 +231,34 @@ def test_concurrent_threads_get_the_serial_answers(make_store, helpers):
     assert parallel == serial * 3
 
 
-def test_closed_reader_refuses_queries(make_store):
-    from redraft.datastore import DatastoreError
+def test_a_closed_reader_refuses_every_verb_with_one_clear_error(make_store):
+    from redraft.datastore import ReaderClosed
 
-    r = Reader(make_store([[1, 2]]))
+    path = make_store([[1, 2, 3], [2, 3, 4]])
+    r = Reader(path)
+    query = r.suffixes([1, 2])
+    match = query.longest(1)
     r.close()
-    r.close()
-    with pytest.raises(DatastoreError, match="closed"):
-        r.count([1])
+    r.close()  # closing twice is fine
+    verbs = {
+        "count": lambda: r.count([1]), "find": lambda: r.find([1]),
+        "next_token_counts": lambda: r.next_token_counts([1]),
+        "longest_match": lambda: r.longest_match([1, 2]), "suffixes": lambda: r.suffixes([1]),
+        "doc_name": lambda: r.doc_name(0), "documents": lambda: r.documents("default"),
+        "verify": r.verify, "shard_raw": lambda: r.shard_raw(0, "tokens"),
+        "shard_documents": lambda: r.shard_documents(0), "shard_names": lambda: r.shard_names(0),
+        "check_ids": lambda: r.check_ids([1]),
+        "check_tokenizer": lambda: r.check_tokenizer(r.tokenizer_fingerprint),
+        "query.longest": lambda: query.longest(1),
+        "query.occurrences": lambda: query.occurrences(2),
+        "query.continuations": lambda: query.continuations(match, 4, 2),
+    }
+    for name, verb in verbs.items():
+        with pytest.raises(ReaderClosed, match=r"the Reader is closed$"):
+            verb()
+            pytest.fail(f"{name} answered on a closed Reader")
+    with pytest.raises(ReaderClosed, match="the Reader is closed; open a new one"):
+        with r:
+            pass
+    with Reader(path) as again:  # a new Reader on the same path is unaffected
+        assert again.count([2, 3]) == 2

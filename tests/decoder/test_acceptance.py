@@ -28,7 +28,7 @@ from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
 from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
-from redraft.proto.models import load_tokenizer
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 from redraft.proto.tree import Tree
 
 from .conftest import tiny_model
@@ -68,6 +68,21 @@ def test_target_probs_top_k_and_top_p():
     assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))
     p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
     assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95)
+
+
+def test_a_tiny_top_p_keeps_the_top_token():
+    """top_p below float32's range (1e-300 compares as 0) still keeps the most likely token:
+    sampling becomes greedy, never a distribution of NaNs."""
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]]))
+    for top_p in (1e-300, 1e-45, 1e-8):
+        p = target_probs(logits, SamplingParams(temperature=0.7, top_p=top_p))
+        assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    model = tiny_model("llama", vocab=VOCAB, init=0.3)
+    gen = Generator(model, load_tokenizer(None), FixedTreeDrafter(),
+                    cost=CostModel([1, 64], [1.0, 1.0]))
+    greedy = gen.generate(PROMPT, max_new_tokens=20, eos=False)
+    sampled = gen.generate(PROMPT, max_new_tokens=20, eos=False, temperature=0.7, top_p=1e-300)
+    assert sampled.tokens == greedy.tokens
 
 
 def test_sampling_acceptance_of_a_single_node_matches_the_target():
@@ -166,7 +181,8 @@ def test_sampling_with_learned_drafts_is_lossless(tmp_path):
     """Learned drafts copy what earlier samples of the same prompt continued with, so each
     draft depends on earlier randomness: the distribution must still be the target's."""
     path = tmp_path / "ds"
-    build_datastore(None, path, documents=[[0]], fingerprint="tiny", vocab_size=VOCAB)
+    fingerprint = tokenizer_fingerprint(load_tokenizer(None))  # the Generator's tokenizer
+    build_datastore(None, path, documents=[[0]], fingerprint=fingerprint, vocab_size=VOCAB)
     drafter = DatastoreDrafter(str(path), learned=LearnedIndex())
     n = 4000
     counts, exact, per_step = sample_sequences(SamplingParams(temperature=1.0), n, drafter)

@@ -4,6 +4,7 @@ greedy output, through every drafter, including a draft service that dies mid-ge
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -74,6 +75,56 @@ def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_dat
         tokens += r.stats.new_tokens
     drafter.close()
     assert tokens / steps > 1.1, f"{which}: drafts were never accepted ({tokens}/{steps})"
+
+
+@pytest.mark.parametrize("which", ["none", "pld,recycle"])
+def test_two_threads_on_one_generator_get_their_own_answers(default_model, plain, which):
+    """Generations from two threads on one Generator are serialized: each thread gets the
+    answer to its own prompt, exactly as one at a time, never another's or an error."""
+    model, tok = default_model
+    drafter = build_drafter(which, model=model, tokenizer=tok, model_name="smollm2-135m")
+    gen = Generator(model, tok, drafter, cost=CostModel(*CPU_COST))
+    orders = {"a": CODE_PROMPTS, "b": CODE_PROMPTS[::-1]}
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def work(name: str) -> None:
+        try:
+            start.wait()
+            results[name] = [gen.generate(p, max_new_tokens=NEW) for p in orders[name]]
+        except BaseException as exc:  # reported below, with the thread's name
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in orders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    for name, prompts in orders.items():
+        for prompt, r in zip(prompts, results[name]):
+            if which == "none":  # the very same computation as the sequential reference
+                assert r.tokens == plain[prompt].tokens, (name, prompt)
+            else:
+                assert_same_or_near_tie(model, r, plain[prompt])
+            assert r.prompt_ids == plain[prompt].prompt_ids
+            assert r.stats.drafter_errors == 0
+    if drafter is not None:
+        drafter.close()
+
+
+def test_a_thread_cannot_start_a_second_generation_while_its_first_is_unfinished(
+        default_model, plain):
+    model, tok = default_model
+    gen = Generator(model, tok, None, cost=CostModel(*CPU_COST))
+    stream = gen.stream(CODE_PROMPTS[0], max_new_tokens=NEW)
+    next(iter(stream))
+    with pytest.raises(GenerationError, match="already running a generation"):
+        gen.generate(CODE_PROMPTS[1], max_new_tokens=4)
+    stream.close()  # frees the Generator
+    assert gen.generate(CODE_PROMPTS[1], max_new_tokens=NEW).tokens == \
+        plain[CODE_PROMPTS[1]].tokens
 
 
 def test_early_exit_draft_model_is_identical_to_plain(default_model, plain):
@@ -181,6 +232,11 @@ def test_eos_stop_strings_and_max_new_tokens(default_model):
     assert len(r.tokens) == 5 and r.finish_reason == "length"
     r = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW, stop=["def "])
     assert r.finish_reason == "stop" and "def " not in r.text
+    # one string is one stop string, not one per character
+    one = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW, stop="reader")
+    listed = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW, stop=["reader"])
+    assert one.finish_reason == "stop" and (one.tokens, one.text) == (listed.tokens, listed.text)
+    assert "def " in one.text  # a stop per character would cut at the "d" of "def"
 
 
 def test_bad_inputs_are_clear_errors(default_model):
@@ -200,6 +256,17 @@ def test_bad_inputs_are_clear_errors(default_model):
         gen.generate("hi", temperature=-1)
     with pytest.raises(GenerationError, match="top_p"):
         gen.generate("hi", temperature=1, top_p=0)
+    for temperature in (float("nan"), float("inf")):
+        with pytest.raises(GenerationError, match="temperature must be a finite number"):
+            gen.generate("hi", temperature=temperature)
+    for seed in (2**70, 2**64, -1, 1.5, "7"):
+        with pytest.raises(GenerationError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            gen.generate("hi", temperature=1, seed=seed)
+    assert len(gen.generate("hi", max_new_tokens=2, temperature=1, seed=2**64 - 1).tokens) == 2
+    with pytest.raises(GenerationError, match="prompt is not valid Unicode .*U\\+D800"):
+        gen.generate("caf\ud800")
+    with pytest.raises(GenerationError, match="a message is not valid UTF-8 .*0xff"):
+        gen.generate([{"role": "user", "content": "caf\udcff"}])
 
 
 def test_incompatible_datastore_is_refused(tmp_path, default_model):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -87,6 +88,28 @@ def test_unreachable_server_is_a_typed_error_quickly(servers):
 def test_missing_tls_file_is_a_service_error(tmp_path):
     with pytest.raises(ServiceError, match="missing.pem"):
         DraftClient("127.0.0.1:1", tls=str(tmp_path / "missing.pem"))
+
+
+def test_one_client_serves_many_threads_at_once(reader):
+    """DraftClient is thread-safe: threads sharing one client, each with its own sessions and
+    unary calls, get exactly the drafts they get one at a time."""
+    params = DraftParams(budget=16, sources=("rest", "pld"))  # nothing learned between runs
+
+    def run(k: int) -> list:
+        doc = DOCS[k % len(DOCS)]
+        out = [c.propose(doc[:25], params).tokens, c.info().vocab_size]
+        with c.session(doc[:20], params, FP) as s:
+            out.append(s.draft.tokens)
+            for i in range(20, 60, 4):
+                out.append(s.step(doc[i:i + 4]).tokens)
+        return out
+
+    with ServerThread(reader) as srv, DraftClient(srv.address, timeout=30) as c:
+        serial = [run(k) for k in range(16)]
+        with ThreadPoolExecutor(8) as ex:
+            parallel = list(ex.map(run, range(16)))
+        assert parallel == serial
+        assert c.stats()["sessions_opened"] == 32
 
 
 def test_session_reopens_after_a_server_restart(reader, servers):
@@ -302,3 +325,165 @@ def test_a_client_of_replicas_spreads_sessions_and_moves_on_when_one_dies(store,
     with pytest.raises(ServiceError, match="host:port"):
         DraftClient(f"{b.address},nothing")
     assert b.stop() == 0
+
+
+@pytest.mark.parametrize("source", ["file", "environment"])
+def test_serve_refuses_a_token_no_client_can_send(store, tmp_path, capsys, monkeypatch, source):
+    from redraft.datastore.service.client import TOKEN_ENV
+
+    argv = ["serve", "--datastore", store, "--port", "0"]
+    if source == "file":
+        (tmp_path / "tok").write_text("fine\nsécret\n")
+        argv += ["--token-file", str(tmp_path / "tok")]
+        where = f"--token-file {tmp_path / 'tok'}"
+    else:
+        monkeypatch.setenv(TOKEN_ENV, "sécret")
+        where = f"${TOKEN_ENV}"
+    assert redraft_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"redraft serve: error: {where}: a token must be printable ASCII (gRPC " \
+                  "metadata cannot carry anything else)\n"
+
+
+def test_stats_server_takes_tls_and_a_token_from_a_file_or_the_environment(
+        reader, tls_cert, tmp_path, capsys, monkeypatch):
+    from redraft.datastore.service.client import TOKEN_ENV
+    from redraft.datastore.service.config import ServiceConfig
+    from redraft.datastore.service.server import TLSFiles
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    cert, key = tls_cert
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    config = ServiceConfig(token="s3cret")
+    with ServerThread(reader, config=config, tls=TLSFiles(cert, key)) as srv:
+        def stats(*argv: str) -> tuple[int, str, str]:
+            rc = redraft_main(["stats", "--server", srv.address, *argv])
+            out, err = capsys.readouterr()
+            return rc, out, err
+
+        rc, out, _ = stats("--tls-ca", cert, "--token-file", str(secret))
+        assert rc == 0 and json.loads(out)["limits"]["max_sessions"] > 0
+        rc, out, _ = stats("--tls-ca", cert, "--token", "s3cret")  # --token stays
+        assert rc == 0 and json.loads(out)["requests"] >= 0
+        rc, _, err = stats("--tls-ca", cert)  # no token anywhere
+        assert rc == 2 and err.count("\n") == 1 and "UNAUTHENTICATED" in err
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        rc, out, _ = stats("--tls-ca", cert)
+        assert rc == 0 and "uptime_s" in json.loads(out)
+        rc, _, err = stats("--tls-ca", str(tmp_path / "missing.pem"))
+        assert rc == 2 and err == "redraft stats: error: TLS file not found: " \
+                                  f"{tmp_path / 'missing.pem'}\n"
+        rc, _, err = stats("--tls-ca", cert, "--token", "a", "--token-file", str(secret))
+        assert rc == 2 and "give --token or --token-file, not both" in err
+        rc, _, err = stats("--tls-ca", cert, "--token", "sécret")
+        assert rc == 2 and "--token: a token must be printable ASCII" in err
+        two = tmp_path / "two"
+        two.write_text("a\nb\n")
+        rc, _, err = stats("--tls-ca", cert, "--token-file", str(two))
+        assert rc == 2 and "holds 2 tokens; a client sends one" in err
+
+
+def test_stats_label_each_workers_learned_outputs(tmp_path, servers, until):
+    """Each worker has its own learned index (the outputs of all, once synced): `Stats`
+    reports the answering worker's sizes (with its pid) and every worker's under
+    `learned_per_worker`, whichever worker answers; never one worker's as another's."""
+    store = str(tmp_path / "ds")  # nothing learned before
+    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    port = servers.free_port()
+    serve = servers.start(store, "--port", str(port), "--workers", "2",
+                          "--learn-persist-seconds", "0")
+    by_pid: dict[int, DraftClient] = {}
+    clients = []
+    while len(by_pid) < 2 and len(clients) < 40:
+        c = DraftClient(serve.address, own_connection=True)
+        clients.append(c)
+        by_pid.setdefault(c.stats()["pid"], c)
+    assert len(by_pid) == 2
+    for n, pid in enumerate(sorted(by_pid)):  # one output learned on each worker
+        with by_pid[pid].session(DOCS[n][:20], DraftParams(budget=8), FP,
+                                 tenant=f"t{n}") as s:
+            for i in range(20, 20 + 30 * (n + 1), 3):
+                s.step(DOCS[n][i:i + 3])
+
+    def synced() -> bool:  # each worker holds both outputs
+        return all(w["learned_docs"] == 2 for c in by_pid.values()
+                   for w in c.stats()["learned_per_worker"])
+
+    until(synced)
+    for pid, c in by_pid.items():
+        st = c.stats()
+        per_worker = {w["pid"]: w for w in st["learned_per_worker"]}
+        assert st["pid"] == pid and sorted(per_worker) == sorted(by_pid)
+        for name in ("learned_tokens", "learned_docs", "learned_pools"):
+            assert st[name] == per_worker[pid][name]  # the top level is the answering one's
+    for c in clients:
+        c.close()
+    assert serve.stop() == 0
+
+
+@pytest.mark.parametrize("signum, workers", [
+    (signal.SIGHUP, "1"), (signal.SIGINT, "1"), (signal.SIGHUP, "2"),
+], ids=["sighup", "sigint", "sighup-2-workers"])
+def test_sighup_and_sigint_stop_serve_as_sigterm_does(tmp_path, servers, signum, workers):
+    """A closed terminal (SIGHUP) or a Ctrl-C (SIGINT): the server stops gracefully, says
+    so, and persists what it learned, whether one process or several."""
+    store = str(tmp_path / "ds")
+    build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB, corpus="c")
+    serve = servers.start(store, "--port", str(servers.free_port()), "--workers", workers,
+                          "--learn-persist-seconds", "300")
+    learned = [RNG.randrange(1, VOCAB) for _ in range(40)]
+    with DraftClient(serve.address, timeout=10) as c:
+        with c.session(DOCS[4][:20], DraftParams(budget=8), FP, tenant="alice") as s:
+            for i in range(0, len(learned), 4):
+                s.step(learned[i:i + 4])
+    serve.proc.send_signal(signum)
+    assert serve.proc.wait(30) == 0
+    assert serve.rest_of_stdout().count("redraft serve: stopped") == int(workers)
+    with Reader(store) as r:
+        docs = list(r.documents("learned"))
+    assert len(docs) == 1 and docs[0][1] == "t:alice"
+    assert docs[0][2][-len(learned):] == learned
+
+
+_HUGE_CLIENT = r"""
+import random, sys
+from redraft.datastore.service.client import DraftClient, DraftParams
+
+address, fp, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = random.Random(9)
+huge = [rng.randrange(1, vocab) for _ in range(131_000)]
+with DraftClient(address, timeout=60) as c:
+    with c.session(huge[:20], DraftParams(budget=8), fp) as s:
+        s.step(huge)  # one step of 131,000 tokens
+        assert s.context_len == 20 + len(huge)
+    with c.session(huge, DraftParams(budget=8), fp) as s:  # and a prompt of as many
+        assert s.context_len == len(huge)
+print("done")
+"""
+
+
+def test_a_huge_step_does_not_stall_other_sessions(store, servers):
+    """A real server: while another process sends a 131,000-token step (and opens a session
+    with a 131,000-token prompt), this one's health checks and session steps stay fast."""
+    serve = servers.start(store, "--port", "0", "--learn-persist-seconds", "0")
+    latencies: list[float] = []
+    with DraftClient(serve.address, timeout=30) as c, \
+            grpc.insecure_channel(serve.address) as ch, \
+            c.session(DOCS[5][:20], DraftParams(budget=8), FP) as s:
+        health = health_pb2_grpc.HealthStub(ch)
+        before = c.stats()["requests"]
+        huge = subprocess.Popen([sys.executable, "-c", _HUGE_CLIENT, serve.address, FP,
+                                 str(VOCAB)], stdout=subprocess.PIPE, text=True)
+        i = 20
+        while huge.poll() is None:
+            t0 = time.monotonic()
+            health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            s.step([DOCS[5][i % len(DOCS[5])]])
+            latencies.append(time.monotonic() - t0)
+            i += 1
+        assert huge.wait(60) == 0 and huge.stdout.read() == "done\n"
+        assert c.stats()["requests"] - before >= len(latencies) + 3  # theirs too
+    # the huge requests took a while; every check and step meanwhile was quick
+    assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
+    assert serve.stop() == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -303,17 +302,10 @@ def test_token_auth(reader):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-def test_tls(reader, tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )
-    with ServerThread(reader, tls=TLSFiles(str(cert), str(key))) as srv:
-        with DraftClient(srv.address, tls=str(cert)) as c:
+def test_tls(reader, tls_cert):
+    cert, key = tls_cert
+    with ServerThread(reader, tls=TLSFiles(cert, key)) as srv:
+        with DraftClient(srv.address, tls=cert) as c:
             assert c.info().tokenizer_fingerprint == FP
             with c.session(DOCS_A[5][:20], None, FP) as s:
                 s.step(DOCS_A[5][20:21])

@@ -44,7 +44,7 @@ def test_questions_grouped_into_six_categories_and_spread_evenly(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["", "{not json}\n", '{"category": "qa"}\n'])
-def test_bad_question_files_are_one_line_errors(tmp_path, content):
+def test_bad_question_files_are_errors(tmp_path, content):
     path = tmp_path / "q.jsonl"
     path.write_text(content)
     with pytest.raises(BenchError):
@@ -171,3 +171,52 @@ def test_bad_bench_arguments_are_one_line_errors(capsys, tmp_path, argv, message
     _, err = capsys.readouterr()
     last = err.strip().splitlines()[-1]  # argparse prints its usage line first
     assert rc == 2 and last.startswith("redraft bench: error:") and message in last
+
+
+def test_a_question_line_nested_too_deeply_is_one_line(capsys, tmp_path):
+    from redraft.decoder.cli import main
+
+    path = tmp_path / "q.jsonl"
+    _write_questions(path, per_cat=1)
+    with path.open("a") as f:
+        f.write("[" * 100_000 + "\n")
+    rc = main(["bench", "--questions", str(path), "--methods", "redraft-none", "--model",
+               "no-such-model"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err == f"redraft bench: error: {path}:8: JSON nested too deeply\n"
+
+
+@pytest.mark.parametrize("turns, message", [
+    ("notalist", "'turns' must be a non-empty list of strings, got 'notalist'"),
+    ([], "'turns' must be a non-empty list of strings, got []"),
+    (["fine", 7], "every turn must be a non-empty string"),
+    (["fine", "  "], "every turn must be a non-empty string"),
+])
+def test_a_question_without_a_list_of_turns_is_one_line(capsys, tmp_path, turns, message):
+    from redraft.decoder.cli import main
+
+    path = tmp_path / "q.jsonl"
+    _write_questions(path, per_cat=1)
+    with path.open("a") as f:
+        f.write(json.dumps({"question_id": 99, "category": "qa", "turns": turns}) + "\n")
+    rc = main(["bench", "--questions", str(path), "--methods", "redraft-none", "--model",
+               "no-such-model"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"redraft bench: error: {path}:8: not a Spec-Bench question") \
+        and message in err
+
+
+@pytest.mark.parametrize("extra", [[], ["--samples", "2"]])
+@pytest.mark.parametrize("methods", [",", " , ,", ""])
+def test_methods_naming_nothing_are_one_line(capsys, tmp_path, methods, extra):
+    from redraft.decoder.cli import main
+
+    path = tmp_path / "q.jsonl"
+    _write_questions(path, per_cat=1)
+    rc = main(["bench", "--questions", str(path), "--methods", methods, "--model",
+               "no-such-model", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err == f"redraft bench: error: --methods names no method: {methods!r}\n"

@@ -4,6 +4,9 @@ JSONL prompts with multi-turn chats, and the --baseline comparison."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from redraft.decoder.cli import main
@@ -28,6 +31,17 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         (["--prompt", "hi", "--drafters", "rest"], "needs a datastore"),
         (["--prompt", "hi", "--datastore", "/nonexistent/ds"], "/nonexistent/ds"),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        # checked before the model is looked for: a missing model would be the error otherwise
+        (["--prompt", "hi", "--model", "no-such-model", "--temperature", "nan"],
+         "--temperature must be a finite number >= 0, got nan"),
+        (["--prompt", "hi", "--model", "no-such-model", "--temperature", "inf"],
+         "--temperature must be a finite number >= 0, got inf"),
+        (["--prompt", "hi", "--model", "no-such-model", "--seed", str(2**70)],
+         f"--seed must be in 0..2**64-1, got {2**70}"),
+        (["--prompt", "hi", "--model", "no-such-model", "--seed", "-1"],
+         "--seed must be in 0..2**64-1, got -1"),
+        (["--prompt", "caf\udcff", "--model", "no-such-model"],
+         "--prompt is not valid UTF-8 (byte 0xff at character 3)"),
         (["--prompt", "hi", "--tree-nodes", "0"], "--tree-nodes must be in 1..256"),
         (["--prompt", "hi", "--drafters", "draft-model", "--draft-model", "skip:x"],
          "skip:L needs a layer count"),
@@ -48,12 +62,35 @@ def test_bad_prompt_files(capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\nnot json\n')
     rc, _, err = run(capsys, "--prompts", str(bad))
-    assert rc == 2 and "bad.jsonl:2: not JSON" in err
+    assert rc == 2 and "bad.jsonl:2: invalid JSON" in err
     bad.write_text('{"question": "no prompt field"}\n')
     rc, _, err = run(capsys, "--prompts", str(bad))
     assert rc == 2 and "needs a 'prompt' string or a 'turns' list" in err
     rc, _, err = run(capsys, "--prompts", str(tmp_path / "missing.jsonl"))
     assert rc == 2 and "cannot read prompts file" in err
+    bad.write_text('{"prompt": "ok"}\n{"turns": ["fine", "caf\\ud800"]}\n')  # a JSON escape
+    rc, out, err = run(capsys, "--prompts", str(bad), "--model", "no-such-model")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "bad.jsonl:2: the prompt is not valid Unicode (a lone surrogate U+D800" in err
+
+
+def test_a_prompt_line_nested_too_deeply_is_one_line(capsys, tmp_path):
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(json.dumps({"prompt": "ok"}) + "\n" + "[" * 100_000 + "\n")
+    rc, out, err = run(capsys, "--prompts", str(deep), "--model", "no-such-model")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err == f"redraft generate: error: {deep}:2: JSON nested too deeply\n"
+
+
+def test_invalid_utf8_in_argv_is_one_line(tmp_path):
+    """Bytes that are not UTF-8 on the real command line (Python passes them on as surrogate
+    escapes): one line before anything loads, not a tokenizer's traceback."""
+    proc = subprocess.run([sys.executable, "-m", "redraft.decoder.cli", "generate",
+                           "--prompt", b"caf\xe9 au lait"], capture_output=True, timeout=300,
+                          env={**os.environ, "LC_ALL": "C.UTF-8"})
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert proc.stderr == b"redraft generate: error: --prompt is not valid UTF-8 (byte 0xe9 " \
+                          b"at character 3)\n"
 
 
 def test_incompatible_datastore(capsys, tmp_path):
@@ -157,6 +194,48 @@ def test_draft_service_with_another_tokenizer_is_refused(capsys, tmp_path):
             server.stop(grace=0)
     assert rc == 2 and err.count("\n") == 1
     assert f"draft service {server.address} serves a datastore built with" in err
+
+
+@pytest.mark.parametrize("token_from", ["--token-file", "environment"])
+def test_draft_service_over_tls_with_a_token_from_a_file_or_the_environment(
+        capsys, tmp_path, tls_cert, monkeypatch, token_from):
+    """The service answers only over TLS with the token: that the command reaches its
+    datastore's tokenizer check shows both were sent."""
+    from redraft.datastore import Reader, build_datastore
+    from redraft.datastore.service.client import TOKEN_ENV
+    from redraft.datastore.service.config import ServiceConfig
+    from redraft.datastore.service.server import ServerThread, TLSFiles
+
+    cert, key = tls_cert
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    token = ["--token-file", str(secret)]
+    if token_from == "environment":
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        token = []
+    path = str(tmp_path / "other")
+    build_datastore(None, path, documents=[[1, 2, 3]], fingerprint="sha256:other", vocab_size=9)
+    with Reader(path) as reader:
+        server = ServerThread(reader, config=ServiceConfig(token="s3cret"),
+                              tls=TLSFiles(cert, key)).start()
+        try:
+            rc, _, err = run(capsys, "--prompt", "hi", "--draft-service", server.address,
+                             "--tls-ca", cert, *token)
+        finally:
+            server.stop(grace=0)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"draft service {server.address} serves a datastore built with" in err
+
+
+def test_draft_service_credentials_are_checked_before_anything_loads(capsys, tmp_path):
+    rc, _, err = run(capsys, "--prompt", "hi", "--draft-service", "127.0.0.1:9", "--tls-ca",
+                     str(tmp_path / "missing.pem"), "--model", "no-such-model")
+    assert rc == 2 and err == "redraft generate: error: TLS file not found: " \
+                              f"{tmp_path / 'missing.pem'}\n"
+    rc, _, err = run(capsys, "--prompt", "hi", "--draft-service", "127.0.0.1:9", "--token",
+                     "sécret", "--model", "no-such-model")
+    assert rc == 2 and "--token: a token must be printable ASCII" in err
 
 
 def test_the_recycling_table_carries_over_to_the_next_run(capsys, default_model, tmp_path,

@@ -119,7 +119,7 @@ def test_next_token_heads_read_the_next_tokens_embedding_and_round_trip(tmp_path
         predictor.topk(hidden, 5)
     path = tmp_path / "h.safetensors"
     save_heads(heads, path, _meta(model))
-    assert read_meta(path)["next_token"] is True and read_meta(path)["version"] == 2
+    assert read_meta(path)["next_token"] is True and read_meta(path)["version"] == 3
     loaded = load_heads(path, model)
     assert loaded.next_token
     for x, y in zip(heads.blocks, loaded.blocks):
@@ -166,8 +166,8 @@ def test_a_heads_file_of_a_newer_format_is_refused(tmp_path):
 
     path = tmp_path / "h.safetensors"
     save_file({"w": torch.zeros(2)}, str(path),
-              metadata={"redraft": json.dumps({"format": "redraft-medusa", "version": 3})})
-    with pytest.raises(HeadsError, match="heads format version 3, this redraft reads 1, 2"):
+              metadata={"redraft": json.dumps({"format": "redraft-medusa", "version": 4})})
+    with pytest.raises(HeadsError, match="heads format version 4, this redraft reads 1, 2, 3"):
         load_heads(path)
 
 
@@ -354,3 +354,72 @@ def test_bad_training_input_is_one_line(capsys, tmp_path):
     rc, _, err = _run_cli(capsys, "--data", str(tmp_path / "missing.jsonl"), "--out",
                           str(tmp_path / "h.safetensors"))
     assert rc == 2 and "cannot read" in err and err.count("\n") == 1
+
+
+def _chat_file(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Count to {i}."},
+        {"role": "assistant", "content": " ".join(map(str, range(i)))}]}) + "\n"
+        for i in range(3, 9)))
+    return data
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a regular file"])
+def test_an_unwritable_out_is_refused_before_any_work(capsys, tmp_path, where):
+    data = _chat_file(tmp_path)
+    out = tmp_path / "heads"
+    if where == "a directory":
+        out.mkdir()
+    else:
+        out.write_text("a file")
+        out = out / "h.safetensors"
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    rc, _, err = _run_cli(capsys, "--data", str(data), "--out", str(out), "--cache-dir",
+                          str(tmp_path / "cache"))
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("redraft train-medusa: error:")
+    assert ("is a directory" if where == "a directory" else "is not a directory") in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no cache, no .tmp
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--epochs", "nan"), ("--epochs", "inf"), ("--lr", "nan"), ("--lr", "-1"),
+    ("--held-out", "nan"),
+])
+def test_non_finite_training_settings_are_refused_before_anything_loads(capsys, tmp_path,
+                                                                        flag, value):
+    # a model that does not exist: the setting must be refused before it is looked for
+    rc, _, err = _run_cli(capsys, "--model", str(tmp_path / "no-model"), "--data",
+                          str(_chat_file(tmp_path)), "--out", str(tmp_path / "h.safetensors"),
+                          flag, value)
+    assert rc == 2 and err.count("\n") == 1 and flag in err and "no-model" not in err
+
+
+@pytest.mark.slow
+def test_a_subset_larger_than_the_vocabulary_is_refused_before_the_model_loads(
+        capsys, tmp_path):
+    from ..conftest import have_default_model
+
+    if not have_default_model():
+        pytest.skip("default model package not installed (make install)")
+    rc, _, err = _run_cli(capsys, "--data", str(_chat_file(tmp_path)), "--out",
+                          str(tmp_path / "h.safetensors"), "--subset", "1000000000",
+                          "--cache-dir", str(tmp_path / "cache"))
+    assert rc == 2 and err.count("\n") == 1
+    assert "--subset must be at most the vocabulary size (49152)" in err
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_a_training_line_nested_too_deeply_is_one_line(capsys, tmp_path):
+    from ..conftest import have_default_model
+
+    if not have_default_model():
+        pytest.skip("default model package not installed (make install)")
+    data = _chat_file(tmp_path)
+    with data.open("a") as f:
+        f.write('{"messages": ' + "[" * 100_000 + "\n")
+    rc, out, err = _run_cli(capsys, "--data", str(data), "--out", str(tmp_path / "h.safetensors"),
+                            "--cache-dir", str(tmp_path / "cache"))
+    assert rc == 2 and out == ""
+    assert err == f"redraft train-medusa: error: {data}:7: JSON nested too deeply\n"
