@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     machine_start = machine_state()
     model_name = args.model or DEFAULT_MODEL
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     kernels = None if args.stock_kernels else packed_linears(model)  # packs once, timed
     choose = not args.always_packed
     # One forward-cost curve for every drafting method, loaded (or, on a cold cache, measured)

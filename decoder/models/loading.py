@@ -1,14 +1,17 @@
 """Loading the target model: the same name resolution as the datastore side, so both agree.
 
 CUDA and bfloat16 when a GPU is present (verification is memory-bound there and bf16 halves
-the traffic); float32 on CPU, where bf16 matmuls are slow and rounding would make tree and
-sequential forwards disagree more often.
+the traffic). On a CPU the default (`auto`) is float32: bfloat16 is faster only on CPUs with
+bf16 units (`kernels.cpu_has_bf16`), and even there it is a choice (`--dtype bfloat16`), see
+`default_cpu_dtype`. Both run the verifier's packed kernels; see docs/decoding.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
+import logging
 
 import torch
 from redraft.proto.errors import ModelNotFound
@@ -24,15 +27,37 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def default_cpu_dtype() -> torch.dtype:
+    """The CPU's default precision: float32 (bit-exact against float32 plain decoding, and
+    the faster of the two without bf16 units; see docs/decoding.md for where bfloat16 wins)."""
+    return torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """A dtype name (or None / "auto": the device's default) as a torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None:
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype is None or dtype.lower() == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else default_cpu_dtype()
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:
         raise ModelNotFound(f"unknown dtype {dtype!r} (known: {', '.join(_DTYPES)})") from None
+
+
+def add_dtype_option(parser, extra: str = "") -> None:
+    """`--dtype` for the commands that load the target model."""
+    parser.add_argument(
+        "--dtype", default=None, type=_checked_dtype, metavar="DTYPE",
+        help="float32, bfloat16 or auto (default: bfloat16 on a GPU; on a CPU float32, "
+        "bit-exact; bfloat16 is faster on CPUs with bf16 units)" + extra)
+
+
+def _checked_dtype(name: str) -> str:
+    if name.lower() != "auto" and name.lower() not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r} (known: auto, "
+                                         f"{', '.join(_DTYPES)})")
+    return name
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -58,6 +83,12 @@ def _load(source, name, device: str, torch_dtype: torch.dtype):
     # Progress bars (GGUF de-quantisation writes a bare tqdm bar to stderr) would clutter
     # streamed output; the captured text is dropped unless loading fails.
     hf_logging.disable_progress_bar()
+    # The GGUF loader warns that bfloat16 is slower than float32 for its quantized kernels;
+    # the model here is dense after loading, so the warning does not apply (and its logger
+    # writes to the real stderr, past the capture below).
+    gguf_log = hf_logging.get_logger("transformers.quantizers.quantizer_gguf")
+    level = gguf_log.level
+    gguf_log.setLevel(logging.ERROR)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -68,6 +99,7 @@ def _load(source, name, device: str, torch_dtype: torch.dtype):
         raise ModelNotFound(f"cannot load model {source.name!r}: {exc}") from exc
     finally:
         hf_logging.enable_progress_bar()
+        gguf_log.setLevel(level)
     model.to(device)
     model.eval()
     return model, tokenizer
