@@ -142,7 +142,7 @@ def test_bench_on_the_default_model_is_token_identical(default_model, tmp_path):
     hf = [r for r in recs if r.method == "hf-greedy"]
     assert all(r.identical for r in hf) and all(r.steps == r.new_tokens for r in hf)
     for r in recs:
-        assert r.identical or (r.logit_gap is not None and r.logit_gap < 1e-3), r
+        assert r.identical or r.near_tie, r
         assert r.prompt_tokens > 0 and r.forwards >= r.steps
         # the kernels each forward really ran on: HF's always stock; redraft's counted, the
         # prefill included, packed where they are the faster kind here (see test_kernels)
