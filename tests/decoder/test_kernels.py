@@ -133,7 +133,8 @@ def test_kernel_choice_follows_the_faster_kind_per_size_and_keeps_checking():
 
 def test_verifier_runs_each_forward_on_the_chosen_kernels():
     model = tiny_model("llama", layers=2)
-    v = TreeVerifier(model)
+    assert TreeVerifier(model).choice is None  # the lean forward: packed for every size
+    v = TreeVerifier(model, lean=False)  # through the modules, kernels chosen per size
     for _ in range(2):  # one-token forwards measured faster on stock, tree forwards on packed
         for n, packed, seconds in ((1, True, 2.0), (1, False, 1.0), (3, True, 1.0),
                                    (3, False, 2.0)):
