@@ -24,10 +24,12 @@ from redraft.decoder.bench.greedy import (
     summarize,
     write_outputs,
 )
+from redraft.decoder.bench.llama_cpp_method import LlamaCppMethod
 from redraft.decoder.bench.methods import (
     DEFAULT_METHODS,
     DEFAULT_SAMPLING_METHODS,
     HF_METHODS,
+    LLAMA_CPP,
     VARIANTS,
     HFMethod,
     Method,
@@ -117,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     drafters = []
     try:
         for name in names:
+            if name == LLAMA_CPP:
+                methods.append(LlamaCppMethod(args.model, tokenizer, torch.get_num_threads()))
+                continue
             if name in HF_METHODS:
                 methods.append(HFMethod(name, model, tokenizer,
                                         10 if name == "hf-pld" else None))
@@ -146,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
         for d in drafters:
             if d is not None:
                 d.close()
+        for m in methods:
+            if isinstance(m, LlamaCppMethod):
+                m.close()
     out = Path(args.out)
     common = {"model": model_name, "questions": len(questions)}
     if sampling:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
-from redraft.decoder.bench.methods import Method, TurnResult
+from redraft.decoder.bench.methods import LLAMA_CPP, Method, TurnResult
 from redraft.decoder.bench.questions import CATEGORIES, BenchError, Question
 from redraft.decoder.bench.results import write_results
 from redraft.decoder.near_tie import is_near_tie
@@ -120,6 +120,7 @@ def run_bench(
                 same_prompt = prompt == ref_prompt
                 # A conversation whose earlier turn differed has a different prompt here.
                 identical, pos, gap, tie = (
+                    (None, None, None, None) if not method.compared else
                     compare(model, prompt, ref.tokens, res.tokens)
                     if same_prompt else (False, 0, None, None)
                 )
@@ -155,7 +156,8 @@ def summarize(records: Sequence[Record]) -> dict:
             "speedup": round(tps / base[cat], 3) if base.get(cat) else None,
             "tokens_per_cpu_second": round(cpu_tps, 2),
             "cpu_speedup": round(cpu_tps / base_cpu[cat], 3) if base_cpu.get(cat) else None,
-            "identical": f"{len(rs) - len(diffs)}/{len(rs)}",
+            # llama-cpp runs another (quantized) model: its tokens are not compared
+            "identical": "n/a" if method == LLAMA_CPP else f"{len(rs) - len(diffs)}/{len(rs)}",
             "max_gap_at_diff": max((r.logit_gap or 0.0 for r in diffs), default=None),
             # first differences at a near-tie (see `near_tie`), and the others: bugs, unless
             # an earlier turn of the conversation already differed
