@@ -21,10 +21,10 @@ class LlamaCppMethod(Method):
     compared = False  # another model (quantized): its tokens are not checked for identity
 
     def __init__(self, model_name: str | None, tokenizer, threads: int) -> None:
-        import llama_cpp  # lazy: an optional dependency, only for this method
-        from redraft.decoder.engines.llama_cpp import Llama
+        # lazy: llama-cpp-python is an optional dependency, needed by this method only
+        from redraft.decoder.engines.llama_cpp import Llama, greedy_tokens
 
-        self._eog = llama_cpp.llama_vocab_is_eog
+        self._greedy = greedy_tokens
         self.tokenizer = tokenizer
         self.llm = Llama(model_name, n_ctx=8192, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
@@ -42,14 +42,8 @@ class LlamaCppMethod(Method):
         llm = self.llm
         llm.reset()  # the whole prompt is evaluated, as every other method does
         self.evals = 0
-        tokens: list[int] = []
         t0, c0 = time.perf_counter(), time.process_time()
-        for token in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0):
-            if self._eog(llm._model.vocab, token):
-                break
-            tokens.append(int(token))
-            if len(tokens) >= max_new_tokens:
-                break
+        tokens = self._greedy(llm, ids, max_new_tokens)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return TurnResult(tokens, text, self.evals, seconds, self.evals, 0, cpu)

@@ -6,8 +6,6 @@ at a near-tie of the bfloat16 rule, counted and reported."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from redraft.decoder.budget import CostModel
@@ -16,7 +14,7 @@ from redraft.decoder.generate import Generator
 from redraft.decoder.kernels import can_pack
 
 from .conftest import CODE_PROMPTS, CPU_COST, have_default_model
-from .test_generate import assert_same_or_near_tie
+from .test_generate import assert_same_or_near_tie, check_drafter_against_plain, hf_generate
 
 NEW = 40
 
@@ -47,19 +45,10 @@ def bf16_plain(bf16_model):
                                    "hybrid", "fallback", "draft-model", "lookahead"])
 def test_bf16_speculative_greedy_is_exactly_plain(bf16_model, bf16_plain, code_datastore,
                                                    which):
-    model, tok = bf16_model
-    drafter = build_drafter(which, model=model, tokenizer=tok, model_name="smollm2-135m",
-                            datastore=code_datastore)
-    gen = Generator(model, tok, drafter, cost=CostModel(*CPU_COST))
-    steps = tokens = 0
-    for prompt in CODE_PROMPTS:
-        r = gen.generate(prompt, max_new_tokens=NEW)
-        assert r.tokens == bf16_plain[prompt].tokens, (which, prompt)
-        assert r.stats.drafter_errors == 0
-        steps += r.stats.steps
-        tokens += r.stats.new_tokens
-    drafter.close()
-    assert tokens / steps > 1.1, f"{which}: drafts were never accepted ({tokens}/{steps})"
+    def identical(result, reference) -> None:
+        assert result.tokens == reference.tokens, (which, result.prompt_ids)
+
+    check_drafter_against_plain(bf16_model, code_datastore, which, identical, bf16_plain)
 
 
 def test_bf16_early_exit_draft_model_and_a_fixed_big_tree_are_exactly_plain(bf16_model,
@@ -81,14 +70,7 @@ def test_bf16_early_exit_draft_model_and_a_fixed_big_tree_are_exactly_plain(bf16
 def test_bf16_plain_decoding_matches_hf_generate_but_at_near_ties(bf16_model, bf16_plain):
     """Hugging Face's own bfloat16 loop (stock kernels, bfloat16 attention) rounds otherwise:
     where its tokens differ, the first difference must be a bfloat16 near-tie."""
-    model, tok = bf16_model
-    identical = 0
-    for prompt in CODE_PROMPTS:
-        ours = bf16_plain[prompt]
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ours.prompt_ids]), max_new_tokens=NEW,
-                                 do_sample=False, eos_token_id=sorted(
-                                     {tok.eos_token_id, model.generation_config.eos_token_id}))
-        hf = dataclasses.replace(ours, tokens=out[0, len(ours.prompt_ids):].tolist())
-        identical += assert_same_or_near_tie(model, ours, hf)
+    identical = sum(assert_same_or_near_tie(bf16_model[0], bf16_plain[p],
+                                            hf_generate(bf16_model, bf16_plain[p]))
+                    for p in CODE_PROMPTS)
     print(f"identical to Hugging Face bfloat16 generate: {identical}/{len(CODE_PROMPTS)}")
