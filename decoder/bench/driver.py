@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -58,6 +59,12 @@ def machine_state() -> dict:
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     return {"torch_threads": torch.get_num_threads(), "cpus": cpus, "cpus_allowed": allowed,
             "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def verifier_kind(methods: Sequence[Method]) -> str | None:
+    """How redraft's methods run the target (e.g. "lean packed exact"), for the report."""
+    return next((m.generator.verifier.kind for m in methods if isinstance(m, RedraftMethod)),
+                None)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -174,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
             "draft_service": args.draft_service, "device": str(model.device),
             "machine_start": machine_start, "machine_end": machine_state(),
             # redraft's forwards run on packed oneDNN weights on a CPU; HF's on stock kernels
-            "kernels": kernel_report(records, kernels, choose),
+            "kernels": kernel_report(records, kernels, choose, verifier_kind(methods)),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "cost_curve": cost.describe() if cost is not None else None}
     write_outputs(out, records, summary, names, meta)
     print(markdown_table(summary, names))

@@ -256,7 +256,9 @@ def conditions_note(meta: dict) -> str:
     """One paragraph under the table: the state of the machine the ratios were measured in."""
     start, end = meta.get("machine_start", {}), meta.get("machine_end", {})
     kernels, curve = meta.get("kernels", {}), meta.get("cost_curve") or {}
-    parts = [f"torch threads {start.get('torch_threads')}",
+    parts = [f"{meta['dtype']}, redraft's forward: {kernels.get('redraft')}"] \
+        if meta.get("dtype") else []
+    parts += [f"torch threads {start.get('torch_threads')}",
              f"{start.get('cpus_allowed')} of {start.get('cpus')} CPUs allowed",
              f"load average {start.get('load_average', [None])[0]} at start, "
              f"{end.get('load_average', [None])[0]} at end"]
@@ -297,16 +299,18 @@ def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def kernel_report(records: Sequence[Record], kernels, choose: bool = True) -> dict:
+def kernel_report(records: Sequence[Record], kernels, choose: bool = True,
+                  verifier: str | None = None) -> dict:
     """Per method, how many target forwards really ran on packed weights; packing's cost and
-    (with the per-size choice) which kind each forward size prefers by the end."""
+    (with the per-size choice) which kind each forward size prefers by the end; `verifier`:
+    how redraft's methods ran the target (`TreeVerifier.kind`)."""
     forwards: dict[str, dict[str, int]] = {}
     for r in records:
         f = forwards.setdefault(r.method, {"forwards": 0, "packed": 0})
         f["forwards"] += r.forwards
         f["packed"] += r.packed_forwards
     kind = "stock" if kernels is None else "chosen per size" if choose else "packed"
-    out = {"redraft": kind, "forwards": forwards}
+    out = {"redraft": verifier or kind, "forwards": forwards}
     if kernels is not None:
         out.update(pack_seconds=round(kernels.pack_seconds, 3), repacked=kernels.repacked,
                    packed_layers=len(kernels.forwards))
