@@ -453,9 +453,13 @@ def _exact_module_attention(module, query, key, value, attention_mask, dropout=0
     plan = ExactPlan(past, visible, kv, heads // kv, dim)
     if scaling is not None:
         plan.scale = scaling
-    keys = key[0].float()
-    ones = torch.ones(kv, value.shape[2], 1, dtype=torch.float32, device=value.device)
-    values = torch.cat([value[0].float(), ones], dim=-1)
+    # the layout `exact_attention` reads: values with a trailing column of ones, and room
+    # past the last key for a tail read as one run of `plan.width` slots (masked there)
+    room = torch.ones(kv, plan.width, dim, dtype=torch.float32, device=key.device)
+    keys = torch.cat([key[0].float(), room], dim=1)
+    values = torch.cat([torch.cat([value[0].float(), room], dim=1),
+                        torch.ones(kv, keys.shape[1], 1, dtype=torch.float32,
+                                   device=value.device)], dim=-1)
     out = exact_attention(plan, query[0].transpose(0, 1), keys, values)  # [n, heads, dim]
     return out.unsqueeze(0).to(query.dtype), None
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import llama_cpp
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+from redraft.decoder.bench.llama_cpp_method import greedy_tokens
 from redraft.decoder.bench.questions import load_questions
-from redraft.decoder.engines.llama_cpp import Llama, RedraftDraft, greedy_tokens, model_path
+from redraft.decoder.engines.llama_cpp import Llama, RedraftDraft, model_path
 from redraft.decoder.text import chat_ids
 from redraft.proto.models import load_tokenizer
 

@@ -235,17 +235,3 @@ def Llama(model: str | None = None, *, draft_model: LlamaDraftModel | None = Non
         return llama_cpp.Llama(model_path=path, draft_model=draft_model, **kwargs)
     kwargs.pop("logits_all", None)
     return DraftingLlama(model_path=path, draft_model=draft_model, **kwargs)
-
-
-def greedy_tokens(llm: llama_cpp.Llama, prompt: Sequence[int], max_new_tokens: int
-                  ) -> list[int]:
-    """llama-cpp-python's own greedy loop over `prompt` (token ids), up to an end-of-generation
-    token (left out) or `max_new_tokens` tokens."""
-    out: list[int] = []
-    for token in llm.generate(list(prompt), temp=0.0, top_k=1, repeat_penalty=1.0):
-        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
-            break
-        out.append(int(token))
-        if len(out) >= max_new_tokens:
-            break
-    return out
