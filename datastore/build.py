@@ -36,14 +36,22 @@ from redraft.datastore.commit import (
     write_error,
     write_lock,
 )
-from redraft.datastore.corpus import Document, expand_inputs, iter_documents
+from redraft.datastore.corpus import expand_inputs, file_documents
 from redraft.datastore.manifest import LEARNED_CORPUS
 from redraft.datastore.reader import Reader
 from redraft.datastore.segment import SegmentSeries
+from redraft.datastore.sharding import (
+    EMPTY_CORPUS,
+    ShardCutter,
+    check_ids,
+    shard_limit,
+    tokenize_documents,
+)
 from redraft.proto.errors import (
     CorpusError,
     DatastoreError,
     InvalidQuery,
+    RedraftError,
     TokenizerMismatch,
 )
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, tokenizer_fingerprint
@@ -54,7 +62,7 @@ from tqdm import tqdm
 DEFAULT_SHARD_TOKENS = 128 * 1024 * 1024
 # A build starts a new segment file past this many tokens: a delete rewrites one of them.
 DEFAULT_SEGMENT_TOKENS = 2 * DEFAULT_SHARD_TOKENS
-BATCH_CHARS = 2 << 20  # text per tokenizer batch: big enough to keep every core busy
+DEFAULT_RAY_RETRIES = 3  # attempts after the first of a Ray task whose worker died
 
 TokenDocs = Iterable[Sequence[int] | np.ndarray | tuple[str, Sequence[int] | np.ndarray]]
 
@@ -71,45 +79,7 @@ def _tokenizer_info(tokenizer) -> tuple[object, str, str, int]:
     return tok, name, tokenizer_fingerprint(tok), tokenizer_vocab_size(tok)
 
 
-def _batches(docs: Iterable[Document], batch_chars: int) -> Iterator[list[Document]]:
-    batch: list[Document] = []
-    size = 0
-    for d in docs:
-        batch.append(d)
-        size += len(d.text)
-        if size >= batch_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def tokenize_documents(docs: Iterable[Document], tokenizer, *, batch_chars: int = BATCH_CHARS,
-                       progress=None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, token ids) per document, encoding in batches on all cores."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    for batch in _batches(docs, batch_chars):
-        texts = [d.text for d in batch]
-        if backend is not None:
-            ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-        else:
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        for d, seq in zip(batch, ids):
-            if progress is not None:
-                progress.update(len(d.text))
-            yield d.name, np.asarray(seq, dtype=np.int64)
-
-
 # ---- shards ----------------------------------------------------------------------------
-def _check_ids(name: str, ids: np.ndarray, vocab: int) -> np.ndarray:
-    if ids.ndim != 1:
-        raise CorpusError(f"{name}: token ids must be a flat sequence")
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise CorpusError(f"{name}: token id {bad} outside the vocabulary [0, {vocab})")
-    return ids
-
-
 def _pretokenized(documents: TokenDocs) -> Iterator[tuple[str, np.ndarray]]:
     for i, d in enumerate(documents):
         if isinstance(d, tuple) and len(d) == 2 and isinstance(d[0], str):
@@ -127,29 +97,25 @@ def _write_shards(writer: SegmentSeries, docs: Iterable[tuple[str, np.ndarray]],
                   shard_tokens: int) -> tuple[int, int]:
     """Group documents into shards of at most `shard_tokens` tokens and write them."""
     vocab = writer.vocab
-    # a shard never spans two segment files
-    limit = max(1, min(int(shard_tokens), writer.segment_tokens, fmt.MAX_SHARD_LEN))
+    cutter = ShardCutter(shard_limit(shard_tokens, writer.segment_tokens))
     buf: list[np.ndarray] = []
     names: list[str] = []
-    size = n_docs = n_tokens = 0
+    n_docs = n_tokens = 0
     for name, ids in docs:
         if not len(ids):
             continue
-        _check_ids(name, ids, vocab)
-        if len(ids) + 1 > fmt.MAX_SHARD_LEN:
-            raise CorpusError(f"{name}: document of {len(ids):,} tokens exceeds a shard")
-        if buf and size + len(ids) + 1 > limit:
+        check_ids(name, ids, vocab)
+        if cutter.closes_before(name, len(ids)):
             writer.add_shard(buf, names, corpus)
-            buf, names, size = [], [], 0
+            buf, names = [], []
         buf.append(ids.astype(writer.dtype))
         names.append(name)
-        size += len(ids) + 1
         n_docs += 1
         n_tokens += len(ids)
     if buf:
         writer.add_shard(buf, names, corpus)
     if n_docs == 0:
-        raise CorpusError("empty corpus: the inputs hold no text")
+        raise CorpusError(EMPTY_CORPUS)
     return n_docs, n_tokens
 
 
@@ -174,18 +140,104 @@ def _progress_bar(enabled: bool, desc: str):
     return tqdm(desc=desc, unit="char", unit_scale=True, disable=None, file=sys.stderr)
 
 
-def _token_stream(inputs, documents, tok, *, field, exclude, skip_bad, progress, skipped):
-    """(name, ids) of every document; `skipped` collects what --skip-bad left out."""
-    if documents is not None:
-        return _pretokenized(documents), None
-    bar = _progress_bar(progress, "tokenizing")
+def _ray_build():
+    """The Ray build's module; one line naming the extra when Ray is not installed."""
+    try:
+        # lazy: Ray is an optional extra; the single-process build never imports it
+        from redraft.datastore import ray_build
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        raise RedraftError("building on a Ray cluster needs Ray: "
+                           "pip install 'redraft[ray]'") from None
+    return ray_build
 
-    def skip(msg: str) -> None:
-        skipped.append(msg)
+
+def _checked_ray(ray: bool | str | None, documents, retries: int):
+    """The Ray build's module when `ray` asks for one (None otherwise), its arguments
+    checked: called before anything slow, so a missing extra fails at once."""
+    if ray is None or ray is False:
+        return None
+    if documents is not None:
+        raise DatastoreError("a Ray build reads corpus inputs, not pre-tokenized documents")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise InvalidQuery(f"ray_retries: expected an integer >= 0, got {retries!r}")
+    return _ray_build()
+
+
+class _NewDocuments:
+    """What a build or an append adds, written as new segments of a transaction: corpus
+    inputs tokenized in this process, pre-tokenized documents, or corpus inputs tokenized
+    and sorted by tasks on a Ray cluster (`ray`: True or the cluster's address)."""
+
+    def __init__(self, paths: list[Path], documents: TokenDocs | None, tok, *, corpus: str,
+                 field: str | None, skip_bad: bool, segment_tokens: int, progress: bool,
+                 ray: bool | str | None, ray_retries: int) -> None:
+        self.paths, self.documents, self.tok = paths, documents, tok
+        self.corpus, self.field, self.skip_bad = corpus, field, skip_bad
+        self.segment_tokens, self.progress = segment_tokens, progress
+        self.ray = None if ray is False else ray
+        self.ray_retries = ray_retries
+        self.skipped: list[str] = []
+        self._ray_build = _checked_ray(ray, documents, ray_retries)
+        self._cluster = None
+
+    @contextlib.contextmanager
+    def connected(self) -> Iterator[None]:
+        """Inside: connected to the Ray cluster, if any (taken before the write lock:
+        starting a local cluster takes seconds)."""
+        if self.ray is None:
+            yield
+            return
+        with self._ray_build.connect(None if self.ray is True else self.ray) as cluster:
+            self._cluster = cluster
+            try:
+                yield
+            finally:
+                self._cluster = None
+
+    def _skip(self, msg: str) -> None:
+        self.skipped.append(msg)
         print(f"skipped: {msg}", file=sys.stderr)
 
-    docs = iter_documents(inputs, field=field, exclude=exclude, skip_bad=skip_bad, on_skip=skip)
-    return tokenize_documents(docs, tok, progress=bar), bar
+    def write(self, tx: Transaction, op: str, shard_tokens: int) -> tuple[list[dict], dict]:
+        """Write the documents as new segments of `tx`: (their manifest entries, the
+        history event)."""
+        t0 = time.perf_counter()
+        limit = shard_limit(shard_tokens, self.segment_tokens)
+        if self._cluster is not None:
+            entries, n_docs, n_tok, report = self._cluster.write_segments(
+                tx, self.paths, self.tok, op=op, corpus=self.corpus, field=self.field,
+                skip_bad=self.skip_bad, shard_limit=limit, retries=self.ray_retries,
+                progress=self.progress, on_skip=self._skip)
+        else:
+            entries, n_docs, n_tok = self._write_here(tx, op, shard_tokens)
+            report = None
+        event = _event(op, self.corpus, n_docs, n_tok, t0, len(self.skipped))
+        if report is not None:
+            event["ray"] = report
+        return entries, event
+
+    def _write_here(self, tx: Transaction, op: str, shard_tokens: int
+                    ) -> tuple[list[dict], int, int]:
+        bar = None
+        if self.documents is not None:
+            stream = _pretokenized(self.documents)
+        else:
+            bar = _progress_bar(self.progress, "tokenizing")
+            docs = (d for p in self.paths for d in file_documents(
+                p, field=self.field, skip_bad=self.skip_bad, on_skip=self._skip))
+            stream = tokenize_documents(docs, self.tok, progress=bar)
+        series = SegmentSeries(lambda: tx.writer("corpus", {"op": op}), self.segment_tokens)
+        try:
+            n_docs, n_tok = _write_shards(series, stream, self.corpus, shard_tokens)
+            return series.finish(), n_docs, n_tok
+        except BaseException:
+            series.abort()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
 
 
 def _check_corpus_name(corpus: str) -> str:
@@ -214,6 +266,8 @@ def build_datastore(
     segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     progress: bool = False,
     wait_s: float = DEFAULT_WAIT_S,
+    ray: bool | str | None = None,
+    ray_retries: int = DEFAULT_RAY_RETRIES,
 ) -> dict:
     """Build a datastore at `out` (a directory) from corpus inputs; replace any old one.
 
@@ -221,12 +275,17 @@ def build_datastore(
     tokenizer. For pre-tokenized input pass `documents` (sequences of ids, or (name, ids)
     pairs) with `fingerprint` and `vocab_size` instead of `inputs`; ids of any width work
     (uint32 arrays when the vocabulary exceeds 65,535). A new segment file starts once one
-    holds `segment_tokens` tokens. `wait_s`: how long to wait for another writer. Returns
-    the manifest.
+    holds `segment_tokens` tokens. `wait_s`: how long to wait for another writer.
+    `ray`: tokenize and sort on a Ray cluster (True: the one `ray.init()` finds or starts;
+    a string: its address), each shard a segment of its own, the same shards as this
+    process would cut; `ray_retries`: how often a task whose worker died is run again.
+    Returns the manifest.
     """
     _check_corpus_name(corpus)
+    _checked_ray(ray, documents, ray_retries)
+    paths: list[Path] = []
     if documents is None:
-        expand_inputs(inputs or [], exclude)  # fail on bad inputs before touching `out`
+        paths = expand_inputs(inputs or [], exclude)  # bad inputs fail before `out` is touched
         tok, name, fp, vocab = _tokenizer_info(tokenizer)
     else:
         if fingerprint is None or vocab_size is None:
@@ -237,28 +296,22 @@ def build_datastore(
         fmt.token_dtype(vocab)
     except ValueError as exc:
         raise DatastoreError(str(exc)) from exc
+    new = _NewDocuments(paths, documents, tok, corpus=corpus, field=field, skip_bad=skip_bad,
+                        segment_tokens=segment_tokens, progress=progress, ray=ray,
+                        ray_retries=ray_retries)
     out_p = Path(out)
     created = _prepare_dir(out_p)
-    bar = None
-    skipped: list[str] = []
     try:
-        with write_lock(out_p, wait_s):
+        with new.connected(), write_lock(out_p, wait_s):
             generation, keep = _previous_commit(out_p)
             remove_leftovers(out_p, keep)
             manifest = mf.new(tokenizer={"name": name, "fingerprint": fp, "vocab_size": vocab},
                               build={"shard_tokens": int(shard_tokens), "field": field,
                                      "history": []}, generation=generation)
             tx = Transaction(out_p, None, manifest, progress=progress)
-            stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
-                                        skip_bad=skip_bad, progress=progress, skipped=skipped)
-            t0 = time.perf_counter()
             try:
-                series = SegmentSeries(lambda: tx.writer("corpus", {"op": "build"}),
-                                       segment_tokens)
-                n_docs, n_tok = _write_shards(series, stream, corpus, shard_tokens)
-                manifest["segments"] = series.finish()
-                manifest["build"]["history"].append(
-                    _event("build", corpus, n_docs, n_tok, t0, len(skipped)))
+                manifest["segments"], event = new.write(tx, "build", shard_tokens)
+                manifest["build"]["history"].append(event)
                 result = tx.publish()  # unmerged: a build sizes its segments on purpose
             except BaseException as exc:
                 tx.abort()
@@ -271,9 +324,6 @@ def build_datastore(
         if created:
             _remove_if_empty(out_p)
         raise
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def _previous_commit(out: Path) -> tuple[int, set[str] | None]:
@@ -305,7 +355,8 @@ def _event(op: str, corpus: str | None, n_docs: int, n_tokens: int, t0: float,
 
 def _remove_if_empty(out: Path) -> None:
     with contextlib.suppress(OSError):
-        (out / fmt.WRITE_LOCK).unlink()
+        (out / fmt.WRITE_LOCK).unlink()  # none yet when the build failed before locking
+    with contextlib.suppress(OSError):
         out.rmdir()
 
 
@@ -340,50 +391,43 @@ def append_corpus(
     segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     progress: bool = False,
     wait_s: float = DEFAULT_WAIT_S,
+    ray: bool | str | None = None,
+    ray_retries: int = DEFAULT_RAY_RETRIES,
 ) -> dict:
     """Add documents to an existing datastore as new segments; no existing segment is
     read or rewritten (small segments may be merged afterwards, see tiers.py).
 
     The tokenizer defaults to the one the datastore was built with and must match its
-    fingerprint (TokenizerMismatch otherwise). Returns the new manifest.
+    fingerprint (TokenizerMismatch otherwise). `ray`, `ray_retries`: as for
+    `build_datastore`. Returns the new manifest.
     """
     _check_corpus_name(corpus)
+    _checked_ray(ray, documents, ray_retries)
     out = _directory(path)
     with Reader(out) as r:
         manifest = r.manifest
+    paths: list[Path] = []
     if documents is None:
-        expand_inputs(inputs or [], exclude)
+        paths = expand_inputs(inputs or [], exclude)
         tok, _, fp, _ = _tokenizer_info(tokenizer or manifest["tokenizer"]["name"])
     else:
         tok, fp = None, fingerprint
     _check_fingerprint(manifest, fp)
-    bar = None
-    skipped: list[str] = []
+    new = _NewDocuments(paths, documents, tok, corpus=corpus, field=field, skip_bad=skip_bad,
+                        segment_tokens=segment_tokens, progress=progress, ray=ray,
+                        ray_retries=ray_retries)
 
     def change(tx: Transaction) -> bool:
-        nonlocal bar
         m = tx.manifest
         _check_fingerprint(m, fp)  # again, under the lock
         tokens = shard_tokens or m["build"].get("shard_tokens", DEFAULT_SHARD_TOKENS)
-        stream, bar = _token_stream(inputs, documents, tok, field=field, exclude=exclude,
-                                    skip_bad=skip_bad, progress=progress, skipped=skipped)
-        t0 = time.perf_counter()
-        series = SegmentSeries(lambda: tx.writer("corpus", {"op": "append"}), segment_tokens)
-        try:
-            n_docs, n_tok = _write_shards(series, stream, corpus, tokens)
-            m["segments"].extend(series.finish())
-        except BaseException:
-            series.abort()
-            raise
-        m["build"].setdefault("history", []).append(
-            _event("append", corpus, n_docs, n_tok, t0, len(skipped)))
+        entries, event = new.write(tx, "append", tokens)
+        m["segments"].extend(entries)
+        m["build"].setdefault("history", []).append(event)
         return True
 
-    try:
+    with new.connected():
         return commit.run(out, change, wait_s=wait_s, progress=progress)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def delete_documents(path: str | os.PathLike, doc_ids: Iterable[int], *,

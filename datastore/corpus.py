@@ -87,9 +87,11 @@ def expand_inputs(inputs: Sequence[str | os.PathLike], exclude: Sequence[str] = 
     return out
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, source: Path | None = None) -> str:
+    """The text of file `path` (read from `source` when given: the same file as another
+    process names it)."""
     try:
-        data = path.read_bytes()
+        data = (source or path).read_bytes()
     except OSError as exc:
         raise CorpusError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     try:
@@ -142,12 +144,12 @@ def _record(path: Path, lineno: int, line: str, field: str | None) -> str:
     return doc
 
 
-def _jsonl_docs(path: Path, field: str | None,
+def _jsonl_docs(path: Path, source: Path | None, field: str | None,
                 on_bad: Callable[[CorpusError], None] | None) -> Iterator[Document]:
     """One document per record. Records end at "\n" only: JSON text may hold U+2028 and
     other characters that str.splitlines() would also split on. A bad record raises, or,
     given `on_bad`, is reported there and skipped alone."""
-    text = read_text(path)
+    text = read_text(path, source)
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
@@ -176,20 +178,35 @@ def iter_documents(
     With `skip_bad`, unreadable / non-UTF-8 files and malformed .jsonl records are reported
     to `on_skip` (one call each) and skipped.
     """
+    for path in expand_inputs(inputs, exclude):
+        yield from file_documents(path, field=field, skip_bad=skip_bad, on_skip=on_skip)
+
+
+def file_documents(
+    path: Path,
+    *,
+    field: str | None = None,
+    skip_bad: bool = False,
+    on_skip: Callable[[str], None] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> Iterator[Document]:
+    """The documents of one input file, as `iter_documents` yields them. `cwd`: the working
+    directory a relative `path` was listed in (another process's, on another machine), so
+    that the file is found there while its documents keep the names it was listed under."""
 
     def skip(exc: CorpusError) -> None:
         if on_skip is not None:
             on_skip(str(exc))
 
-    for path in expand_inputs(inputs, exclude):
-        try:
-            if path.suffix.lower() == ".jsonl":
-                yield from _jsonl_docs(path, field, skip if skip_bad else None)
-            else:
-                text = read_text(path)
-                if text:
-                    yield Document(str(path), text)
-        except CorpusError as exc:
-            if not skip_bad:
-                raise
-            skip(exc)
+    source = Path(cwd) / path if cwd is not None and not path.is_absolute() else None
+    try:
+        if path.suffix.lower() == ".jsonl":
+            yield from _jsonl_docs(path, source, field, skip if skip_bad else None)
+        else:
+            text = read_text(path, source)
+            if text:
+                yield Document(str(path), text)
+    except CorpusError as exc:
+        if not skip_bad:
+            raise
+        skip(exc)

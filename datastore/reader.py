@@ -27,7 +27,7 @@ import os
 import sys
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -204,6 +204,7 @@ class Reader:
         self.path = self.file = os.fspath(path)
         self._closed = True
         self._segments: list[_Segment] = []
+        self._on_close: list[Callable[[], object]] = []
         try:
             for _attempt in range(_OPEN_ATTEMPTS):
                 self.directory, self.layout = mf.locate(path)
@@ -286,6 +287,7 @@ class Reader:
         self.directory, self.layout, self.stamp = directory, "segments", ("staged",)
         self._closed = True
         self._segments = []
+        self._on_close = []
         try:
             self._open_segments({**manifest, "segments": list(manifest["segments"])})
             self._closed = False
@@ -378,6 +380,31 @@ class Reader:
         return [s.name for s in self._segments]
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def token_width(self) -> int:
+        """Bytes per stored token id (2 or 4)."""
+        return self._dtype.itemsize
+
+    def shard_arrays(self) -> list[ShardArrays]:
+        """Every shard's arrays, in shard id order. A shard of an immutable segment file has a
+        key that names it in any snapshot (so a reader of the next commit can reuse what was
+        derived from it); the arrays keep the map alive after close() while referenced."""
+        if self._closed:
+            raise DatastoreError(f"{self.path}: reader is closed; open a new Reader")
+        return [ShardArrays(sh.tokens, sh.sa, sh.bucket, sh.length,
+                            f"{sh.segment.name}:{sh.segment.crc:08x}:{sh.local}"
+                            if mf.is_segment_name(sh.segment.name) else "")
+                for sh in self._shards]
+
+    def shard_ids(self, corpora=None) -> list[int]:
+        """Ids of the shards a lookup restricted to `corpora` reads (None or empty: all);
+        raises what such a lookup raises (unknown corpora, a closed reader)."""
+        return [sh.id for sh in self._select(corpora)]
+
+    @property
     def files_bytes(self) -> int:
         """Bytes on disk of the snapshot: its segments and its manifest."""
         total = sum(s.lm.size for s in self._segments)
@@ -391,6 +418,14 @@ class Reader:
         for seg in segments:
             seg.close()
 
+    def on_close(self, callback: Callable[[], object]) -> None:
+        """Run `callback` when this reader closes (now if it is closed already): whoever keeps
+        something derived from its arrays drops it then, so that the maps can go."""
+        if self._closed:
+            callback()
+        else:
+            self._on_close.append(callback)
+
     def close(self) -> None:
         """Release the maps. Do not call while other threads still query this Reader."""
         if getattr(self, "_closed", True):
@@ -399,6 +434,12 @@ class Reader:
         self._shards = []
         self._by_corpus = {}
         self._release()
+        callbacks, self._on_close = getattr(self, "_on_close", []), []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a holder's failure must not fail close()
+                pass
 
     def __enter__(self) -> Reader:
         if self._closed:
@@ -670,6 +711,17 @@ class Reader:
             np.minimum(idx, sh.length - 1, out=idx)
             cols.append(sh.tokens[idx])
         return (cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)).astype(np.int64)
+
+
+class ShardArrays(NamedTuple):
+    """One shard's arrays as stored, for code that searches them itself (the compiled
+    drafting core): views of the map, valid while they are referenced."""
+
+    tokens: np.ndarray  # token ids, big-endian, Reader.token_width bytes each
+    sa: np.ndarray  # the suffix array: little-endian uint32 positions into tokens
+    bucket: np.ndarray  # suffixes starting with token t are sa[bucket[t]:bucket[t + 1]]
+    length: int  # tokens, separators included
+    key: str  # the same shard in every snapshot that has it ("": only this snapshot's)
 
 
 class Match(NamedTuple):

@@ -189,3 +189,81 @@ class StatsReply(_message.Message):
     uptime_s: float
     stats_json: str
     def __init__(self, requests: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., sessions_active: _Optional[int] = ..., errors: _Optional[int] = ..., hits: _Optional[int] = ..., latency_p50_us: _Optional[float] = ..., latency_p99_us: _Optional[float] = ..., uptime_s: _Optional[float] = ..., stats_json: _Optional[str] = ...) -> None: ...
+
+class SequenceClose(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BatchEntry(_message.Message):
+    __slots__ = ("sequence", "open", "step", "close")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    sequence: str
+    open: SessionOpen
+    step: SessionStep
+    close: SequenceClose
+    def __init__(self, sequence: _Optional[str] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., close: _Optional[_Union[SequenceClose, _Mapping]] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("client", "entries", "params", "tokenizer_fingerprint", "tenant", "chain")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    entries: _containers.RepeatedCompositeFieldContainer[BatchEntry]
+    params: DraftParams
+    tokenizer_fingerprint: str
+    tenant: str
+    chain: int
+    def __init__(self, client: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., chain: _Optional[int] = ...) -> None: ...
+
+class BatchResult(_message.Message):
+    __slots__ = ("sequence", "code", "message", "nodes", "context_len", "match_len", "expected_accepted", "pld_match_len", "learned_match_len")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PLD_MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
+    sequence: str
+    code: int
+    message: str
+    nodes: int
+    context_len: int
+    match_len: int
+    expected_accepted: float
+    pld_match_len: int
+    learned_match_len: int
+    def __init__(self, sequence: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., nodes: _Optional[int] = ..., context_len: _Optional[int] = ..., match_len: _Optional[int] = ..., expected_accepted: _Optional[float] = ..., pld_match_len: _Optional[int] = ..., learned_match_len: _Optional[int] = ...) -> None: ...
+
+class PackedTrees(_message.Message):
+    __slots__ = ("tokens", "parents", "probs", "sources")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    parents: bytes
+    probs: bytes
+    sources: bytes
+    def __init__(self, tokens: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., sources: _Optional[bytes] = ...) -> None: ...
+
+class BatchReply(_message.Message):
+    __slots__ = ("results", "trees", "server_us")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_US_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[BatchResult]
+    trees: PackedTrees
+    server_us: float
+    def __init__(self, results: _Optional[_Iterable[_Union[BatchResult, _Mapping]]] = ..., trees: _Optional[_Union[PackedTrees, _Mapping]] = ..., server_us: _Optional[float] = ...) -> None: ...

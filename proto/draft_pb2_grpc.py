@@ -54,6 +54,11 @@ class DrafterStub:
                 request_serializer=redraft_dot_proto_dot_draft__pb2.StatsRequest.SerializeToString,
                 response_deserializer=redraft_dot_proto_dot_draft__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/redraft.v1.Drafter/Batch',
+                request_serializer=redraft_dot_proto_dot_draft__pb2.BatchRequest.SerializeToString,
+                response_deserializer=redraft_dot_proto_dot_draft__pb2.BatchReply.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -88,6 +93,16 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batch(self, request, context):
+        """Many sequences' steps in one call, for an engine's batch: each entry opens, steps or
+        closes one sequence the server keeps between calls (keyed by the caller's ids); the
+        reply carries one result per entry, in order. A bad entry fails alone, with the status
+        a session would end with; auth, limits, tenants and learning apply per sequence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +125,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=redraft_dot_proto_dot_draft__pb2.StatsRequest.FromString,
                     response_serializer=redraft_dot_proto_dot_draft__pb2.StatsReply.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=redraft_dot_proto_dot_draft__pb2.BatchRequest.FromString,
+                    response_serializer=redraft_dot_proto_dot_draft__pb2.BatchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +240,33 @@ class Drafter:
             '/redraft.v1.Drafter/Stats',
             redraft_dot_proto_dot_draft__pb2.StatsRequest.SerializeToString,
             redraft_dot_proto_dot_draft__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/redraft.v1.Drafter/Batch',
+            redraft_dot_proto_dot_draft__pb2.BatchRequest.SerializeToString,
+            redraft_dot_proto_dot_draft__pb2.BatchReply.FromString,
             options,
             channel_credentials,
             insecure,

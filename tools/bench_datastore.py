@@ -29,8 +29,8 @@ import numpy as np
 import psutil
 from pydivsufsort import divsufsort
 from redraft.datastore import Reader, build_datastore
-from redraft.datastore.build import BATCH_CHARS
 from redraft.datastore.drafting import retrieval_tree
+from redraft.datastore.sharding import BATCH_CHARS
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, tokenizer_fingerprint, vocab_size
 
 HOLD_OUT_EVERY = 40

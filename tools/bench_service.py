@@ -11,6 +11,15 @@ Learning is on as `redraft serve` has it (every session's accepted tokens are le
 drafted back, source `learned`), bounded by --learn-max-tokens and never persisted here.
 `--baseline` also starts a server with learning off and alternates the one-session phase's
 steps between the two, so the latency ratio is measured under the same load.
+
+`--batch 1,8,64` measures the batched RPC instead (tools/bench_batch_replay.py): per batch
+size, the server's time per call (`batch_step_p50_ms`, `batch_step_p99_ms`, from the reply's
+`server_us`), per sequence-step (`per_sequence_p50_us`), the call over loopback
+(`loopback_p50_ms`) and sequence-steps per second, with one engine per server worker; then
+the same replay on a compiled-core server and a Python-reference server (learning off, so
+neither learns from the other's logs), whose accepted tokens per step must be equal.
+
+    python tools/bench_service.py --datastore data/stdlib --batch 1,8,64 --json
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redraft.datastore.service.client import DraftClient, DraftParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_batch_replay import batch_report, same_replay  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,14 +151,15 @@ def quarters(samples: list) -> list:
     return [samples[min(n - 1, q * n // 4)] for q in range(1, 5)] if n else []
 
 
-def start_server(args, learn: str) -> tuple[subprocess.Popen, str]:
+def start_server(args, learn: str, *extra: str) -> tuple[subprocess.Popen, str]:
     """`redraft serve` on a free port (learned outputs stay in memory: never persisted)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", args.datastore,
          "--port", str(port), "--workers", str(args.workers), "--max-budget",
          str(max(1024, args.budget)), "--learn", learn, "--learn-max-tokens",
-         str(args.learn_max_tokens), "--learn-persist-seconds", "0"],
+         str(args.learn_max_tokens), "--learn-persist-seconds", "0", *extra,
+         *(args.serve_arg or [])],
         stdout=subprocess.PIPE, text=True,
     )
     for _ in range(args.workers):
@@ -172,8 +185,19 @@ def main() -> int:
                     help="the learned-output bound (small enough to be reached in the run)")
     ap.add_argument("--baseline", action="store_true",
                     help="also serve with learning off; the one-session phase alternates")
+    ap.add_argument("--batch", metavar="N,N,...",
+                    help="measure the batched RPC at these batch sizes instead of sessions")
+    ap.add_argument("--batch-seconds", type=float, default=8.0,
+                    help="time per batch size (--batch)")
+    ap.add_argument("--reference-calls", type=int, default=40,
+                    help="calls of the core-against-reference replay (--batch; 0 = skip)")
+    ap.add_argument("--serve-arg", action="append", metavar="ARG",
+                    help="one more argument for `redraft serve` (repeat: --serve-arg=--x "
+                    "--serve-arg=1)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.batch:
+        return batch_main(args)
 
     servers = [start_server(args, args.learn)]
     if args.baseline:
@@ -284,6 +308,57 @@ def main() -> int:
         print(f"learned tokens at each quarter: {learned} (bound {args.learn_max_tokens:,})")
         print(f"server-side drafting: p50 {report['server_stats']['latency_p50_us']:.0f} us, "
               f"p99 {report['server_stats']['latency_p99_us']:.0f} us; exit {code}")
+    return 0
+
+
+def batch_main(args) -> int:
+    """The batched RPC (module docstring): one server, each batch size in turn."""
+    sizes = [int(x) for x in args.batch.split(",")]
+    room = str(max(sizes) * args.workers * 2 + 64)  # sequences open at once, with margin
+    proc, address = start_server(args, args.learn, "--max-sessions", room)
+    try:
+        with DraftClient(address) as client:
+            info = client.info()
+        docs = [d for d in held_out_tokens(info.tokenizer_name) if len(d) > 400]
+        fp = info.tokenizer_fingerprint
+        sources = ("rest", "pld") if args.learn == "off" else ("rest", "pld", "learned")
+        params = DraftParams(budget=args.budget, max_depth=args.depth, sources=sources)
+        report: dict = {"datastore_tokens": info.n_tokens, "workers": args.workers,
+                        "budget": args.budget, "depth": args.depth, "learn": args.learn,
+                        "batches": [batch_report(address, docs, fp, params, n,
+                                                 args.batch_seconds, args.workers)
+                                    for n in sizes]}
+    finally:
+        proc.terminate()
+        report["server_exit_code"] = proc.wait(30)
+    if args.reference_calls:
+        plain = DraftParams(budget=args.budget, max_depth=args.depth)
+        servers = [start_server(args, "off", "--drafting", kind, "--max-sessions", room)
+                   for kind in ("native", "python")]
+        try:
+            core, ref = same_replay([a for _, a in servers], docs, fp, plain, max(sizes),
+                                    args.reference_calls)
+        finally:
+            for p, _ in servers:
+                p.terminate()
+                p.wait(30)
+        report["replay"] = {"batch": max(sizes), "calls": args.reference_calls,
+                            "accepted_per_step_core": core, "accepted_per_step_python": ref}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"datastore {report['datastore_tokens']:,} tokens, server workers {args.workers}, "
+          f"budget {args.budget}, depth {args.depth}, learn {args.learn}")
+    for b in report["batches"]:
+        print(f"batch {b['batch']:>3} x {b['clients']} engine(s): server p50 "
+              f"{b['batch_step_p50_ms']:.3f} ms, p99 {b['batch_step_p99_ms']:.3f} ms, "
+              f"{b['per_sequence_p50_us']:.1f} us/sequence; loopback p50 "
+              f"{b['loopback_p50_ms']:.3f} ms; {b['steps_per_s']:,.0f} steps/s; "
+              f"{b['accepted_per_step']:.3f} accepted/step")
+    r = report.get("replay")
+    if r:
+        print(f"same replay, accepted per step: core {r['accepted_per_step_core']:.4f}, "
+              f"python reference {r['accepted_per_step_python']:.4f}")
     return 0
 
 

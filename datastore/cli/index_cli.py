@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 from redraft.datastore.build import (
+    DEFAULT_RAY_RETRIES,
     DEFAULT_SHARD_TOKENS,
     append_corpus,
     build_datastore,
@@ -52,6 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "warning instead of failing")
     p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
                    help="maximum tokens per shard (default: 128 Mi)")
+    p.add_argument("--ray", nargs="?", const=True, default=None, metavar="ADDRESS",
+                   help="tokenize and sort on a Ray cluster (HOST:PORT, ray://HOST:PORT or "
+                   "auto; none: the cluster `ray.init()` finds or starts on this machine); "
+                   "the datastore directory and the inputs must be on storage every node "
+                   "sees. Needs pip install 'redraft[ray]'")
+    p.add_argument("--ray-retries", type=int, default=DEFAULT_RAY_RETRIES, metavar="N",
+                   help="with --ray: how often a task whose worker died is run again "
+                   f"(default {DEFAULT_RAY_RETRIES}; 0: the build fails instead)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_index)
 
@@ -62,19 +72,22 @@ def cmd_index(args: argparse.Namespace) -> int:
     if not args.wait >= 0 or args.wait == float("inf"):
         raise InvalidQuery(f"--wait: expected a finite number of seconds >= 0, got {args.wait}")
     if args.upgrade is not None:
-        if args.inputs or args.append or args.delete is not None or args.out not in (
-                None, args.upgrade):
-            raise InvalidQuery("--upgrade DIR takes no inputs, --out, --append or --delete")
+        if args.inputs or args.append or args.delete is not None or args.ray is not None or \
+                args.out not in (None, args.upgrade):
+            raise InvalidQuery("--upgrade DIR takes no inputs, --out, --append, --delete or "
+                               "--ray")
         return _upgrade(args.upgrade, args.wait)
     if args.out is None:
         raise InvalidQuery("--out DIR is required")
+    if args.ray_retries < 0:
+        raise InvalidQuery(f"--ray-retries: expected an integer >= 0, got {args.ray_retries}")
     if args.delete is not None:
-        if args.inputs or args.append:
-            raise InvalidQuery("--delete takes no inputs and no --append")
+        if args.inputs or args.append or args.ray is not None:
+            raise InvalidQuery("--delete takes no inputs, no --append and no --ray")
         return _delete(args.out, set(int_list(args.delete, "--delete")), args.wait)
     common = dict(tokenizer=args.tokenizer, corpus=args.corpus, field=args.field,
                   exclude=args.exclude, skip_bad=args.skip_bad, progress=progress,
-                  wait_s=args.wait)
+                  wait_s=args.wait, ray=_ray_address(args.ray), ray_retries=args.ray_retries)
     if args.append:
         m = append_corpus(args.inputs, args.out, shard_tokens=args.shard_tokens, **common)
         verb = "appended to"
@@ -88,8 +101,31 @@ def cmd_index(args: argparse.Namespace) -> int:
           f"(corpus {args.corpus}); total {m['n_docs']:,} documents, {m['n_tokens']:,} tokens "
           f"in {m['n_shards']} shard(s), {m['n_segments']} segment(s), "
           f"{time.perf_counter() - t0:.1f} s"
-          + (f"; skipped {skipped:,} bad file(s) or record(s)" if skipped else ""))
+          + (f"; skipped {skipped:,} bad file(s) or record(s)" if skipped else "")
+          + _ray_summary(last.get("ray")))
     return 0
+
+
+# HOST:PORT (a name, IPv4 or [IPv6] address), optionally ray://, or Ray's own keywords
+_RAY_ADDRESS = re.compile(r"(ray://)?([\w.-]+|\[[0-9a-fA-F:.]+\]):[0-9]{1,5}|auto|local")
+
+
+def _ray_address(value: str | bool | None) -> str | bool | None:
+    """--ray's value: True (no address) or an address. Anything else is refused, since
+    `--ray DIR/` would otherwise silently swallow an input."""
+    if value is None or value is True or _RAY_ADDRESS.fullmatch(value):
+        return value
+    raise InvalidQuery(f"--ray: {value!r} is not a cluster address (HOST:PORT, "
+                       "ray://HOST:PORT, auto or local); with no address, put --ray after "
+                       "the inputs")
+
+
+def _ray_summary(report: dict | None) -> str:
+    if not report:
+        return ""
+    retried = report.get("retried", 0)
+    return (f"; on Ray: {report['tasks']} task(s) on {len(report['nodes'])} node(s)"
+            + (f", {retried} retried after a worker died" if retried else ""))
 
 
 def _delete(out: str, ids: set[int], wait_s: float) -> int:

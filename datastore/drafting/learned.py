@@ -72,6 +72,35 @@ class OutputJournal(Protocol):
         """The output is final."""
 
 
+class JournaledOutput:
+    """One writer's output as its journal sees it: begun by its first accepted tokens (the
+    prompt tail in front of them), appended to, ended once. Shared by every writer kind, so
+    what a journal receives never depends on which index recorded the output."""
+
+    __slots__ = ("journal", "tenant", "head", "output")
+
+    def __init__(self, journal: OutputJournal, tenant: str, head: Sequence[int]) -> None:
+        self.journal = journal
+        self.tenant = tenant
+        self.head = head
+        self.output: object | None = None  # the journal's handle, once begun
+
+    def record(self, tokens: Sequence[int]) -> None:
+        """Tokens just added to the output (none: nothing happens)."""
+        if not len(tokens):
+            return
+        if self.output is None:
+            self.output = self.journal.begin(self.tenant)
+            self.journal.append(self.output, [*self.head, *tokens])
+        else:
+            self.journal.append(self.output, tokens)
+
+    def end(self) -> None:
+        output, self.output = self.output, None
+        if output is not None:
+            self.journal.end(output)
+
+
 class _Doc:
     """One generation's output in the index."""
 
@@ -256,32 +285,25 @@ class LearnedWriter:
         self.tenant = tenant
         self._head = head
         self._doc: _Doc | None = None
-        self._journal = journal
-        self._output: object | None = None  # the journal's handle, once begun
+        self._journaled = JournaledOutput(journal, tenant, head) if journal is not None \
+            else None
 
     def extend(self, tokens: Sequence[int]) -> None:
         if not tokens:
             return
         index = self.index
-        journal = self._journal
         with index._lock:
             doc = self._doc
-            first = doc is None
             if doc is None or doc.id not in index._docs:  # new, or evicted meanwhile
                 head = self._head if doc is None else doc.tokens[-PROMPT_TAIL:]
                 doc = self._doc = index._new_doc(self.tenant, head)
             index._append(doc, tokens)
             index._evict(doc)
-        if journal is not None:
-            if first:
-                self._output = journal.begin(self.tenant)
-                journal.append(self._output, [*self._head, *tokens])
-            else:
-                journal.append(self._output, tokens)
+        if self._journaled is not None:
+            self._journaled.record(tokens)
 
     def close(self) -> None:
         """The generation ended: its output is final."""
         self._doc = None
-        output, self._output = self._output, None
-        if output is not None:
-            self._journal.end(output)
+        if self._journaled is not None:
+            self._journaled.end()

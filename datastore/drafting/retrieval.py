@@ -133,15 +133,13 @@ def _trie_tree(W: np.ndarray, wt: np.ndarray | None, sep: int, budget: int,
     nid = np.cumsum(flat) - 1
     parent = nid[starts - k]
     parent[dep == 0] = -1
-    # Ranked by mass, then shallower first (parents precede): ascending order of
-    # dep - mass * (D + 1), i.e. of -(mass * (D + 1) + D - dep) shifted by D.
+    # Ranked by mass, then shallower first (parents precede), then by node id: ascending
+    # order of dep - mass * (D + 1), i.e. of -(mass * (D + 1) + D - dep) shifted by D, in
+    # a stable sort. (argpartition would pick among equal nodes at the budget's edge, and
+    # order the kept ones, by whatever its SIMD kernel does: trees would differ by machine.)
     neg = dep - mass * (D + 1)
     nn = len(starts)
-    if nn > budget:
-        sel = np.argpartition(neg, budget - 1)[:budget]
-        sel = sel[np.argsort(neg[sel], kind="stable")]
-    else:
-        sel = np.argsort(neg, kind="stable")
+    sel = np.argsort(neg, kind="stable")[:budget]
     remap = np.empty(nn + 1, dtype=np.int64)
     remap[sel] = np.arange(len(sel))
     remap[-1] = -1  # parent -1 maps to -1

@@ -86,6 +86,10 @@ class SessionDrafter:
         self._writer = learned.writer(tenant, self.context) if learned is not None else None
         self.rest_match_len = self.pld_match_len = self.learned_match_len = 0
 
+    def __len__(self) -> int:
+        """Tokens of the context."""
+        return len(self.context)
+
     def use_reader(self, reader) -> None:
         """Draft retrieval from `reader` from now on: a newer snapshot of the same datastore
         (a server that follows its datastore's commits swaps it in between steps). Which

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 from redraft.proto import draft_pb2, draft_pb2_grpc
 from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto.tree import LEARNED, PLD, REST, Tree, source_label
@@ -68,7 +69,13 @@ class AuthenticationFailed(ServiceError):
     """Missing or wrong token."""
 
 
+class UnknownSequence(ServiceError):
+    """A batched entry named a sequence the server does not hold (never opened, closed,
+    swept after idling, or the server restarted): open it again with its whole context."""
+
+
 _ERRORS: dict[grpc.StatusCode, type[ServiceError]] = {
+    grpc.StatusCode.NOT_FOUND: UnknownSequence,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailable,
     grpc.StatusCode.CANCELLED: ServiceUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DraftTimeout,
@@ -82,9 +89,16 @@ _ERRORS: dict[grpc.StatusCode, type[ServiceError]] = {
 def _typed(exc: grpc.RpcError, address: str) -> ServiceError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
+    return _error(code, details, address)
+
+
+def _error(code: grpc.StatusCode | None, details: str, address: str) -> ServiceError:
     cls = _ERRORS.get(code, ServiceError)
     name = code.name if code is not None else "ERROR"
     return cls(f"draft service {address}: {name}: {details}", code)
+
+
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}  # wire value -> StatusCode
 
 
 @dataclass
@@ -215,6 +229,116 @@ def _check_ids(tokens: Sequence[int], what: str) -> list[int]:
     if out and (min(out) < 0 or max(out) >= 1 << 31):
         raise InvalidRequest(f"{what}: token ids must be in [0, 2^31)")
     return out
+
+
+# ---- the batched RPC's entries and results ------------------------------------------------
+
+
+@dataclass
+class SequenceOpen:
+    """Start sequence `sequence` with its whole context `prompt` (or start it again)."""
+
+    sequence: str
+    prompt: Sequence[int]
+    params: DraftParams | None = None  # None: the batch's params
+    tenant: str = ""  # "": the batch's tenant
+
+
+@dataclass
+class SequenceStep:
+    """The tokens sequence `sequence` accepted since its last entry (budget 0: its own)."""
+
+    sequence: str
+    accepted: Sequence[int]
+    budget: int = 0
+
+
+@dataclass
+class SequenceEnd:
+    """Sequence `sequence` is over; `accepted`: its last tokens, learned first."""
+
+    sequence: str
+    accepted: Sequence[int] = ()
+
+
+SequenceEntry = SequenceOpen | SequenceStep | SequenceEnd
+
+
+@dataclass
+class BatchResults:
+    """The reply of one batched call: per entry, in order, its error (None: it worked) and
+    its tree (its best chain when the call asked for chains), plus every tree's nodes as
+    arrays (entry i's are [offsets[i], offsets[i + 1]) of tokens, parents, probs, sources:
+    uint32, int32, float32 and uint8 source bits), for callers that never need a Tree."""
+
+    sequences: list[str]
+    errors: list[ServiceError | None]
+    context_lens: list[int]
+    match_lens: list[int]
+    expected_accepted: list[float]
+    offsets: np.ndarray
+    tokens: np.ndarray
+    parents: np.ndarray
+    probs: np.ndarray
+    sources: np.ndarray
+    server_us: float
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def tree(self, i: int) -> Tree:
+        """Entry i's tree (empty when it failed or drafted nothing)."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Tree(self.tokens[a:b].tolist(), self.parents[a:b].tolist(),
+                    self.probs[a:b].tolist(), [_LABELS[x & 7] for x in self.sources[a:b].tolist()],
+                    self.match_lens[i])
+
+    def chain(self, i: int) -> list[int]:
+        """Entry i's tokens, in order (its chain when the call asked for chains)."""
+        return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])].tolist()
+
+
+_LABELS = [source_label(bits) for bits in range(8)]
+
+
+def _entry_proto(entry: SequenceEntry) -> draft_pb2.BatchEntry:
+    if isinstance(entry, SequenceStep):
+        if not isinstance(entry.budget, int) or not 0 <= entry.budget < 1 << 32:
+            raise InvalidRequest(f"budget must be a non-negative integer, got {entry.budget!r}")
+        return draft_pb2.BatchEntry(sequence=entry.sequence, step=draft_pb2.SessionStep(
+            accepted=_check_ids(entry.accepted, "accepted"), budget=entry.budget))
+    if isinstance(entry, SequenceOpen):
+        opening = draft_pb2.SessionOpen(prompt=_check_ids(entry.prompt, "prompt"),
+                                        tenant=entry.tenant)
+        if entry.params is not None:
+            opening.params.CopyFrom(entry.params.to_proto())
+        return draft_pb2.BatchEntry(sequence=entry.sequence, open=opening)
+    if isinstance(entry, SequenceEnd):
+        return draft_pb2.BatchEntry(sequence=entry.sequence, close=draft_pb2.SequenceClose(
+            accepted=_check_ids(entry.accepted, "accepted")))
+    raise InvalidRequest(f"a batch entry is a SequenceOpen, SequenceStep or SequenceEnd, not "
+                         f"a {type(entry).__name__}")
+
+
+def _batch_results(reply: draft_pb2.BatchReply, address: str) -> BatchResults:
+    """The reply's packed arrays as numpy views; a reply whose arrays do not fit its
+    results is a server error, never filled in."""
+    rs = reply.results
+    counts = np.fromiter((r.nodes for r in rs), np.int64, len(rs))
+    offsets = np.zeros(len(rs) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    t = reply.trees
+    n = int(offsets[-1])
+    arrays = (np.frombuffer(t.tokens, "<u4"), np.frombuffer(t.parents, "<i4"),
+              np.frombuffer(t.probs, "<f4"), np.frombuffer(t.sources, np.uint8))
+    if any(len(a) != n for a in arrays):
+        raise ServiceError(f"draft service {address}: the batch reply's trees hold "
+                           f"{[len(a) for a in arrays]} nodes, its results {n}")
+    errors = [None if r.code == 0 else _error(_STATUS.get(r.code), r.message, address)
+              for r in rs]
+    return BatchResults([r.sequence for r in rs], errors, [int(r.context_len) for r in rs],
+                        [int(r.match_len) for r in rs], [float(r.expected_accepted) for r in rs],
+                        offsets, *arrays, float(reply.server_us))
 
 
 def channel_target(address: str) -> str:
@@ -371,6 +495,26 @@ class DraftClient:
         """The server's counters (requests, sessions, errors, hit rate, latency, ...)."""
         r = self._unary(self._stub.Stats, draft_pb2.StatsRequest(), timeout)
         return json.loads(r.stats_json)
+
+    def batch(self, entries: Sequence[SequenceEntry], params: DraftParams | None = None,
+              tokenizer_fingerprint: str = "", tenant: str = "", chain: int = 0,
+              client_id: str = "", timeout: float | None = None) -> BatchResults:
+        """Many sequences' entries in one call (an engine's step): opens, steps and ends of
+        sequences the server keeps between calls under (this client's token, `client_id`,
+        sequence id). Per entry: an error (the status a session would end with, e.g.
+        UnknownSequence, InvalidRequest, LimitExceeded) or a tree; a failed entry never
+        fails the others. `params`, `tenant`: for opens without their own. `chain` > 0:
+        each tree is its best chain of at most that many nodes. A failure of the call
+        itself (unreachable, auth, tokenizer) raises. batch_client.SequenceBatch keeps
+        track of the sequences for you."""
+        if not isinstance(chain, int) or not 0 <= chain < 1 << 32:
+            raise InvalidRequest(f"chain must be a non-negative integer, got {chain!r}")
+        req = draft_pb2.BatchRequest(client=client_id, entries=[_entry_proto(e) for e in entries],
+                                     tokenizer_fingerprint=tokenizer_fingerprint,
+                                     tenant=tenant, chain=chain)
+        if params is not None:
+            req.params.CopyFrom(params.to_proto())
+        return _batch_results(self._unary(self._stub.Batch, req, timeout), self.address)
 
     def session(self, prompt: Sequence[int], params: DraftParams | None = None,
                 tokenizer_fingerprint: str = "", timeout: float | None = None,

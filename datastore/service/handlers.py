@@ -1,7 +1,9 @@
 """The servicer of redraft.v1.Drafter: each RPC from the wire to drafting and back.
 
-Each session drafts through `redraft.datastore.drafting.SessionDrafter` (the decoder's
-in-process path runs the same class); around it the service validates every request before
+Each session drafts through a session drafter of `redraft.datastore.drafting` (the compiled
+core unless configured otherwise; the decoder's in-process path runs the same); a batched
+call drafts many sequences in one step of it (`batching`). Around it the service validates
+every request before
 it touches the datastore (`validation`), keeps sessions in bounds (`sessions`), shares the
 learned outputs between them (`learning`) and stops drafting from a datastore found damaged
 (`verification`). A bad request ends only its own call with INVALID_ARGUMENT /
@@ -20,7 +22,8 @@ from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health
-from redraft.datastore.drafting import LEARNED_CORPUS, SessionDrafter
+from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings, new_session_drafter
+from redraft.datastore.service.batching import BatchDrafting
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
 from redraft.datastore.service.learning import LearnedOutputs, run_in_thread
 from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
@@ -51,6 +54,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.learning = LearnedOutputs(reader, config, stats, self.verification,
                                        self.checks.token_keys)
         self.reloader: SnapshotReloader | None = None
+        self.batching = BatchDrafting(self)
         self.stopping = False
 
     def swap_reader(self, reader, verification: BackgroundVerification) -> None:
@@ -60,6 +64,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.checks.corpora = set(reader.corpora) - {LEARNED_CORPUS}
         self.verification = verification
         self.learning.verification = verification
+        self.batching.follow(reader)
     def _check_serving(self) -> None:
         if self.stopping:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -68,7 +73,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             raise Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {damage}")
 
     # ---- drafting ----------------------------------------------------------------------
-    def _draft(self, drafter: SessionDrafter, budget: int, out: draft_pb2.DraftReply,
+    def _draft(self, drafter, budget: int, out: draft_pb2.DraftReply,
                kind: str | None) -> None:
         """Tree from the session's sources under the budget, count, fill `out`."""
         t0 = time.perf_counter()
@@ -90,20 +95,26 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         sources = {name for label in set(tree.sources) for name in label.split("+")}
         self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
 
-    async def _drafter(self, tokens, noun: str, field: str, params, tenant) -> SessionDrafter:
+    async def _drafter(self, tokens, noun: str, field: str, params: DraftSettings,
+                       tenant: str):
         """A session drafter over `tokens` (the context or an opening prompt, message `field`),
         checked first: length within max_context_len, every id in the vocabulary. A long one
         is indexed on a thread (the drafter is nobody else's yet), not on the event loop."""
         self.checks.check_context(tokens, noun, field)
-        make = functools.partial(SessionDrafter, tokens, params, self.reader,
-                                 self.learning.index, tenant)
+        make = functools.partial(self.new_drafter, tokens, params, tenant)
+        return make() if len(tokens) <= PIECE_TOKENS else await run_in_thread(make)
+
+    def new_drafter(self, tokens, params: DraftSettings, tenant: str):
+        """A session drafter over checked tokens, from the current snapshot, learning into
+        the server's learned index for `tenant`."""
         try:
-            return make() if len(tokens) <= PIECE_TOKENS else await run_in_thread(make)
+            return new_session_drafter(tokens, params, self.reader, self.learning.index, tenant,
+                                       choice=self.config.drafting)
         except DatastoreError as exc:
             raise bad(str(exc)) from exc
 
     @staticmethod
-    async def _extend(drafter: SessionDrafter, accepted) -> None:
+    async def _extend(drafter, accepted) -> None:
         """Add a step's tokens in pieces, letting every other call run in between: a step of
         100,000 tokens costs about a second of indexing, which must not stall the server.
         (Not on a thread: the learned index it writes is shared with every session.)"""
@@ -161,8 +172,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             # completes, so ending a session whose first write was interrupted (by the
             # sweeper or shutdown) would otherwise send them twice and fail.
             await context.send_initial_metadata(())
-            ctx = drafter.context
-            msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
+            msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(drafter))
             self._draft(drafter, p.budget, msg.draft, None)
             await sessions.wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
@@ -174,15 +184,16 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 step = req.step
                 self.checks.check_tokens(step.accepted, "step.accepted")
                 self.checks.check_budget(step.budget, "step.budget")
-                if len(ctx) + len(step.accepted) > self.config.max_context_len:
+                n = len(drafter) + len(step.accepted)
+                if n > self.config.max_context_len:
                     raise Refusal(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"session context would reach {len(ctx) + len(step.accepted)} tokens, "
-                        f"over max_context_len {self.config.max_context_len}",
+                        f"session context would reach {n} tokens, over max_context_len "
+                        f"{self.config.max_context_len}",
                     )
                 await self._extend(drafter, step.accepted)  # learned at once, for every session
                 self.learning.publish()
-                msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(ctx))
+                msg = draft_pb2.SessionReply(session_id=session_id, context_len=n)
                 self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
                 await sessions.wait(waiter, context.write(msg), writing=True)
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -190,6 +201,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             drafter.close()
             sessions.close()
             self.learning.publish()
+
+    async def Batch(self, request, context):
+        try:
+            tenant = self.checks.auth(context)
+            check_parsed(request)
+            self._check_serving()
+            return await self.batching.run(request, tenant)
+        except Refusal as exc:
+            await self._fail(context, exc)
 
     async def Info(self, request, context):
         try:
@@ -269,6 +289,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         if self.reloader is not None:
             self.reloader.stop()
         self.sessions.end_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        await self.batching.idle()
+        self.batching.table.end_all()
         await self.verification.wait()
 
     async def finish(self) -> None:
@@ -296,6 +318,9 @@ def add_drafter_service(service: DrafterService, server: grpc.aio.Server) -> Non
         "Stats": grpc.unary_unary_rpc_method_handler(
             service.Stats, request_deserializer=lenient(pb.StatsRequest),
             response_serializer=pb.StatsReply.SerializeToString),
+        "Batch": grpc.unary_unary_rpc_method_handler(
+            service.Batch, request_deserializer=lenient(pb.BatchRequest),
+            response_serializer=pb.BatchReply.SerializeToString),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

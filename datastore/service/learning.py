@@ -9,7 +9,7 @@ import functools
 import logging
 import os
 
-from redraft.datastore.drafting import LearnedIndex
+from redraft.datastore.drafting import new_learned_index
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.persisting import PersistBusy, load_persisted, persist_outputs
 from redraft.datastore.service.sharing import LogFollower, OutputJournal
@@ -40,7 +40,8 @@ class LearnedOutputs:
         self.path = (None if path is None else
                      path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
         self.index = (None if config.learn == "off" else
-                      LearnedIndex(config.learn_max_tokens, shared=config.learn == "global"))
+                      new_learned_index(config.learn_max_tokens, shared=config.learn == "global",
+                                        choice=config.drafting))
         self.slot = stats.claim_worker()  # where this process publishes its index's sizes
         self.journal: OutputJournal | None = None
         self.follower: LogFollower | None = None

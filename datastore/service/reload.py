@@ -12,7 +12,8 @@ drafts from the service's current snapshot at its next step. Segments the old sn
 already verified are not verified again (they are immutable); the new ones are checked in
 the background, as at start-up. The old snapshot is closed once the work that reads it on
 threads is done (a running verification, the reload of learned outputs): drafting itself
-runs on the event loop, so no drafting call can still be inside it. That releases its maps,
+runs on the event loop, or on a thread for a large batched call, which is awaited too, so no
+drafting call can still be inside it. That releases its maps,
 so deleted documents leave the disk too; the snapshot the server was started with is closed
 the same way once replaced (its owner's own close() then does nothing). A commit that cannot
 be opened (damaged, or built with another tokenizer) keeps the old snapshot and is logged
@@ -26,6 +27,7 @@ import contextlib
 import logging
 
 from grpc_health.v1 import health, health_pb2
+from redraft.datastore.drafting import prepare_reader
 from redraft.datastore.manifest import commit_stamp
 from redraft.datastore.reader import Reader
 from redraft.datastore.service.config import SERVICE_NAME
@@ -66,7 +68,7 @@ class SnapshotReloader:
                 stamp = await loop.run_in_executor(None, commit_stamp, self.path)
                 if stamp in (self.stamp, self.refused):
                     continue
-                reader = await loop.run_in_executor(None, Reader, self.path)
+                reader = await loop.run_in_executor(None, self._open)
             except (RedraftError, OSError) as exc:
                 self._refuse(stamp, str(exc))
                 continue
@@ -77,6 +79,17 @@ class SnapshotReloader:
                              "to serve it")
                 continue
             self._swap(reader)
+
+    def _open(self) -> Reader:
+        """The new snapshot, with the drafting core's tables over its new segments built
+        here on the thread, not by the first step that drafts from it."""
+        reader = Reader(self.path)
+        try:
+            prepare_reader(reader, self.service.config.drafting)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
 
     def _refuse(self, stamp: tuple, why: str) -> None:
         if stamp != self.refused:
@@ -96,7 +109,7 @@ class SnapshotReloader:
         verification.start(self.health)
         self._watch(verification, reader, recovering=old_verification.damage is not None)
         loading = getattr(service.learning, "_loading", None)  # reads the first snapshot
-        self._later(self._retire(old, [old_verification.wait(), *(
+        self._later(self._retire(old, [old_verification.wait(), service.batching.idle(), *(
             [asyncio.shield(loading)] if loading is not None and not loading.done() else [])]))
 
     def _watch(self, verification: BackgroundVerification, reader,

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 
+from redraft.datastore.drafting import uses_native
 from redraft.datastore.reader import Reader
 from redraft.datastore.service.client import (
     TOKEN_ENV,
@@ -29,7 +30,7 @@ from redraft.datastore.service.client import (
     client_token,
     read_tokens,
 )
-from redraft.datastore.service.config import LEARN_MODES, ServiceConfig
+from redraft.datastore.service.config import DRAFTING_CHOICES, LEARN_MODES, ServiceConfig
 from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.errors import RedraftError
@@ -108,6 +109,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="look for a new commit of the datastore (append, delete, learned "
                    "outputs) this often and serve it without a restart; 0 = never (default "
                    f"{d.reload_interval_s:g})")
+    p.add_argument("--drafting", choices=DRAFTING_CHOICES, default=d.drafting,
+                   help="drafting implementation: the compiled core (native), the Python "
+                   "reference (python, identical trees, slower; for debugging), or auto "
+                   "(native, or $REDRAFT_DRAFTING) (default %(default)s)")
+    p.add_argument("--batch-threads", type=int, default=d.batch_threads, metavar="N",
+                   help="threads drafting one batched call's sequences (default "
+                   f"{d.batch_threads})")
+    p.add_argument("--batch-offload", type=int, default=d.batch_offload_min, metavar="N",
+                   help="a batched call of at least N sequences drafts on a thread, so the "
+                   f"server answers other calls meanwhile (default {d.batch_offload_min})")
     p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
                    help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
     p.set_defaults(func=run)
@@ -125,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         "--budget": (args.budget, UINT32), "--depth": (args.depth, UINT32),
         "--workers": (args.workers, 1024), "--rest-occurrences": (args.rest_occurrences, INT32),
         "--learn-max-tokens": (args.learn_max_tokens, UINT64),
+        "--batch-threads": (args.batch_threads, 256),
+        "--batch-offload": (args.batch_offload, UINT32),
     }
     for flag, (value, most) in bounded.items():
         if not 0 < value <= most:  # also false for nan
@@ -156,6 +169,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
             f"--rest-calibration takes SCALE,POWER, got {args.rest_calibration!r}") from None
     if not (0 < scale <= 1 and power > 0):
         raise RedraftError("--rest-calibration needs 0 < SCALE <= 1 and POWER > 0")
+    try:
+        uses_native(args.drafting)  # a core asked for and not built, a bad $REDRAFT_DRAFTING
+    except (ValueError, RuntimeError) as exc:
+        raise RedraftError(str(exc)) from None
     return ServiceConfig(
         rest_calibration=(scale, power),
         rest_max_occurrences=args.rest_occurrences,
@@ -176,6 +193,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         learn_sync_s=args.learn_sync_seconds,
         learn_persist_wait_s=args.learn_persist_wait,
         reload_interval_s=args.reload_seconds,
+        drafting=args.drafting,
+        batch_threads=args.batch_threads,
+        batch_offload_min=args.batch_offload,
     )
 
 

@@ -35,6 +35,8 @@ FIELDS = (
     "nodes",
     "expected_accepted_x1000",
     "refused_sessions",
+    "batch_calls",
+    "batch_steps",
 )
 _SLOT = {name: i for i, name in enumerate(FIELDS)}
 _BUCKETS_PER_OCTAVE = 8
@@ -133,6 +135,28 @@ class ServiceStats:
                 if "learned" in sources:
                     a[_SLOT["learned_hits"]] += 1
             a[_HIST0 + b] += 1
+
+    def record_batch(self, latency_s: float, n: int, nodes: int, expected: float, hits: int,
+                     rest: int, pld: int, learned: int) -> None:
+        """Count one batched call that drafted `n` sequences: each is one request, with the
+        call's time per sequence as its latency; `hits` of them had a tree (`rest`, `pld`,
+        `learned`: those whose tree holds that source)."""
+        if n <= 0:
+            return
+        us = max(latency_s * 1e6 / n, 1.0)
+        b = min(_N_BUCKETS - 1, int(math.log2(us) * _BUCKETS_PER_OCTAVE))
+        with self._lock:
+            a = self._arr
+            a[_SLOT["requests"]] += n
+            a[_SLOT["batch_calls"]] += 1
+            a[_SLOT["batch_steps"]] += n
+            a[_SLOT["nodes"]] += nodes
+            a[_SLOT["expected_accepted_x1000"]] += expected * 1000.0
+            a[_SLOT["hits"]] += hits
+            a[_SLOT["rest_hits"]] += rest
+            a[_SLOT["pld_hits"]] += pld
+            a[_SLOT["learned_hits"]] += learned
+            a[_HIST0 + b] += n
 
     def percentile_us(self, q: float) -> float:
         """Latency percentile from the histogram (the bucket's geometric middle)."""

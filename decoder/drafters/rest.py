@@ -2,8 +2,9 @@
 outputs learned from earlier generations.
 
 `DatastoreDrafter` reads a datastore directory in process (`--datastore DIR`) through the
-same session drafter the draft service runs (`redraft.datastore.drafting`), so both paths
-draft with the same tunings; it learns from this process's generations. `ServiceDrafter`
+same session drafter the draft service runs (`redraft.datastore.drafting`: the compiled core
+unless REDRAFT_DRAFTING=python), so both paths draft with the same tunings and trees; it
+learns from this process's generations. `ServiceDrafter`
 asks the draft service (`--draft-service ADDR`), one streaming session per generation,
 which learns from every session it serves; if the service cannot be reached or fails
 mid-generation it switches to local drafting for the rest of that generation. Output never
@@ -16,7 +17,12 @@ import logging
 from collections.abc import Sequence
 
 from redraft.datastore import Reader
-from redraft.datastore.drafting import DraftSettings, LearnedIndex, SessionDrafter
+from redraft.datastore.drafting import (
+    DraftSettings,
+    LearnedIndex,
+    new_learned_index,
+    new_session_drafter,
+)
 from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.proto.errors import TokenizerMismatch
@@ -55,6 +61,7 @@ class DatastoreDrafter(Drafter):
         self.settings = DraftSettings(max_depth=max_depth, sources=frozenset(sources),
                                       corpora=tuple(corpora) if corpora else None)
         self._session = None
+        self._last = None  # the session's last context token
 
     def check_tokenizer(self, tokenizer) -> None:
         self.reader.check_tokenizer(tokenizer)
@@ -66,21 +73,25 @@ class DatastoreDrafter(Drafter):
             raise TokenizerMismatch(
                 f"{self.reader.path}: no tokenizer was checked against this datastore's: pass "
                 "DatastoreDrafter(path, tokenizer) or use the drafter in a Generator")
-        self._session = SessionDrafter(prompt, self.settings, self.reader, self.learned)
+        self._session = new_session_drafter(prompt, self.settings, self.reader, self.learned)
+        self._last = prompt[-1] if len(prompt) else None  # the context's last token
 
     def propose(self, context: Sequence[int], budget: int) -> Tree:
         s = self._session
-        n = len(s.context) if s is not None else -1
-        if s is None or n > len(context) or (n and s.context[-1] != context[n - 1]):
+        n = len(s) if s is not None else -1
+        if s is None or n > len(context) or (n and self._last != context[n - 1]):
             self.begin(context)  # out of step with the caller (e.g. reused without begin)
             s, n = self._session, len(context)
         if n < len(context):
             s.extend(context[n:])
+        self._last = context[-1] if len(context) else None
         return s.propose(budget)
 
     def update(self, accepted: Sequence[int]) -> None:
         if self._session is not None:  # learned now (the last step's tokens come only here)
             self._session.extend(accepted)
+            if len(accepted):
+                self._last = accepted[-1]
 
     def end(self) -> None:
         session, self._session = self._session, None
@@ -254,7 +265,7 @@ def make(ctx) -> Drafter:
         max_tokens = int(ctx.option("learn_max_tokens"))
         if max_tokens <= 0:
             raise UnknownDrafter(f"--learn-max-tokens must be positive, got {max_tokens}")
-        learned = LearnedIndex(max_tokens) if learn == "on" else None
+        learned = new_learned_index(max_tokens) if learn == "on" else None
         return DatastoreDrafter(ctx.datastore, ctx.tokenizer, max_depth=ctx.max_depth,
                                 learned=learned)
     if ctx.draft_service:

@@ -46,7 +46,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("redraft's llama.cpp adapter needs llama-cpp-python: "
                       "pip install 'redraft[llamacpp]'") from exc
 
-from redraft.decoder.engines.chain import Chain, best_chain
 from redraft.decoder.engines.pacing import ChainPacer
 from redraft.decoder.engines.streams import (
     DraftOptions,
@@ -56,6 +55,7 @@ from redraft.decoder.engines.streams import (
 )
 from redraft.proto.errors import ModelNotFound
 from redraft.proto.models import resolve_model
+from redraft.proto.tree import Chain, best_chain
 
 log = logging.getLogger("redraft.engines")
 

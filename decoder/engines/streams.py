@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redraft.datastore import Reader
-from redraft.datastore.drafting import DraftSettings, LearnedIndex, SessionDrafter
+from redraft.datastore.drafting import (
+    DraftSettings,
+    LearnedIndex,
+    new_learned_index,
+    new_session_drafter,
+)
 from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto.tree import LEARNED, PLD, REST, Tree
 
@@ -90,7 +95,7 @@ class LocalStream(DraftStream):
     def __init__(self, prompt: Sequence[int], settings: DraftSettings,
                  reader: Reader | None = None, learned: LearnedIndex | None = None,
                  tenant: str = "") -> None:
-        self._session = SessionDrafter(prompt, settings, reader, learned, tenant)
+        self._session = new_session_drafter(prompt, settings, reader, learned, tenant)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._session.extend(tokens)
@@ -224,7 +229,7 @@ class DraftSource:
         except BaseException:
             self.reader.close()
             raise
-        self.learned = LearnedIndex(o.learn_max_tokens) if o.learn else None
+        self.learned = new_learned_index(o.learn_max_tokens) if o.learn else None
         self.settings = DraftSettings(budget=o.budget, max_depth=o.max_depth,
                                       sources=frozenset(o.sources),
                                       corpora=o.corpora or None)

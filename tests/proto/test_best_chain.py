@@ -5,9 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from redraft.decoder.engines.chain import best_chain
 from redraft.proto.tree import Tree as Draft
-from redraft.proto.tree import path_probs
+from redraft.proto.tree import best_chain, path_probs
 
 
 def brute_force(draft: Draft, max_len: int) -> float:

@@ -1,0 +1,105 @@
+"""One step of many sessions at once: what an engine needs per engine step (every running
+sequence's accepted tokens in, every sequence's tree or best chain out).
+
+Every session is extended first, then every session drafts, so each tree is the same
+whatever the order (and whatever threads drafted it): a session's tree is the one its own
+`extend` + `propose` would give after every session of the batch learned its tokens. With
+compiled drafters (the default) the whole batch is one call into the core, drafting without
+the GIL; with the Python reference drafters the same is done session by session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from redraft.datastore.drafting.native import NativeSessionDrafter, native_step
+from redraft.datastore.drafting.session import SessionDrafter
+from redraft.proto.tree import Tree, best_chain, source_bits, source_label
+
+_LABELS = [source_label(bits) for bits in range(8)]
+
+
+@dataclass
+class BatchStep:
+    """The trees of one batched step, concatenated: sequence i's nodes are
+    [offsets[i], offsets[i + 1]) of each array (its best chain when one was asked for);
+    errors[i] is why sequence i drafted nothing, for the sequences that failed."""
+
+    offsets: np.ndarray  # int64, one more entry than sequences
+    tokens: np.ndarray  # uint32
+    parents: np.ndarray  # int32, within each sequence's tree
+    probs: np.ndarray  # float64
+    bits: np.ndarray  # uint8 source bits (tree.SOURCE_BITS)
+    match_lens: np.ndarray  # int64, (sequences, 3): rest, pld, learned
+    expected: np.ndarray  # float64 per sequence: the tree's expected accepted tokens
+    used: np.ndarray  # uint8 per sequence: the OR of its nodes' source bits
+    errors: dict[int, Exception]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def tree(self, i: int) -> Tree:
+        """Sequence i's tree as a Tree (empty if it failed)."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Tree(self.tokens[a:b].tolist(), self.parents[a:b].tolist(),
+                    self.probs[a:b].tolist(), [_LABELS[x] for x in self.bits[a:b].tolist()],
+                    int(self.match_lens[i, 0]))
+
+
+def step_batch(drafters: Sequence[SessionDrafter | NativeSessionDrafter],
+               accepted: Sequence[Sequence[int] | None],
+               budgets: Sequence[int | None] | None = None, chain: int = 0,
+               threads: int = 1) -> BatchStep:
+    """Extend every drafter by its accepted tokens (None: none), then draft every one with
+    its budget (None: its settings'); `chain` > 0: each sequence's best chain of at most
+    that many nodes instead of its tree. A sequence whose step fails gets an empty tree and
+    its exception in `errors`; the others are unaffected. Compiled drafters must not be
+    used elsewhere during the call (it drafts without the GIL, on `threads` threads)."""
+    if drafters and all(d.__class__ is NativeSessionDrafter for d in drafters):
+        return BatchStep(*native_step(drafters, accepted, budgets, threads, chain))
+    return _reference_step(drafters, accepted, budgets, chain)
+
+
+def _reference_step(drafters, accepted, budgets, chain: int) -> BatchStep:
+    """The same step through each drafter's own extend and propose (the Python reference,
+    or a batch that mixes kinds)."""
+    errors: dict[int, Exception] = {}
+    for i, (d, acc) in enumerate(zip(drafters, accepted)):
+        if acc is not None:
+            try:
+                d.extend(acc)
+            except (TypeError, ValueError, OverflowError) as exc:
+                errors[i] = exc
+    trees: list[Tree] = []
+    match_lens = np.zeros((len(drafters), 3), np.int64)
+    for i, d in enumerate(drafters):
+        tree = Tree()
+        if i not in errors:
+            try:
+                tree = d.propose(None if budgets is None else budgets[i])
+            except Exception as exc:  # noqa: BLE001 - the sequence's own failure
+                errors[i] = exc
+            else:
+                match_lens[i] = (d.rest_match_len, d.pld_match_len, d.learned_match_len)
+                if chain > 0:
+                    tree = best_chain(tree, chain).tree(tree.match_len)
+        trees.append(tree)
+    counts = [len(t) for t in trees]
+    offsets = np.zeros(len(trees) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    bits = [source_bits(s) for t in trees for s in t.sources]
+    used = [0] * len(trees)
+    for i, t in enumerate(trees):
+        for s in set(t.sources):
+            used[i] |= source_bits(s)
+    return BatchStep(
+        offsets,
+        np.array([x for t in trees for x in t.tokens], np.uint32),
+        np.array([x for t in trees for x in t.parents], np.int32),
+        np.array([x for t in trees for x in t.probs], np.float64),
+        np.array(bits, np.uint8), match_lens,
+        np.array([t.expected_accepted for t in trees], np.float64),
+        np.array(used, np.uint8), errors)
+

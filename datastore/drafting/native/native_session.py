@@ -1,0 +1,210 @@
+"""SessionDrafter's API and trees with each step one call into the compiled core, and the
+batched step: many sessions' steps in one call.
+
+The Python SessionDrafter (redraft.datastore.drafting.session, which stays) is the
+reference: same settings, same trees node for node (tokens, parents, probs to the bit,
+sources), same match lengths and the same exceptions. Where the core meets an input the
+reference would refuse (retrieval settings, token ids outside the datastore's vocabulary,
+unknown corpora, a closed Reader), it drafts nothing and the reference's own code is run to
+raise the reference's exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import redraft.datastore.drafting.native._core as _core
+from redraft.datastore.drafting.native.mapped_store import store_of
+from redraft.datastore.drafting.native.native_learned import NativeLearnedIndex, tenant_bytes
+from redraft.datastore.drafting.retrieval import retrieval_tree
+from redraft.datastore.drafting.session import DraftSettings, retrieval_corpora
+from redraft.proto.errors import DatastoreError
+from redraft.proto.tree import LEARNED, PLD, REST, Tree, source_label
+
+_core.set_labels([source_label(bits) for bits in range(8)])
+_ERR_REST, _ERR_TOKENS = 1, 2  # the core's error codes (_core.cpp)
+
+
+class NativeSessionDrafter:
+    """Drafts for one generation from its prompt and the tokens accepted since.
+
+    As session.SessionDrafter, except that `learned` must be a NativeLearnedIndex (the core
+    cannot read a Python one) and that token ids must be integers in [0, 2**32).
+    """
+
+    def __init__(self, prompt: Sequence[int], settings: DraftSettings, reader=None,
+                 learned: NativeLearnedIndex | None = None, tenant: str = "") -> None:
+        s = settings
+        self.settings = s
+        if learned is not None and not isinstance(learned, NativeLearnedIndex):
+            raise TypeError("the compiled core drafts from a NativeLearnedIndex, "
+                            f"not a {type(learned).__name__}")
+        self.learned = learned
+        self.tenant = tenant
+        self._max_match = s.max_match or s.rest_max_match
+        self._min_match = min(s.min_match or s.rest_min_match, self._max_match)
+        self.reader = reader if REST in s.sources else None
+        self._corpora = (retrieval_corpora(reader, s.corpora) if self.reader is not None
+                         else None)
+        store, shards, rest_ok = self._retrieval()
+        pld_max = pld_min = 0
+        if PLD in s.sources:
+            pld_max = s.max_match or 8
+            pld_min = min(s.min_match or 1, pld_max)
+            if pld_min < 1:  # what PromptLookup says
+                raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {pld_min}, {pld_max}")
+        scale, power = s.rest_calibration
+        self._core = _core.Session(
+            prompt, s.budget, s.max_depth, store, shards, rest_ok, self._max_match,
+            self._min_match, s.rest_max_occurrences, float(scale), float(power), pld_max,
+            pld_min, learned._core if learned is not None else None, LEARNED in s.sources,
+            tenant_bytes(tenant))
+        self._journaled = (learned.journaled(tenant, prompt) if learned is not None
+                           else None)
+
+    def _retrieval(self) -> tuple:
+        """(store, shard ids, whether Reader.propose accepts the settings) for the core."""
+        if self.reader is None or self._corpora is None:
+            return None, [], True
+        s = self.settings
+        rest_ok = (s.max_depth >= 1 and s.rest_max_occurrences >= 1 and self._min_match >= 1
+                   and self._max_match >= self._min_match and s.max_depth <= 1024)
+        try:
+            shards = self.reader.shard_ids(self._corpora)
+        except DatastoreError:  # raised when retrieval runs, as the reference does
+            return store_of(self.reader), [], False
+        return store_of(self.reader), shards, rest_ok
+
+    def use_reader(self, reader) -> None:
+        """Draft retrieval from `reader` from now on (see SessionDrafter.use_reader)."""
+        if self.reader is None or reader is self.reader:
+            return
+        self.reader = reader
+        self._corpora = retrieval_corpora(reader, self.settings.corpora)
+        self._core.use_store(*self._retrieval())
+
+    @property
+    def rest_match_len(self) -> int:
+        """The last step's retrieval match length (0: none, or the step failed)."""
+        return self._core.rest_match_len
+
+    @property
+    def pld_match_len(self) -> int:
+        return self._core.pld_match_len
+
+    @property
+    def learned_match_len(self) -> int:
+        return self._core.learned_match_len
+
+    @property
+    def context(self) -> list[int]:
+        """The prompt and every token accepted since (a copy)."""
+        return self._core.context()
+
+    def __len__(self) -> int:
+        """Tokens of the context."""
+        return self._core.context_len()
+
+    def extend(self, accepted: Sequence[int]) -> None:
+        """Tokens the decoder accepted since the last call (they are learned at once)."""
+        self._core.extend(accepted)
+        if self._journaled is not None:
+            self._journaled.record(accepted)
+
+    def propose(self, budget: int | None = None) -> Tree:
+        """The merged tree of every source for the context so far, best nodes first."""
+        out = self._core.propose(budget)
+        if out.__class__ is int:
+            raise self._error(out, budget)
+        return Tree(*out, self._core.rest_match_len)
+
+    def step(self, accepted: Sequence[int], budget: int | None = None) -> Tree:
+        """extend(accepted), then propose(budget), in one call into the core."""
+        out = self._core.step(accepted, budget)
+        if self._journaled is not None:
+            self._journaled.record(accepted)
+        if out.__class__ is int:
+            raise self._error(out, budget)
+        return Tree(*out, self._core.rest_match_len)
+
+    def propose_arrays(self, budget: int | None = None) -> tuple[np.ndarray, ...]:
+        """The tree as arrays: tokens (uint32), parents (int32), probs (float64) and source
+        bits (uint8, tree.SOURCE_BITS), for callers that never need a Tree."""
+        out = self._core.propose(budget, False)
+        if out.__class__ is int:
+            raise self._error(out, budget)
+        tokens, parents, probs, bits = out
+        return (np.frombuffer(tokens, np.uint32), np.frombuffer(parents, np.int32),
+                np.frombuffer(probs, np.float64), np.frombuffer(bits, np.uint8))
+
+    def close(self) -> None:
+        """The generation is over: its output is final in the learned index."""
+        self._core.close()
+        if self._journaled is not None:
+            self._journaled.end()
+
+    def _error(self, code: int, budget: int | None) -> Exception:
+        """The exception the reference raises for this step (it runs the reference's
+        retrieval call, which is where every refused input is refused)."""
+        budget = self.settings.budget if budget is None else budget
+        if code == _ERR_REST:
+            s = self.settings
+            try:
+                retrieval_tree(
+                    self.reader, self.context[-self._max_match:], budget=budget,
+                    max_depth=s.max_depth, max_match_len=self._max_match,
+                    min_match_len=self._min_match, max_occurrences=s.rest_max_occurrences,
+                    corpora=self._corpora)
+            except Exception as exc:  # noqa: BLE001 - whatever the reference raises
+                return exc
+        return RuntimeError(f"the compiled core refused a step (code {code}) that the "
+                            "reference drafts")
+
+
+def native_step(drafters: Sequence[NativeSessionDrafter],
+                accepted: Sequence[Sequence[int] | None],
+                budgets: Sequence[int | None] | None, threads: int, chain: int) -> tuple:
+    """The core's batched step (drafting.batch.step_batch's compiled path): every drafter
+    extended, then every one drafted, without the GIL while drafting. Returns (offsets,
+    tokens, parents, probs, bits, match_lens, expected, used bits, errors by index)."""
+    status, counts, tokens, parents, probs, bits, mls, expected, used = _core.step_batch(
+        [d._core for d in drafters], accepted, budgets, threads, chain)
+    status = np.frombuffer(status, np.int32)
+    offsets = np.zeros(len(drafters) + 1, np.int64)
+    np.cumsum(np.frombuffer(counts, np.int32), out=offsets[1:])
+    errors: dict[int, Exception] = {}
+    if status.any():
+        for i in np.flatnonzero(status).tolist():
+            errors[i] = _batch_error(drafters[i], int(status[i]), accepted[i],
+                                     None if budgets is None else budgets[i])
+    refused = {i for i, f in errors.items() if isinstance(f, _TokensRefused)}
+    for i, d in enumerate(drafters):  # what was learned reaches the journal
+        journaled, acc = d._journaled, accepted[i]
+        if journaled is not None and acc is not None and i not in refused:
+            journaled.record(acc)
+    return (offsets, np.frombuffer(tokens, np.uint32), np.frombuffer(parents, np.int32),
+            np.frombuffer(probs, np.float64), np.frombuffer(bits, np.uint8),
+            np.frombuffer(mls, np.int64).reshape(-1, 3), np.frombuffer(expected, np.float64),
+            np.frombuffer(used, np.uint8), {i: e.error for i, e in errors.items()})
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _TokensRefused(_Failure):
+    """The accepted tokens were refused before the session changed."""
+
+
+def _batch_error(drafter: NativeSessionDrafter, code: int, accepted, budget: int | None
+                 ) -> _Failure:
+    if code == _ERR_TOKENS:
+        try:
+            drafter._core.extend(accepted)  # refuses them before changing anything
+        except (TypeError, ValueError, OverflowError) as exc:
+            return _TokensRefused(exc)
+    return _Failure(drafter._error(code, budget))

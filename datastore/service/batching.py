@@ -1,0 +1,362 @@
+"""The batched RPC on the server: an engine's sequences, kept between calls, each call
+drafting every sequence it names in one step of the compiled core.
+
+A sequence is what a session is, without a stream of its own: its drafter (the same session
+drafter a `Session` runs), its tenant and learned output, its slot under max_sessions, its
+idle deadline. It is keyed by (the bearer token's tenant key, the request's `client`, the
+caller's sequence id), so a caller reaches only its own sequences, and two callers' ids never
+meet. Every entry is checked as a session's request would be; an entry that fails ends its
+sequence (as a session would end) with the status and message the session would get, in its
+own result, and never touches the other entries.
+
+Drafting: every sequence of the call is extended, then all draft (`drafting.step_batch`):
+one call into the core, without the GIL. Small batches draft inline on the event loop (a
+hand-off to a thread costs more than they do); from `batch_offload_min` sequences on, or
+when the call's steps add more than OFFLOAD_TOKENS tokens (a step may add up to
+max_context_len: tens of ms of indexing), the call drafts on a thread so the loop goes on
+answering other calls and health checks. Only compiled drafters go to a thread: the core's
+learned index is locked, the Python reference's is not (it is for debugging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+from redraft.datastore.drafting import BatchStep, step_batch
+from redraft.datastore.drafting.native import NativeSessionDrafter
+from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.refusals import Refusal, bad
+from redraft.datastore.service.stats import ServiceStats
+from redraft.proto import draft_pb2
+from redraft.proto.errors import DatastoreError
+
+_OK = grpc.StatusCode.OK.value[0]
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND
+_SWEPT_REMEMBERED = 4096  # ids of swept sequences kept to say why they are gone
+OFFLOAD_TOKENS = 1 << 16  # about 20 ms of indexing in the core
+
+
+class BatchedSequence:
+    """One sequence held between calls."""
+
+    __slots__ = ("key", "drafter", "since", "busy")
+
+    def __init__(self, key: tuple, drafter) -> None:
+        self.key = key
+        self.drafter = drafter
+        self.since = time.monotonic()  # last used
+        self.busy = False  # a call is drafting it on a thread
+
+
+class SequenceTable:
+    """The open sequences of one server process: their slots and the idle sweeper."""
+
+    def __init__(self, config: ServiceConfig, stats: ServiceStats) -> None:
+        self.config = config
+        self.stats = stats
+        self.open: dict[tuple, BatchedSequence] = {}
+        self.swept: OrderedDict[tuple, float] = OrderedDict()  # recently swept: when
+        self._sweeper: asyncio.Future | None = None
+
+    def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep())
+
+    def add(self, key: tuple, drafter) -> None:
+        """Hold a new sequence (its slot was taken by `take_slot`)."""
+        self.open[key] = BatchedSequence(key, drafter)
+        self.swept.pop(key, None)
+
+    def take_slot(self) -> None:
+        if not self.stats.try_open_session(self.config.max_sessions):
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server has max_sessions={self.config.max_sessions} sessions and "
+                          "sequences open; try later")
+
+    def end(self, seq: BatchedSequence) -> None:
+        """The sequence is over: its output is final, its slot free."""
+        if self.open.pop(seq.key, None) is seq:
+            try:
+                seq.drafter.close()
+            finally:
+                self.stats.close_session()
+
+    def missing(self, key: tuple, sequence: str) -> Refusal:
+        """NOT_FOUND for a sequence this process does not hold, saying why if it knows."""
+        if key in self.swept:
+            return Refusal(_NOT_FOUND, f"sequence {sequence!r} was closed after idling more "
+                           f"than {self.config.idle_timeout_s:g} s; open it again")
+        return Refusal(_NOT_FOUND, f"no open sequence {sequence!r} (never opened, closed, or "
+                       "opened on another server process); open it with its whole context")
+
+    async def _sweep(self) -> None:
+        idle = self.config.idle_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, idle / 4))
+            now = time.monotonic()
+            for seq in [s for s in self.open.values() if now - s.since > idle and not s.busy]:
+                self.end(seq)
+                self.stats.add(sessions_idle_closed=1)
+                self.swept[seq.key] = now
+                while len(self.swept) > _SWEPT_REMEMBERED:
+                    self.swept.popitem(last=False)
+
+    def end_all(self) -> None:
+        """Shutdown: every sequence ends (its output final), the sweeper stops."""
+        for seq in list(self.open.values()):
+            self.end(seq)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+
+class _Entry:
+    """One entry of a call on its way through: its result so far, and what it drafts."""
+
+    __slots__ = ("sequence", "seq", "accepted", "budget", "error", "drafts")
+
+    def __init__(self, sequence: str) -> None:
+        self.sequence = sequence
+        self.seq: BatchedSequence | None = None
+        self.accepted = None
+        self.budget: int | None = None
+        self.error: Refusal | None = None
+        self.drafts = False
+
+
+class BatchDrafting:
+    """The Batch RPC of one service (handlers.DrafterService owns it)."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self.config: ServiceConfig = service.config
+        self.table = SequenceTable(service.config, service.stats)
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: set[asyncio.Future] = set()
+
+    async def idle(self) -> None:
+        """Wait until the calls drafting on a thread now are done (a snapshot retired now may
+        then close; later calls draft from the new one)."""
+        if self._in_flight:
+            await asyncio.gather(*list(self._in_flight), return_exceptions=True)
+
+    def follow(self, reader) -> None:
+        """A newer snapshot is served: every held sequence drafts from it from now on (not
+        only at its next step: the old snapshot's maps go as soon as it is retired)."""
+        for seq in self.table.open.values():
+            if not seq.busy:
+                seq.drafter.use_reader(reader)
+
+    async def run(self, request: draft_pb2.BatchRequest, auth: str) -> draft_pb2.BatchReply:
+        t0 = time.perf_counter()
+        self.table.start()
+        checks = self.service.checks
+        if request.chain > self.config.max_budget:
+            raise bad(f"chain {request.chain} exceeds the server's max_budget "
+                      f"{self.config.max_budget}")
+        if request.tokenizer_fingerprint:  # one caller has one tokenizer: checked once
+            checks.check_fingerprint(request.tokenizer_fingerprint, required=True)
+        defaults = _Defaults(self, request, auth)
+        entries: list[_Entry] = []
+        seen: set[str] = set()
+        for e in request.entries:
+            entry = _Entry(e.sequence)
+            entries.append(entry)
+            if e.sequence in seen:
+                entry.error = bad(f"sequence {e.sequence!r} appears twice in one batch")
+                continue
+            seen.add(e.sequence)
+            key = (auth, request.client, e.sequence)
+            try:
+                kind = e.WhichOneof("kind")
+                if kind == "step":
+                    self._step(entry, key, e.step)
+                elif kind == "open":
+                    self._open(entry, key, e.open, defaults)
+                elif kind == "close":
+                    self._close(entry, key, e.close)
+                else:
+                    raise bad(f"entry for sequence {e.sequence!r} has no open, step or close")
+            except Refusal as exc:
+                entry.error = exc
+                if entry.seq is not None:  # a sequence ends with its failed request
+                    self.table.end(entry.seq)
+                    entry.seq = None
+        drafting = [x for x in entries if x.drafts]
+        out = await self._draft(drafting, request.chain) if drafting else None
+        self.service.learning.publish()
+        return self._reply(entries, drafting, out, t0)
+
+    # ---- entries -----------------------------------------------------------------------
+    def _held(self, entry: _Entry, key: tuple, required: bool = True) -> BatchedSequence | None:
+        """The open sequence an entry names (NOT_FOUND if `required` and there is none),
+        ABORTED while another call drafts it."""
+        seq = self.table.open.get(key)
+        if seq is None:
+            if required:
+                raise self.table.missing(key, entry.sequence)
+        elif seq.busy:
+            raise Refusal(grpc.StatusCode.ABORTED, f"sequence {entry.sequence!r} is being "
+                          "drafted by another call; send one call at a time per sequence")
+        return seq
+
+    def _step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
+        seq = entry.seq = self._held(entry, key)
+        checks = self.service.checks
+        accepted = step.accepted
+        checks.check_tokens(accepted, "step.accepted")
+        checks.check_budget(step.budget, "step.budget")
+        n = len(seq.drafter) + len(accepted)
+        if n > self.config.max_context_len:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"sequence context would reach {n} tokens, over max_context_len "
+                          f"{self.config.max_context_len}")
+        entry.accepted = accepted
+        entry.budget = step.budget or None
+        entry.drafts = True
+
+    def _open(self, entry: _Entry, key: tuple, opening: draft_pb2.SessionOpen,
+              defaults: _Defaults) -> None:
+        checks = self.service.checks
+        fingerprint = opening.tokenizer_fingerprint or defaults.request.tokenizer_fingerprint
+        if not fingerprint:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "tokenizer_fingerprint is required to open a sequence (the "
+                          f"datastore's is {checks.fingerprint})")
+        checks.check_fingerprint(fingerprint, required=True)
+        settings = (checks.settings(opening.params) if opening.HasField("params")
+                    else defaults.settings())
+        tenant = checks.tenant(defaults.auth, opening.tenant or defaults.tenant)
+        checks.check_context(opening.prompt, "prompt", "open.prompt")
+        old = self._held(entry, key, required=False)
+        if old is not None:
+            self.table.end(old)  # opened again: the earlier generation is over
+        self.table.take_slot()
+        try:
+            drafter = self.service.new_drafter(opening.prompt, settings, tenant)
+        except BaseException:
+            self.service.stats.close_session()
+            raise
+        self.table.add(key, drafter)
+        entry.seq = self.table.open[key]
+        entry.drafts = True
+
+    def _close(self, entry: _Entry, key: tuple, close: draft_pb2.SequenceClose) -> None:
+        seq = entry.seq = self._held(entry, key)
+        accepted = close.accepted
+        self.service.checks.check_tokens(accepted, "close.accepted")
+        if accepted:
+            seq.drafter.extend(accepted)  # learned: the whole output is final
+        self.table.end(seq)
+
+    # ---- drafting ----------------------------------------------------------------------
+    async def _draft(self, drafting: list[_Entry], chain: int) -> BatchStep:
+        reader = self.service.reader
+        drafters = []
+        for x in drafting:
+            d = x.seq.drafter
+            d.use_reader(reader)  # the newest snapshot, between two steps
+            drafters.append(d)
+        accepted = [x.accepted for x in drafting]
+        budgets = [x.budget for x in drafting]
+        threads = self.config.batch_threads
+        big = (len(drafting) >= self.config.batch_offload_min
+               or sum(len(a) for a in accepted if a is not None) > OFFLOAD_TOKENS)
+        if not big or not all(d.__class__ is NativeSessionDrafter for d in drafters):
+            out = step_batch(drafters, accepted, budgets, chain, threads)
+        else:
+            for x in drafting:
+                x.seq.busy = True
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-batch")
+            fut = asyncio.get_running_loop().run_in_executor(
+                self._pool, step_batch, drafters, accepted, budgets, chain, threads)
+            self._in_flight.add(fut)
+            try:
+                out = await fut
+            finally:
+                self._in_flight.discard(fut)
+                for x in drafting:
+                    x.seq.busy = False
+            if self.service.reader is not reader:  # swapped meanwhile: `follow` skipped these
+                for d in drafters:
+                    d.use_reader(self.service.reader)
+        now = time.monotonic()
+        for i, x in enumerate(drafting):
+            x.seq.since = now
+            err = out.errors.get(i) if out.errors else None
+            if err is not None:
+                x.error = bad(str(err)) if isinstance(err, (DatastoreError, ValueError,
+                                                            TypeError)) else \
+                    Refusal(grpc.StatusCode.INTERNAL, f"drafting failed: {err}")
+                self.table.end(x.seq)
+        return out
+
+    def _reply(self, entries: list[_Entry], drafting: list[_Entry], out: BatchStep | None,
+               t0: float) -> draft_pb2.BatchReply:
+        reply = draft_pb2.BatchReply()
+        add = reply.results.add
+        row = {id(x): i for i, x in enumerate(drafting)}
+        ok: list[int] = []  # rows of `out` whose trees go out
+        if out is not None:  # plain lists: one conversion, not one per field and row
+            sizes = np.diff(out.offsets).tolist()
+            match_lens = out.match_lens.tolist()
+            expected = out.expected.tolist()
+        for x in entries:
+            if x.error is not None:
+                add(sequence=x.sequence, code=x.error.code.value[0], message=x.error.message)
+                continue
+            i = row.get(id(x))
+            if i is None:  # a close
+                add(sequence=x.sequence)
+                continue
+            ok.append(i)
+            rest, pld, learned = match_lens[i]
+            add(sequence=x.sequence, nodes=sizes[i], context_len=len(x.seq.drafter),
+                match_len=rest, pld_match_len=pld, learned_match_len=learned,
+                expected_accepted=expected[i])
+        if out is not None:
+            t = reply.trees
+            if len(ok) == len(drafting):  # every tree, in row order: the arrays as they are
+                nodes = slice(None)
+            else:
+                nodes = np.concatenate([np.arange(out.offsets[i], out.offsets[i + 1])
+                                        for i in ok] or [np.zeros(0, np.int64)])
+            t.tokens = out.tokens[nodes].astype("<u4", copy=False).tobytes()
+            t.parents = out.parents[nodes].astype("<i4", copy=False).tobytes()
+            t.probs = out.probs[nodes].astype("<f4").tobytes()
+            t.sources = out.bits[nodes].tobytes()
+            counts = np.diff(out.offsets)[ok]
+            used = out.used[ok]
+            self.service.stats.record_batch(
+                time.perf_counter() - t0, len(ok), int(counts.sum()),
+                float(out.expected[ok].sum()), int(np.count_nonzero(counts)),
+                rest=int(np.count_nonzero(used & 1)), pld=int(np.count_nonzero(used & 2)),
+                learned=int(np.count_nonzero(used & 4)))
+        failed = len(entries) - len(ok) - sum(1 for x in entries
+                                              if x.error is None and id(x) not in row)
+        if failed:
+            self.service.stats.add(errors=failed)
+        reply.server_us = (time.perf_counter() - t0) * 1e6
+        return reply
+
+
+class _Defaults:
+    """What a call's opens share, checked once and only if an open needs it."""
+
+    def __init__(self, batching: BatchDrafting, request: draft_pb2.BatchRequest,
+                 auth: str) -> None:
+        self.checks = batching.service.checks
+        self.request = request
+        self.auth = auth
+        self.tenant = request.tenant
+        self._settings = None
+
+    def settings(self):
+        if self._settings is None:
+            self._settings = self.checks.settings(self.request.params)
+        return self._settings

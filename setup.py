@@ -1,0 +1,21 @@
+"""Builds the compiled drafting core; everything else is configured in pyproject.toml.
+
+A plain CPython extension in C++17: it needs a C++ compiler and Python's headers, and no
+package beyond setuptools (an editable install builds it in place, beside its sources).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "redraft.datastore.drafting.native._core",
+            sources=["datastore/drafting/native/_core.cpp"],
+            language="c++",
+            # No -ffast-math and no contraction into fused multiply-adds: probabilities
+            # must round exactly as the Python reference's do.
+            extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off",
+                                "-fvisibility=hidden"],
+        )
+    ]
+)

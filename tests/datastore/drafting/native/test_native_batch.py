@@ -1,0 +1,200 @@
+"""The batched step: many sessions extended, then drafted, in one call (on one thread or
+several), each tree identical to the Python reference's after the same extensions; a
+failing sequence fails alone."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from redraft.datastore import Reader
+from redraft.datastore.drafting import step_batch
+from redraft.datastore.drafting.learned import LearnedIndex
+from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
+from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
+from redraft.proto.errors import InvalidQuery
+from redraft.proto.tree import LEARNED, PLD, REST, SOURCE_BITS, best_chain, source_bits
+
+ALL = frozenset({REST, PLD, LEARNED})
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_a_batch_step_is_every_session_step(narrow_store, same, threads):
+    rng = random.Random(12)
+    settings = [DraftSettings(sources=ALL), DraftSettings(budget=8, max_depth=4, sources=ALL),
+                DraftSettings(corpora=("b",), sources=frozenset({REST, PLD}))]
+    py_learned, native_learned = LearnedIndex(3000), NativeLearnedIndex(3000)
+    docs = narrow_store.docs
+    with Reader(narrow_store.path) as reader:
+        refs, natives, sources = [], [], []
+        for i in range(24):
+            doc = docs[i] + docs[i + 1] + docs[i + 2]
+            s, tenant = settings[i % 3], f"t{i % 2}"
+            refs.append(SessionDrafter(doc[:8], s, reader, py_learned, tenant))
+            natives.append(NativeSessionDrafter(doc[:8], s, reader, native_learned, tenant))
+            sources.append(doc[8:])
+        nodes = 0
+        for _ in range(40):
+            accepted, budgets = [], []
+            for src in sources:
+                k = rng.choice([0, 1, 2, 3])
+                accepted.append(None if k == 0 else [src.pop(0) for _ in range(min(k, len(src)))])
+                budgets.append(rng.choice([None, 4, 16, 64]))
+            step = step_batch(natives, accepted, budgets, threads=threads)
+            assert len(step) == len(natives) and not step.errors
+            assert step.offsets[-1] == len(step.tokens) == len(step.parents) == len(step.bits)
+            for ref, acc in zip(refs, accepted):  # every sequence learns, then all draft
+                if acc is not None:
+                    ref.extend(acc)
+            for i, (ref, native) in enumerate(zip(refs, natives)):
+                want = ref.propose(budgets[i])
+                same(want, step.tree(i))
+                a, b = step.offsets[i], step.offsets[i + 1]
+                assert step.bits[a:b].tolist() == [source_bits(x) for x in want.sources]
+                assert step.match_lens[i].tolist() == \
+                    [ref.rest_match_len, ref.pld_match_len, ref.learned_match_len]
+                assert (native.rest_match_len, native.pld_match_len,
+                        native.learned_match_len) == tuple(step.match_lens[i].tolist())
+                nodes += len(want)
+        assert nodes > 2000
+    assert native_learned.stats() == py_learned.stats()
+
+
+def test_arrays_of_one_session_are_its_tree(narrow_store, same):
+    with Reader(narrow_store.path) as reader:
+        a = NativeSessionDrafter(narrow_store.docs[3][:20], DraftSettings(sources=ALL), reader,
+                                 NativeLearnedIndex())
+        b = NativeSessionDrafter(narrow_store.docs[3][:20], DraftSettings(sources=ALL), reader,
+                                 NativeLearnedIndex())
+        tokens, parents, probs, bits = a.propose_arrays()
+        want = b.propose()
+        assert (tokens.dtype, parents.dtype, probs.dtype, bits.dtype) == \
+            (np.uint32, np.int32, np.float64, np.uint8)
+        assert tokens.tolist() == want.tokens and parents.tolist() == want.parents
+        assert probs.tolist() == want.probs
+        assert bits.tolist() == [source_bits(s) for s in want.sources]
+        assert set(bits.tolist()) <= {1, 2, 3, 4, 5, 6, 7} and SOURCE_BITS[REST] == 1
+
+
+def test_a_failing_sequence_fails_alone(narrow_store, same):
+    vocab = narrow_store.vocab
+    docs = narrow_store.docs
+    s = DraftSettings(sources=ALL)
+    with Reader(narrow_store.path) as reader:
+        ref = [SessionDrafter(docs[i][:10], s, reader) for i in range(4)]
+        natives = [NativeSessionDrafter(docs[i][:10], s, reader) for i in range(4)]
+        accepted = [docs[0][10:12], [vocab + 1], [-5], None]
+        step = step_batch(natives, accepted, [None] * 4)
+        assert sorted(step.errors) == [1, 2]
+        assert isinstance(step.errors[1], InvalidQuery)
+        ref[1].extend([vocab + 1])
+        try:
+            ref[1].propose()
+        except InvalidQuery as exc:
+            assert str(step.errors[1]) == str(exc)
+        assert isinstance(step.errors[2], ValueError) and "outside" in str(step.errors[2])
+        assert natives[2].context == docs[2][:10]  # refused before anything changed
+        ref[0].extend(docs[0][10:12])
+        for i in (0, 3):
+            same(ref[i].propose(), step.tree(i))
+        assert len(step.tree(1)) == 0 and len(step.tree(2)) == 0
+        same(ref[2].propose(), natives[2].propose())  # and it drafts on at the next step
+        assert step.offsets[2] == step.offsets[3]
+
+
+def test_threads_work_in_a_forked_child(narrow_store, same):
+    """A server forks its workers: a child has none of its parent's drafting threads and
+    must start its own (not wait for the parent's)."""
+    import os
+    import signal
+    import time
+
+    s = DraftSettings(sources=ALL)
+    with Reader(narrow_store.path) as reader:
+        natives = [NativeSessionDrafter(d[:12], s, reader) for d in narrow_store.docs[:8]]
+        step_batch(natives, [[1]] * 8, threads=3)  # the parent's threads exist now
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the batch completes and matches
+            code = 1
+            try:
+                refs = [SessionDrafter(d[:12] + [1], s, reader) for d in narrow_store.docs[:8]]
+                out = step_batch(natives, [None] * 8, threads=3)
+                code = 0 if all(out.tree(i).tokens == r.propose().tokens
+                                for i, r in enumerate(refs)) else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("the forked child's batched step hung")
+            time.sleep(0.05)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("chain", [1, 3, 16])
+def test_best_chains_are_the_reference_chains(narrow_store, same, chain):
+    """chain=k: each sequence's best chain of at most k nodes (proto.tree.best_chain of the
+    reference's tree), from the compiled batch and from the reference's batch alike."""
+    s = DraftSettings(sources=ALL, budget=48, max_depth=12)
+    docs = narrow_store.docs
+    with Reader(narrow_store.path) as reader:
+        refs = [SessionDrafter(docs[i][:6], s, reader, None, "t") for i in range(16)]
+        twins = [SessionDrafter(docs[i][:6], s, reader, None, "t") for i in range(16)]
+        natives = [NativeSessionDrafter(docs[i][:6], s, reader, None, "t") for i in range(16)]
+        long_chains = 0
+        for step in range(20):
+            accepted = [docs[i][6 + step:7 + step] or None for i in range(16)]
+            got = step_batch(natives, accepted, chain=chain, threads=2)
+            also = step_batch(twins, accepted, chain=chain)  # the reference's batch
+            for i, ref in enumerate(refs):
+                if accepted[i] is not None:
+                    ref.extend(accepted[i])
+                tree = ref.propose()
+                want = best_chain(tree, chain).tree(tree.match_len)
+                same(want, got.tree(i))
+                same(want, also.tree(i))
+                assert got.expected[i] == also.expected[i] == want.expected_accepted
+                long_chains += len(want) > 1
+        assert chain == 1 or long_chains > 30
+
+
+def test_expected_and_sources_of_each_tree(narrow_store):
+    docs = narrow_store.docs
+    s = DraftSettings(sources=ALL)
+    learned = NativeLearnedIndex()
+    with Reader(narrow_store.path) as reader:
+        natives = [NativeSessionDrafter(docs[i][:9], s, reader, learned, "t") for i in range(8)]
+        out = step_batch(natives, [docs[i][9:12] for i in range(8)])
+        for i in range(8):
+            tree = out.tree(i)
+            assert out.expected[i] == tree.expected_accepted
+            used = 0
+            for label in tree.sources:
+                used |= source_bits(label)
+            assert out.used[i] == used
+
+
+def test_a_batch_of_python_drafters_is_the_reference(narrow_store, same):
+    """With the Python reference (REDRAFT_DRAFTING=python), the batch is the same step."""
+    docs = narrow_store.docs
+    s = DraftSettings(sources=ALL, budget=24)
+    with Reader(narrow_store.path) as reader:
+        py = [SessionDrafter(docs[i][:7], s, reader, LearnedIndex(), "t") for i in range(6)]
+        nat = [NativeSessionDrafter(docs[i][:7], s, reader, NativeLearnedIndex(), "t")
+               for i in range(6)]
+        for step in range(10):
+            accepted = [docs[i][7 + 2 * step:9 + 2 * step] for i in range(6)]
+            budgets = [None, 4, 8, 16, 64, 0]
+            a = step_batch(py, accepted, budgets)
+            b = step_batch(nat, accepted, budgets)
+            for i in range(6):
+                same(a.tree(i), b.tree(i))
+            assert a.match_lens.tolist() == b.match_lens.tolist()
+            assert a.expected.tolist() == b.expected.tolist()
+            assert a.used.tolist() == b.used.tolist()

@@ -1,0 +1,361 @@
+"""The batched RPC against real `redraft serve` processes: many sequences opened, stepped and
+closed in one call draft the trees a Session drafts for the same contexts (with the compiled
+core and with the Python reference); a bad entry fails alone, with the status a session would
+end with; idle sequences are swept; closed sequences' outputs are learned for their tenant;
+SequenceBatch reopens what the server lost."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+from redraft.datastore import append_corpus, build_datastore
+from redraft.datastore.service.batch_client import SequenceBatch
+from redraft.datastore.service.client import (
+    DraftClient,
+    DraftParams,
+    IncompatibleTokenizer,
+    InvalidRequest,
+    LimitExceeded,
+    SequenceEnd,
+    SequenceOpen,
+    SequenceStep,
+    UnknownSequence,
+)
+from redraft.proto.tree import best_chain
+
+FP = "sha256:batch-test"
+VOCAB = 512
+RNG = random.Random(22)
+BANK = [[RNG.randrange(1, VOCAB) for _ in range(RNG.randrange(3, 10))] for _ in range(14)]
+
+
+def phrase_docs(rng: random.Random, n_docs: int) -> list[list[int]]:
+    """Documents stitched from shared phrases, so suffixes recur across documents."""
+    docs = []
+    for _ in range(n_docs):
+        doc: list[int] = []
+        while len(doc) < 100:
+            doc += rng.choice(BANK) if rng.random() < 0.8 else [rng.randrange(1, VOCAB)]
+        docs.append(doc)
+    return docs
+
+
+DOCS = phrase_docs(random.Random(1), 40)
+
+
+def make_store(path: str) -> str:
+    build_datastore(None, path, documents=DOCS[:25], fingerprint=FP, vocab_size=VOCAB,
+                    corpus="a")
+    append_corpus(None, path, documents=DOCS[25:], fingerprint=FP, corpus="b")
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    return make_store(str(tmp_path_factory.mktemp("batch") / "ds"))
+
+
+def contexts(rng: random.Random, n: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the tokens that follow it) per sequence: from a document, or random ids."""
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.8:
+            doc = rng.choice(DOCS)
+            cut = rng.randrange(1, len(doc))
+            out.append((doc[max(0, cut - rng.randint(1, 30)):cut], doc[cut:] + rng.choice(DOCS)))
+        else:
+            out.append(([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))],
+                        [rng.randrange(1, VOCAB) for _ in range(200)]))
+    return out
+
+
+def same_tree(got, want) -> None:
+    """Node for node: the same float32 probabilities, bit for bit."""
+    assert got.tokens == want.tokens
+    assert got.parents == want.parents
+    assert [p.hex() for p in got.probs] == [p.hex() for p in want.probs]
+    assert got.sources == want.sources
+    assert got.match_len == want.match_len
+
+
+def run_batch(client: DraftClient, seqs, steps: int, params: DraftParams, rng: random.Random,
+              chain: int = 0) -> list[list]:
+    """Opens every sequence in one call, then steps them all `steps` times (1-4 accepted
+    tokens each, some with a budget of their own); per call, its results as trees (or
+    chains), and the contexts they were drafted for."""
+    out = []
+    entries = [SequenceOpen(str(i), p) for i, (p, _) in enumerate(seqs)]
+    ctxs = [list(p) for p, _ in seqs]
+    tails = [list(t) for _, t in seqs]
+    budgets = [None] * len(seqs)
+    for _ in range(steps + 1):
+        r = client.batch(entries, params, FP, chain=chain, client_id="engine")
+        assert r.errors == [None] * len(seqs)
+        assert r.context_lens == [len(c) for c in ctxs]
+        out.append([(list(c), r.chain(i) if chain else r.tree(i), b)
+                    for i, (c, b) in enumerate(zip(ctxs, budgets))])
+        entries = []
+        for i in range(len(seqs)):
+            k = rng.randint(1, 4)
+            acc, tails[i] = tails[i][:k], tails[i][k:]
+            ctxs[i] += acc
+            budgets[i] = rng.choice([0, 0, 5, 17])
+            entries.append(SequenceStep(str(i), acc, budgets[i]))
+    return out
+
+
+def session_trees(client: DraftClient, calls, params: DraftParams) -> list[list]:
+    """The trees a Session drafts for each sequence's contexts, step after step."""
+    per_seq = list(zip(*calls))
+    trees = [[None] * len(per_seq[0]) for _ in per_seq]
+    for i, steps in enumerate(per_seq):
+        with client.session(steps[0][0], params, FP) as s:
+            trees[i][0] = s.draft
+            for j in range(1, len(steps)):
+                prev, (ctx, _, budget) = steps[j - 1][0], steps[j]
+                trees[i][j] = s.step(ctx[len(prev):], budget or None)
+    return trees
+
+
+@pytest.mark.parametrize("drafting", ["native", "python"])
+def test_batched_trees_are_the_session_trees(store, servers, drafting):
+    """Many sequences per call; each tree equals the Session RPC's for the same context on
+    the same server, and the compiled core's server equals the Python reference's."""
+    params = DraftParams(budget=48, max_depth=12)
+    srv = servers.start(store, "--port", "0", "--drafting", drafting, "--max-sessions", "64",
+                        "--batch-offload", "8")
+    seqs = contexts(random.Random(5), 24)
+    with DraftClient(srv.address, timeout=30) as c:
+        calls = run_batch(c, seqs, 6, params, random.Random(6))
+        want = session_trees(c, calls, params)
+        for j, call in enumerate(calls):
+            for i, (_, tree, _) in enumerate(call):
+                same_tree(tree, want[i][j])
+        assert sum(len(tree) > 0 for call in calls for _, tree, _ in call) > 100
+        chains = run_batch(c, seqs, 3, params, random.Random(6), chain=5)
+        for j, call in enumerate(chains):
+            for i, (_, chain, _) in enumerate(call):
+                assert chain == best_chain(want[i][j], 5).tokens
+        stats = c.stats()
+        assert stats["batch_steps"] == 24 * 7 + 24 * 4 and stats["batch_calls"] == 7 + 4
+        assert stats["sessions_active"] == 24  # opened again: the earlier ones ended
+        c.batch([SequenceEnd(str(i)) for i in range(24)], client_id="engine")
+        assert c.stats()["sessions_active"] == 0
+
+
+def test_the_core_server_drafts_what_the_reference_server_drafts(tmp_path, servers):
+    """REDRAFT_DRAFTING=python in the server's environment runs the reference everywhere.
+    Each server has a datastore of its own: servers of one datastore share what they learn,
+    and the learned outputs drafted here must be each server's own."""
+    params = DraftParams(budget=64, max_depth=16, sources=("rest", "pld", "learned"))
+    core = servers.start(make_store(str(tmp_path / "core")), "--port", "0",
+                         env={"REDRAFT_DRAFTING": "native"})
+    ref = servers.start(make_store(str(tmp_path / "ref")), "--port", "0",
+                        env={"REDRAFT_DRAFTING": "python"})
+    seqs = contexts(random.Random(9), 30)
+    with DraftClient(core.address, timeout=30) as a, DraftClient(ref.address, timeout=30) as b:
+        got = run_batch(a, seqs, 8, params, random.Random(10))
+        want = run_batch(b, seqs, 8, params, random.Random(10))
+    for call_got, call_want in zip(got, want):
+        for (ctx, tree, _), (ctx2, tree2, _) in zip(call_got, call_want):
+            assert ctx == ctx2
+            same_tree(tree, tree2)
+
+
+@pytest.fixture()
+def limited(store, servers, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-a\ntoken-b\n")
+    return servers.start(store, "--port", "0", "--token-file", str(tokens), "--max-context",
+                         "40", "--max-budget", "100", "--max-sessions", "8")
+
+
+def test_a_bad_entry_fails_alone_with_a_sessions_status(limited):
+    good = DOCS[0][:10]
+    with DraftClient(limited.address, token="token-a", timeout=30) as a:
+        first = a.batch([SequenceOpen("held", good)], None, FP, client_id="e")
+        assert first.errors == [None]
+        entries = [
+            SequenceOpen("ok", good),
+            SequenceStep("never-opened", [1, 2]),
+            SequenceOpen("bad-token", [1, VOCAB + 3]),
+            SequenceOpen("too-long", list(range(1, 42))),
+            SequenceOpen("ok", good),  # the same id twice in one call
+            SequenceStep("held", [5], budget=101),
+            SequenceOpen("bad-tenant", good, tenant="a\nb"),
+            SequenceOpen("bad-params", good, DraftParams(corpora=("nope",))),
+            SequenceStep("held-2", [3]),
+        ]
+        r = a.batch(entries, None, FP, client_id="e")
+        kinds = [type(e).__name__ if e else None for e in r.errors]
+        assert kinds == [None, "UnknownSequence", "InvalidRequest", "LimitExceeded",
+                         "InvalidRequest", "InvalidRequest", "InvalidRequest", "InvalidRequest",
+                         "UnknownSequence"], r.errors
+        assert r.errors[1].code == grpc.StatusCode.NOT_FOUND and "never opened" in str(r.errors[1])
+        assert "open.prompt: token id 515 is outside the vocabulary [0, 512)" in str(r.errors[2])
+        assert "prompt of 41 tokens exceeds max_context_len 40" in str(r.errors[3])
+        assert "appears twice in one batch" in str(r.errors[4])
+        assert "step.budget 101 exceeds the server's max_budget 100" in str(r.errors[5])
+        assert "unknown corpora ['nope']" in str(r.errors[7])
+        assert len(r.tree(0)) > 0 and r.context_lens[0] == 10
+        assert [len(r.tree(i)) for i in range(1, 9)] == [0] * 8
+        # a failed step ends its sequence, as a failed session step ends the session
+        assert isinstance(a.batch([SequenceStep("held", [5])], client_id="e").errors[0],
+                          UnknownSequence)
+        # over max_context_len after steps: the sequence ends with RESOURCE_EXHAUSTED
+        r = a.batch([SequenceStep("ok", list(range(1, 30))), SequenceStep("ok", [1])],
+                    client_id="e")
+        assert r.errors[0] is None and isinstance(r.errors[1], InvalidRequest)
+        r = a.batch([SequenceStep("ok", [1, 2])], client_id="e")
+        assert isinstance(r.errors[0], LimitExceeded)
+        assert "context would reach 41 tokens, over max_context_len 40" in str(r.errors[0])
+        assert isinstance(a.batch([SequenceStep("ok", [1])], client_id="e").errors[0],
+                          UnknownSequence)
+        r = a.batch([SequenceOpen("x", good), SequenceOpen("y", good)], None, FP,
+                    client_id="e")
+        assert r.errors == [None, None]
+        # a call whose tokenizer is not the datastore's fails as a whole
+        with pytest.raises(IncompatibleTokenizer):
+            a.batch([SequenceOpen("z", good)], None, "sha256:other", client_id="e")
+        with DraftClient(limited.address, token="token-b", timeout=30) as b:
+            # another token's caller never reaches these sequences, even with the same ids
+            r = b.batch([SequenceStep("x", [1]), SequenceOpen("w", good)], None, FP,
+                        client_id="e")
+            assert isinstance(r.errors[0], UnknownSequence) and r.errors[1] is None
+        r = a.batch([SequenceStep("x", [1]), SequenceStep("y", [2])], client_id="e")
+        assert r.errors == [None, None] and r.context_lens == [11, 11]
+
+
+def test_sessions_and_sequences_share_max_sessions(limited, until):
+    good = DOCS[1][:12]
+    with DraftClient(limited.address, token="token-a", timeout=30) as a:
+        with a.session(good, DraftParams(), FP):
+            r = a.batch([SequenceOpen(str(i), good) for i in range(9)], None, FP, client_id="e")
+            assert r.errors[:7] == [None] * 7
+            assert isinstance(r.errors[7], LimitExceeded) and isinstance(r.errors[8],
+                                                                         LimitExceeded)
+            assert "max_sessions=8 sessions and sequences open" in str(r.errors[7])
+            with pytest.raises(LimitExceeded):
+                a.session(good, DraftParams(), FP).open()
+        until(lambda: a.stats()["sessions_active"] == 7)
+        r = a.batch([SequenceEnd("0"), SequenceOpen("7", good), SequenceOpen("8", good)],
+                    None, FP, client_id="e")
+        assert r.errors == [None, None, None]
+
+
+def test_idle_sequences_are_swept_and_sequence_batch_reopens_them(store, servers):
+    srv = servers.start(store, "--port", "0", "--idle-timeout", "1")
+    seqs = contexts(random.Random(3), 6)
+    with DraftClient(srv.address, timeout=30) as c:
+        batch = SequenceBatch(c, DraftParams(budget=32), FP)
+        ctxs = {f"req-{i}": list(p) for i, (p, _) in enumerate(seqs)}
+        first = batch.draft(ctxs)
+        assert not first.errors and len(batch) == 6
+        time.sleep(2.5)  # the sweeper runs every quarter of the timeout
+        assert c.stats()["sessions_idle_closed"] == 6
+        raw = c.batch([SequenceStep("0", [1])], client_id=batch.client_id)
+        assert isinstance(raw.errors[0], UnknownSequence)
+        assert "was closed after idling more than 1 s; open it again" in str(raw.errors[0])
+        for key, (_, tail) in zip(ctxs, seqs):
+            ctxs[key] += tail[:3]
+        again = batch.draft(ctxs)
+        assert not again.errors and batch.reopened == 6
+        with c.session(ctxs["req-2"], DraftParams(budget=32), FP) as s:
+            same_tree(again["req-2"], s.draft)
+        ctxs["req-2"] += [7]
+        third = batch.draft({"req-2": ctxs["req-2"]})
+        assert batch.reopened == 6 and third["req-2"] is not None
+        batch.close()
+        assert c.stats()["sessions_active"] == 0
+
+
+def test_closed_sequences_outputs_are_drafted_for_their_tenant(store, servers):
+    srv = servers.start(store, "--port", "0")
+    rng = random.Random(8)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(20)]
+    secret = [rng.randrange(1, VOCAB) for _ in range(40)]
+    learned_only = DraftParams(budget=16, max_depth=8, sources=("learned",))
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch([SequenceOpen("s", prompt)], None, FP, tenant="alice", client_id="e")
+        assert r.errors == [None]
+        assert c.batch([SequenceStep("s", secret[:20])], client_id="e").errors == [None]
+        assert c.batch([SequenceEnd("s", secret[20:])], client_id="e").errors == [None]
+        assert c.stats()["sessions_active"] == 0
+        # the tail the close carried is learned too
+        assert c.propose(prompt + secret[:26], learned_only, tenant="alice").tokens[:6] == \
+            secret[26:32]
+        assert c.propose(prompt + secret[:26], learned_only, tenant="bob").tokens == []
+        # and a sequence of the same tenant drafts it
+        r = c.batch([SequenceOpen("t", prompt + secret[:10], learned_only)], None, FP,
+                    tenant="alice", client_id="e")
+        assert r.tree(0).tokens[:4] == secret[10:14] and "learned" in r.tree(0).sources[0]
+
+
+def test_a_call_without_fingerprint_cannot_open(store, servers):
+    srv = servers.start(store, "--port", "0")
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch([SequenceOpen("a", [1, 2, 3])], client_id="e")
+        assert isinstance(r.errors[0], IncompatibleTokenizer)
+        assert r.errors[0].code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "tokenizer_fingerprint is required" in str(r.errors[0])
+
+
+def test_held_sequences_draft_from_a_commit_made_while_they_are_open(tmp_path, servers, until):
+    """The server follows its datastore's commits: an open sequence drafts from a corpus
+    appended after it opened, at its next step, without being reopened."""
+    store = make_store(str(tmp_path / "ds"))
+    srv = servers.start(store, "--port", "0", "--reload-seconds", "0.2")
+    rng = random.Random(12)
+    extra = [rng.randrange(1, VOCAB) for _ in range(60)]  # tokens no document has in order
+    rest_only = DraftParams(budget=16, sources=("rest",))
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch([SequenceOpen("s", extra[:5], rest_only)], None, FP, client_id="e")
+        assert r.errors == [None] and r.tree(0).tokens[:3] != extra[5:8]
+        append_corpus(None, store, documents=[extra], fingerprint=FP, corpus="new")
+        until(lambda: "new" in c.info().corpora)
+        r = c.batch([SequenceStep("s", extra[5:10])], client_id="e")
+        assert r.errors == [None] and r.context_lens == [10]
+        assert r.tree(0).tokens[:3] == extra[10:13]
+
+
+def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
+    """A step that adds more than the server indexes inline (65,536 tokens) drafts on a
+    thread, and still drafts the session's tree."""
+    srv = servers.start(store, "--port", "0")
+    rng = random.Random(4)
+    prompt = DOCS[3][:20]
+    big = [t for _ in range(700) for t in rng.choice(DOCS)][:70_000]
+    params = DraftParams(budget=32)
+    with DraftClient(srv.address, timeout=60) as c:
+        assert c.batch([SequenceOpen("big", prompt, params)], None, FP,
+                       client_id="e").errors == [None]
+        r = c.batch([SequenceStep("big", big), SequenceOpen("small", prompt, params)], None, FP,
+                    client_id="e")
+        assert r.errors == [None, None] and r.context_lens == [70_020, 20]
+        with c.session(prompt, params, FP) as s:
+            same_tree(r.tree(1), s.draft)
+            same_tree(r.tree(0), s.step(big))
+
+
+def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers):
+    """SIGTERM ends every open sequence (its output final), the server exits 0, and a
+    restarted server drafts what they learned for the same tenant only."""
+    store = make_store(str(tmp_path / "ds"))
+    rng = random.Random(15)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(12)]
+    secret = [rng.randrange(1, VOCAB) for _ in range(30)]
+    learned_only = DraftParams(budget=16, max_depth=8, sources=("learned",))
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "300")
+    with DraftClient(a.address, timeout=30) as c:
+        assert c.batch([SequenceOpen("s", prompt)], None, FP, tenant="carol",
+                       client_id="e").errors == [None]
+        assert c.batch([SequenceStep("s", secret)], client_id="e").errors == [None]
+    assert a.stop() == 0
+    b = servers.start(store, "--port", "0")
+    with DraftClient(b.address, timeout=30) as c:
+        got = c.propose(prompt + secret[:10], learned_only, tenant="carol").tokens
+        assert got[:5] == secret[10:15]
+        assert c.propose(prompt + secret[:10], learned_only, tenant="dave").tokens == []
