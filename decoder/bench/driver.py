@@ -47,7 +47,6 @@ from redraft.decoder.budget import MAX_TREE_NODES, CostModel
 from redraft.decoder.drafters.registry import build_drafter, options_from_args
 from redraft.decoder.drafters.rest import service_credentials
 from redraft.decoder.generate import Generator
-from redraft.decoder.kernels import packed_linears
 from redraft.decoder.models.loading import load_model
 from redraft.proto.models import DEFAULT_MODEL
 from tqdm import tqdm
@@ -61,10 +60,12 @@ def machine_state() -> dict:
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
-def verifier_kind(methods: Sequence[Method]) -> str | None:
-    """How redraft's methods run the target (e.g. "lean packed exact"), for the report."""
-    return next((m.generator.verifier.kind for m in methods if isinstance(m, RedraftMethod)),
-                None)
+def verifier_kernels(methods: Sequence[Method]) -> tuple:
+    """(the packed kernels redraft's methods share or None, how their verifier runs the
+    target, e.g. "lean packed exact"), for the report."""
+    verifier = next((m.generator.verifier for m in methods if isinstance(m, RedraftMethod)),
+                    None)
+    return (None, None) if verifier is None else (verifier.kernels, verifier.kind)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -111,7 +112,6 @@ def run(args: argparse.Namespace) -> int:
     machine_start = machine_state()
     model_name = args.model or DEFAULT_MODEL
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    kernels = None if args.stock_kernels else packed_linears(model)  # packs once, timed
     choose = not args.always_packed
     # One forward-cost curve for every drafting method, loaded (or, on a cold cache, measured)
     # before any answer is timed; the methods' timed forwards keep correcting it.
@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tree_nodes:
         cost = CostModel.flat(args.tree_nodes)
     elif any(method_drafters(n) not in (None, "none") for n in names):
-        cost = CostModel.for_model(model, model_name, packed_kernels=kernels is not None,
+        # (measuring it also packs the kernels redraft's methods share, before any answer)
+        cost = CostModel.for_model(model, model_name, packed_kernels=not args.stock_kernels,
                                    choose_kernels=choose)
     run_id = uuid.uuid4().hex[:12]
     methods: list[Method] = []
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             "draft_service": args.draft_service, "device": str(model.device),
             "machine_start": machine_start, "machine_end": machine_state(),
             # redraft's forwards run on packed oneDNN weights on a CPU; HF's on stock kernels
-            "kernels": kernel_report(records, kernels, choose, verifier_kind(methods)),
+            "kernels": kernel_report(records, *verifier_kernels(methods), choose),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "cost_curve": cost.describe() if cost is not None else None}
     write_outputs(out, records, summary, names, meta)

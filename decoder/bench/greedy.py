@@ -299,8 +299,8 @@ def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def kernel_report(records: Sequence[Record], kernels, choose: bool = True,
-                  verifier: str | None = None) -> dict:
+def kernel_report(records: Sequence[Record], kernels, verifier: str | None = None,
+                  choose: bool = True) -> dict:
     """Per method, how many target forwards really ran on packed weights; packing's cost and
     (with the per-size choice) which kind each forward size prefers by the end; `verifier`:
     how redraft's methods ran the target (`TreeVerifier.kind`)."""
@@ -314,7 +314,7 @@ def kernel_report(records: Sequence[Record], kernels, choose: bool = True,
     if kernels is not None:
         out.update(pack_seconds=round(kernels.pack_seconds, 3), repacked=kernels.repacked,
                    packed_layers=len(kernels.forwards))
-        if choose:
+        if choose and kernels.choice is not None:  # the lean forward is packed at every size
             out["preferred"] = kernels.choice.summary()
     return out
 
