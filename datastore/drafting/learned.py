@@ -95,6 +95,22 @@ class JournaledOutput:
         else:
             self.journal.append(self.output, tokens)
 
+    @staticmethod
+    def record_all(items: Iterable[tuple[JournaledOutput, Sequence[int]]]) -> None:
+        """record() of many outputs (a batched step's). The appends of outputs already begun
+        go to their journal in one `append_all((output, tokens), ...)` call where the journal
+        has one (one lock per step, not one per sequence); the rest one by one, in order."""
+        batches: dict[int, tuple[OutputJournal, list]] = {}
+        for journaled, tokens in items:
+            journal = journaled.journal
+            if journaled.output is None or not hasattr(journal, "append_all"):
+                journaled.record(tokens)
+            elif len(tokens):
+                batches.setdefault(id(journal), (journal, []))[1].append(
+                    (journaled.output, tokens))
+        for journal, pairs in batches.values():
+            journal.append_all(pairs)
+
     def end(self) -> None:
         output, self.output = self.output, None
         if output is not None:

@@ -163,18 +163,21 @@ class BatchDrafting:
         defaults = _Defaults(self, request, auth)
         entries: list[_Entry] = []
         seen: set[str] = set()
+        client = request.client
+        step_checks = _StepChecks(self)
         for e in request.entries:
-            entry = _Entry(e.sequence)
+            sequence = e.sequence
+            entry = _Entry(sequence)
             entries.append(entry)
-            if e.sequence in seen:
-                entry.error = bad(f"sequence {e.sequence!r} appears twice in one batch")
+            if sequence in seen:
+                entry.error = bad(f"sequence {sequence!r} appears twice in one batch")
                 continue
-            seen.add(e.sequence)
-            key = (auth, request.client, e.sequence)
+            seen.add(sequence)
+            key = (auth, client, sequence)
             try:
                 kind = e.WhichOneof("kind")
                 if kind == "step":
-                    self._step(entry, key, e.step)
+                    step_checks.step(entry, key, e.step)
                 elif kind == "open":
                     self._open(entry, key, e.open, defaults)
                 elif kind == "close":
@@ -203,21 +206,6 @@ class BatchDrafting:
             raise Refusal(grpc.StatusCode.ABORTED, f"sequence {entry.sequence!r} is being "
                           "drafted by another call; send one call at a time per sequence")
         return seq
-
-    def _step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
-        seq = entry.seq = self._held(entry, key)
-        checks = self.service.checks
-        accepted = step.accepted
-        checks.check_tokens(accepted, "step.accepted")
-        checks.check_budget(step.budget, "step.budget")
-        n = len(seq.drafter) + len(accepted)
-        if n > self.config.max_context_len:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"sequence context would reach {n} tokens, over max_context_len "
-                          f"{self.config.max_context_len}")
-        entry.accepted = accepted
-        entry.budget = step.budget or None
-        entry.drafts = True
 
     def _open(self, entry: _Entry, key: tuple, opening: draft_pb2.SessionOpen,
               defaults: _Defaults) -> None:
@@ -343,6 +331,40 @@ class BatchDrafting:
             self.service.stats.add(errors=failed)
         reply.server_us = (time.perf_counter() - t0) * 1e6
         return reply
+
+
+class _StepChecks:
+    """A call's step entries checked as a session's step would be (the same refusals, in
+    the same order), with what every step needs looked up once per call: most of a call's
+    entries are steps, and their checks run once per sequence per engine step."""
+
+    def __init__(self, batching: BatchDrafting) -> None:
+        self.batching = batching
+        self.open = batching.table.open
+        self.checks = batching.service.checks
+        self.vocab = self.checks.vocab_size
+        self.max_budget = batching.config.max_budget
+        self.max_context = batching.config.max_context_len
+
+    def step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
+        seq = self.open.get(key)
+        if seq is None or seq.busy:  # the refusal, from the general path
+            seq = self.batching._held(entry, key)
+        entry.seq = seq
+        accepted = step.accepted
+        if accepted and (min(accepted) < 0 or max(accepted) >= self.vocab):
+            self.checks.check_tokens(accepted, "step.accepted")  # raises
+        budget = step.budget
+        if budget > self.max_budget:
+            self.checks.check_budget(budget, "step.budget")  # raises
+        n = len(seq.drafter) + len(accepted)
+        if n > self.max_context:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"sequence context would reach {n} tokens, over max_context_len "
+                          f"{self.max_context}")
+        entry.accepted = accepted
+        entry.budget = budget or None
+        entry.drafts = True
 
 
 class _Defaults:

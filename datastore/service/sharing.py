@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from redraft.datastore.drafting import LearnedIndex
 from redraft.datastore.drafting.learned import LearnedWriter
@@ -82,6 +82,16 @@ class OutputJournal:
             if not output.dirty:
                 output.dirty = True
                 self._dirty.append(output)
+
+    def append_all(self, pairs: Iterable[tuple[_Output, Sequence[int]]]) -> None:
+        """append() of many outputs under one lock (a batched step's sequences)."""
+        with self._lock:
+            dirty = self._dirty
+            for output, tokens in pairs:
+                output.pending.extend(tokens)
+                if not output.dirty:
+                    output.dirty = True
+                    dirty.append(output)
 
     def end(self, output: _Output) -> None:
         with self._lock:

@@ -1118,7 +1118,8 @@ class Store {
         const bool exact = nb <= Prefix::kBytes;
         const WordKey wk(key, kb);
         int64_t a = first_sample(sh, j0, j1, wk, false);
-        int64_t b = first_sample(sh, a, j1, wk, true);
+        // A lower bound with a key that fits the prefixes needs only `a` (below).
+        int64_t b = !upper && exact ? a : first_sample(sh, a, j1, wk, true);
         int64_t after = upper && exact ? b : a;   // samples before `after` precede the answer
         int64_t until = !upper && exact ? a : b;  // the sample `until` is at or past it
         if (after > j0) l = std::max(l, S * (after - 1) + 1);

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import redraft.datastore.drafting.native._core as _core
+from redraft.datastore.drafting.learned import JournaledOutput
 from redraft.datastore.drafting.native.mapped_store import store_of
 from redraft.datastore.drafting.native.native_learned import NativeLearnedIndex, tenant_bytes
 from redraft.datastore.drafting.retrieval import retrieval_tree
@@ -179,10 +180,10 @@ def native_step(drafters: Sequence[NativeSessionDrafter],
             errors[i] = _batch_error(drafters[i], int(status[i]), accepted[i],
                                      None if budgets is None else budgets[i])
     refused = {i for i, f in errors.items() if isinstance(f, _TokensRefused)}
-    for i, d in enumerate(drafters):  # what was learned reaches the journal
-        journaled, acc = d._journaled, accepted[i]
-        if journaled is not None and acc is not None and i not in refused:
-            journaled.record(acc)
+    # what was learned reaches the journal
+    JournaledOutput.record_all((d._journaled, acc) for i, (d, acc) in enumerate(
+        zip(drafters, accepted)) if d._journaled is not None and acc is not None
+        and i not in refused)
     return (offsets, np.frombuffer(tokens, np.uint32), np.frombuffer(parents, np.int32),
             np.frombuffer(probs, np.float64), np.frombuffer(bits, np.uint8),
             np.frombuffer(mls, np.int64).reshape(-1, 3), np.frombuffer(expected, np.float64),

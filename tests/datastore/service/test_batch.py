@@ -340,7 +340,7 @@ def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
             same_tree(r.tree(0), s.step(big))
 
 
-def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers):
+def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers, until):
     """SIGTERM ends every open sequence (its output final), the server exits 0, and a
     restarted server drafts what they learned for the same tenant only."""
     store = make_store(str(tmp_path / "ds"))
@@ -356,6 +356,7 @@ def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, s
     assert a.stop() == 0
     b = servers.start(store, "--port", "0")
     with DraftClient(b.address, timeout=30) as c:
+        until(lambda: c.stats()["learned_docs"] == 1)  # reloaded in the background
         got = c.propose(prompt + secret[:10], learned_only, tenant="carol").tokens
         assert got[:5] == secret[10:15]
         assert c.propose(prompt + secret[:10], learned_only, tenant="dave").tokens == []

@@ -1,0 +1,144 @@
+"""Benchmark of the Python around the compiled core in a batched call, in-process (no gRPC,
+no second process): the server's `BatchDrafting.run` against the `step_batch` it calls, and
+the client's building of the request and reading of the reply.
+
+    python tools/bench_batch_server.py --datastore data/stdlib --batch 64
+
+Each call carries --batch sequences replaying held-out code (this project's own sources): a
+128-token prompt, then 1-4 accepted tokens per step; a finished document opens a new
+sequence in its place. The request and the reply go through their wire bytes, as over gRPC.
+Times are the medians of wall-clock times in this process (learning on, journaled, as
+`redraft serve` has it); on a shared machine they also count the time others held the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import redraft.datastore.service.batching as batching
+from bench_service import held_out_tokens
+from redraft.datastore import Reader
+from redraft.datastore.service.client import (
+    DraftParams,
+    SequenceOpen,
+    SequenceStep,
+    _add_entry,
+    _batch_results,
+)
+from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.handlers import DrafterService
+from redraft.datastore.service.stats import ServiceStats
+from redraft.proto import draft_pb2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT_TOKENS = 128
+
+
+async def measure(service: DrafterService, docs: list[list[int]], n: int, steps: int,
+                  params: DraftParams, seed: int) -> dict:
+    rng = random.Random(seed)
+    cursors: list[list] = [[] for _ in range(n)]  # [document, position] per sequence
+    fp = service.checks.fingerprint
+
+    def opening(i: int) -> SequenceOpen:
+        doc = docs[rng.randrange(len(docs))]
+        start = rng.randrange(0, len(doc) - 300)
+        cursors[i] = [doc, start + PROMPT_TOKENS]
+        return SequenceOpen(str(i), doc[start:start + PROMPT_TOKENS], params)
+
+    core: list[float] = []
+    step_batch = batching.step_batch
+
+    def timed_step_batch(*args):
+        t = time.perf_counter()
+        out = step_batch(*args)
+        core.append(time.perf_counter() - t)
+        return out
+
+    batching.step_batch = timed_step_batch
+    run: list[float] = []
+    pack: list[float] = []
+    parse: list[float] = []
+    entries = [opening(i) for i in range(n)]
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            req = draft_pb2.BatchRequest(client="bench", tokenizer_fingerprint=fp)
+            for e in entries:
+                _add_entry(req.entries.add, e)
+            wire = req.SerializeToString()
+            pack.append(time.perf_counter() - t)
+            req = draft_pb2.BatchRequest.FromString(wire)
+            t = time.perf_counter()
+            reply = await service.batching.run(req, "")
+            run.append(time.perf_counter() - t)
+            wire = reply.SerializeToString()
+            t = time.perf_counter()
+            results = _batch_results(draft_pb2.BatchReply.FromString(wire), "in-process")
+            parse.append(time.perf_counter() - t)
+            if any(results.errors):
+                raise SystemExit(f"a sequence failed: {next(e for e in results.errors if e)}")
+            entries = []
+            for i, (doc, pos) in enumerate(cursors):
+                if pos >= len(doc) - 4:
+                    entries.append(opening(i))
+                    continue
+                k = rng.choice((1, 1, 2, 2, 3, 4))
+                entries.append(SequenceStep(str(i), doc[pos:pos + k]))
+                cursors[i][1] = pos + k
+    finally:
+        batching.step_batch = step_batch
+    warm = slice(min(50, steps // 10), None)
+
+    def ms(values: list[float]) -> float:
+        return round(statistics.median(values[warm]) * 1e3, 4)
+
+    return {"sequences": n, "calls": len(run[warm]), "run_p50_ms": ms(run),
+            "step_batch_p50_ms": ms(core),
+            "around_core_p50_ms": ms([a - b for a, b in zip(run, core)]),
+            "client_pack_p50_ms": ms(pack), "client_parse_p50_ms": ms(parse)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--datastore", default=os.path.join(ROOT, "data", "stdlib"))
+    ap.add_argument("--batch", type=int, default=64, help="sequences per call")
+    ap.add_argument("--steps", type=int, default=1000, help="calls")
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    reader = Reader(args.datastore)
+    docs = held_out_tokens(reader.tokenizer_name)
+    service = DrafterService(reader, ServiceConfig(), ServiceStats())
+    gc.collect()
+    gc.freeze()  # the loaded documents are not the calls' garbage
+    load = os.getloadavg()[0]
+    report = asyncio.run(measure(service, docs, args.batch, args.steps,
+                                 DraftParams(budget=args.budget, max_depth=args.depth),
+                                 args.seed))
+    report["load_average_before"] = round(load, 2)
+    reader.close()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{report['sequences']} sequences per call, {report['calls']} calls (load "
+              f"{report['load_average_before']}): run p50 {report['run_p50_ms']:.3f} ms, of "
+              f"which step_batch {report['step_batch_p50_ms']:.3f} ms, the rest "
+              f"{report['around_core_p50_ms']:.3f} ms; client builds the request in "
+              f"{report['client_pack_p50_ms']:.3f} ms, reads the reply in "
+              f"{report['client_parse_p50_ms']:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
