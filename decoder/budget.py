@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from redraft.decoder.kernels import packed_linears
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.files import cache_root, write_cache
 from redraft.proto.tree import Tree
@@ -228,9 +227,9 @@ class CostModel:
         choose_kernels: bool = True,
     ) -> CostModel:
         """The cached curve for this model on this device and kernels, measured on first use."""
-        kernels = "stock"
-        if packed_kernels and packed_linears(model) is not None:
-            kernels = "chosen per size" if choose_kernels else "packed"
+        # which forward runs (lean or modules, packed or stock, exact or batched attention):
+        # a curve measured on one says little about another
+        kernels = TreeVerifier(model, packed_kernels, choose_kernels).kind
         p = next(model.parameters())
         cfg = model.config
         key_src = json.dumps(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import llama_cpp
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+from redraft.decoder.bench.llama_cpp_method import greedy_tokens
 from redraft.decoder.bench.questions import load_questions
 from redraft.decoder.engines.llama_cpp import Llama, RedraftDraft, model_path
 from redraft.decoder.text import chat_ids
@@ -67,14 +68,8 @@ class Runner:
         llm = self.llm
         llm.reset()  # every method evaluates the whole prompt, the same way
         self.evals = 0
-        out: list[int] = []
         t0, c0 = time.perf_counter(), time.process_time()
-        for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0):
-            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
-                break
-            out.append(int(token))
-            if len(out) >= max_new_tokens:
-                break
+        out = greedy_tokens(llm, prompt, max_new_tokens)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         return out, max(self.evals - 1, 0), seconds, cpu
 

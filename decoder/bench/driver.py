@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,10 +25,12 @@ from redraft.decoder.bench.greedy import (
     summarize,
     write_outputs,
 )
+from redraft.decoder.bench.llama_cpp_method import LlamaCppMethod
 from redraft.decoder.bench.methods import (
     DEFAULT_METHODS,
     DEFAULT_SAMPLING_METHODS,
     HF_METHODS,
+    LLAMA_CPP,
     VARIANTS,
     HFMethod,
     Method,
@@ -44,7 +47,6 @@ from redraft.decoder.budget import MAX_TREE_NODES, CostModel
 from redraft.decoder.drafters.registry import build_drafter, options_from_args
 from redraft.decoder.drafters.rest import service_credentials
 from redraft.decoder.generate import Generator
-from redraft.decoder.kernels import packed_linears
 from redraft.decoder.models.loading import load_model
 from redraft.proto.models import DEFAULT_MODEL
 from tqdm import tqdm
@@ -56,6 +58,14 @@ def machine_state() -> dict:
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     return {"torch_threads": torch.get_num_threads(), "cpus": cpus, "cpus_allowed": allowed,
             "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def verifier_kernels(methods: Sequence[Method]) -> tuple:
+    """(the packed kernels redraft's methods share or None, how their verifier runs the
+    target, e.g. "lean packed exact"), for the report."""
+    verifier = next((m.generator.verifier for m in methods if isinstance(m, RedraftMethod)),
+                    None)
+    return (None, None) if verifier is None else (verifier.kernels, verifier.kind)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -101,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     machine_start = machine_state()
     model_name = args.model or DEFAULT_MODEL
-    model, tokenizer = load_model(args.model)
-    kernels = None if args.stock_kernels else packed_linears(model)  # packs once, timed
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     choose = not args.always_packed
     # One forward-cost curve for every drafting method, loaded (or, on a cold cache, measured)
     # before any answer is timed; the methods' timed forwards keep correcting it.
@@ -110,13 +119,17 @@ def run(args: argparse.Namespace) -> int:
     if args.tree_nodes:
         cost = CostModel.flat(args.tree_nodes)
     elif any(method_drafters(n) not in (None, "none") for n in names):
-        cost = CostModel.for_model(model, model_name, packed_kernels=kernels is not None,
+        # (measuring it also packs the kernels redraft's methods share, before any answer)
+        cost = CostModel.for_model(model, model_name, packed_kernels=not args.stock_kernels,
                                    choose_kernels=choose)
     run_id = uuid.uuid4().hex[:12]
     methods: list[Method] = []
     drafters = []
     try:
         for name in names:
+            if name == LLAMA_CPP:
+                methods.append(LlamaCppMethod(args.model, tokenizer, torch.get_num_threads()))
+                continue
             if name in HF_METHODS:
                 methods.append(HFMethod(name, model, tokenizer,
                                         10 if name == "hf-pld" else None))
@@ -146,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
         for d in drafters:
             if d is not None:
                 d.close()
+        for m in methods:
+            if isinstance(m, LlamaCppMethod):
+                m.close()
     out = Path(args.out)
     common = {"model": model_name, "questions": len(questions)}
     if sampling:
@@ -166,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
             "draft_service": args.draft_service, "device": str(model.device),
             "machine_start": machine_start, "machine_end": machine_state(),
             # redraft's forwards run on packed oneDNN weights on a CPU; HF's on stock kernels
-            "kernels": kernel_report(records, kernels, choose),
+            "kernels": kernel_report(records, *verifier_kernels(methods), choose),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "cost_curve": cost.describe() if cost is not None else None}
     write_outputs(out, records, summary, names, meta)
     print(markdown_table(summary, names))

@@ -7,8 +7,8 @@ each method continuing its own conversation, as Spec-Bench does.
 
 Each turn's tokens are compared with `hf-greedy`'s. Where they differ, the target's top-two
 logit gap at the first differing position is reported: a tree forward and a one-token
-forward round differently in the last bits, so a tiny gap is a numerical near-tie and
-anything larger is a bug.
+forward round differently in the last bits, so a gap within the model precision's near-tie
+rule (`redraft.decoder.near_tie`) is a numerical near-tie, and anything larger is a bug.
 
 A CPU speed-up depends on the machine's state, so the summary records what decides it: the
 kernels each method's forwards really ran on, the packing time, where the forward-cost curve
@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
-from redraft.decoder.bench.methods import Method, TurnResult
+from redraft.decoder.bench.methods import LLAMA_CPP, Method, TurnResult
 from redraft.decoder.bench.questions import CATEGORIES, BenchError, Question
 from redraft.decoder.bench.results import write_results
+from redraft.decoder.near_tie import is_near_tie
 from redraft.decoder.text import chat_ids
-
-NEAR_TIE = 1e-3  # logit gap under which a difference is a rounding near-tie, not a bug
 
 
 @dataclass
@@ -56,25 +55,29 @@ class Record:
     draft_seconds: float = 0.0
     accepted: dict[str, int] = field(default_factory=dict)
     tried: dict[str, int] = field(default_factory=dict)
+    near_tie: bool | None = None  # the first difference is within the near-tie rule
 
 
-def top2_gap(model, ids: Sequence[int]) -> float:
-    """The target's top-two logit gap for the token after `ids` (a plain forward)."""
+def top2_gap(model, ids: Sequence[int]) -> tuple[float, bool]:
+    """The target's top-two logit gap for the token after `ids` (a plain forward), and
+    whether it is a near-tie at the model's precision."""
     with torch.no_grad():
-        logits = model(torch.tensor([list(ids)], device=model.device)).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+        logits = model(torch.tensor([list(ids)], device=model.device)).logits[0, -1]
+    tie, gap = is_near_tie(logits, next(model.parameters()).dtype)
+    return gap, tie
 
 
 def compare(
     model, prompt: list[int], ref: list[int], got: list[int]
-) -> tuple[bool, int | None, float | None]:
-    """(identical, first differing position, top-two logit gap there)."""
+) -> tuple[bool, int | None, float | None, bool | None]:
+    """(identical, first differing position, top-two logit gap there, near-tie there)."""
     if got == ref:
-        return True, None, None
+        return True, None, None, None
     pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    gap = top2_gap(model, prompt + ref[:pos]) if pos < len(ref) else None
-    return False, pos, gap
+    if pos >= len(ref):
+        return False, pos, None, None
+    gap, tie = top2_gap(model, prompt + ref[:pos])
+    return False, pos, gap, tie
 
 
 def run_bench(
@@ -116,15 +119,16 @@ def run_bench(
                 ref_prompt, ref = reference[t]
                 same_prompt = prompt == ref_prompt
                 # A conversation whose earlier turn differed has a different prompt here.
-                identical, pos, gap = (
+                identical, pos, gap, tie = (
+                    (None, None, None, None) if not method.compared else
                     compare(model, prompt, ref.tokens, res.tokens)
-                    if same_prompt else (False, 0, None)
+                    if same_prompt else (False, 0, None, None)
                 )
                 records.append(Record(q.question_id, q.category, method.name, t,
                                       len(res.tokens), res.steps, res.seconds,
                                       identical, pos, gap, res.tokens, rep, len(prompt),
                                       res.forwards, res.packed_forwards, res.cpu_seconds,
-                                      res.draft_seconds, res.accepted, res.tried))
+                                      res.draft_seconds, res.accepted, res.tried, tie))
     return records
 
 
@@ -152,8 +156,13 @@ def summarize(records: Sequence[Record]) -> dict:
             "speedup": round(tps / base[cat], 3) if base.get(cat) else None,
             "tokens_per_cpu_second": round(cpu_tps, 2),
             "cpu_speedup": round(cpu_tps / base_cpu[cat], 3) if base_cpu.get(cat) else None,
-            "identical": f"{len(rs) - len(diffs)}/{len(rs)}",
+            # llama-cpp runs another (quantized) model: its tokens are not compared
+            "identical": "n/a" if method == LLAMA_CPP else f"{len(rs) - len(diffs)}/{len(rs)}",
             "max_gap_at_diff": max((r.logit_gap or 0.0 for r in diffs), default=None),
+            # first differences at a near-tie (see `near_tie`), and the others: bugs, unless
+            # an earlier turn of the conversation already differed
+            "near_ties": sum(r.near_tie is True for r in diffs),
+            "beyond_near_tie": sum(r.near_tie is False for r in diffs),
             "median_seconds_per_turn": round(statistics.median(r.seconds for r in rs), 3),
             "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in rs), 1),
             "forwards": sum(r.forwards for r in rs),
@@ -247,7 +256,9 @@ def conditions_note(meta: dict) -> str:
     """One paragraph under the table: the state of the machine the ratios were measured in."""
     start, end = meta.get("machine_start", {}), meta.get("machine_end", {})
     kernels, curve = meta.get("kernels", {}), meta.get("cost_curve") or {}
-    parts = [f"torch threads {start.get('torch_threads')}",
+    parts = [f"{meta['dtype']}, redraft's forward: {kernels.get('redraft')}"] \
+        if meta.get("dtype") else []
+    parts += [f"torch threads {start.get('torch_threads')}",
              f"{start.get('cpus_allowed')} of {start.get('cpus')} CPUs allowed",
              f"load average {start.get('load_average', [None])[0]} at start, "
              f"{end.get('load_average', [None])[0]} at end"]
@@ -288,20 +299,22 @@ def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def kernel_report(records: Sequence[Record], kernels, choose: bool = True) -> dict:
+def kernel_report(records: Sequence[Record], kernels, verifier: str | None = None,
+                  choose: bool = True) -> dict:
     """Per method, how many target forwards really ran on packed weights; packing's cost and
-    (with the per-size choice) which kind each forward size prefers by the end."""
+    (with the per-size choice) which kind each forward size prefers by the end; `verifier`:
+    how redraft's methods ran the target (`TreeVerifier.kind`)."""
     forwards: dict[str, dict[str, int]] = {}
     for r in records:
         f = forwards.setdefault(r.method, {"forwards": 0, "packed": 0})
         f["forwards"] += r.forwards
         f["packed"] += r.packed_forwards
     kind = "stock" if kernels is None else "chosen per size" if choose else "packed"
-    out = {"redraft": kind, "forwards": forwards}
+    out = {"redraft": verifier or kind, "forwards": forwards}
     if kernels is not None:
         out.update(pack_seconds=round(kernels.pack_seconds, 3), repacked=kernels.repacked,
                    packed_layers=len(kernels.forwards))
-        if choose:
+        if choose and kernels.choice is not None:  # the lean forward is packed at every size
             out["preferred"] = kernels.choice.summary()
     return out
 

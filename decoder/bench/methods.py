@@ -19,6 +19,7 @@ from redraft.decoder.kernels import packed_calls
 from redraft.decoder.text import chat_ids
 
 NOLEARN = "-nolearn"
+LLAMA_CPP = "llama-cpp"  # plain llama-cpp-python on the GGUF (`bench.llama_cpp_method`)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Method:
     """One way of generating a turn's answer from chat messages."""
 
     name = "method"
+    compared = True  # its tokens are checked against hf-greedy's (same model, same dtype)
 
     def run(self, messages: list[dict], max_new_tokens: int) -> TurnResult:
         raise NotImplementedError
@@ -148,11 +150,11 @@ DEFAULT_METHODS = ("hf-greedy,hf-pld,redraft-pld,redraft-rest,redraft-recycle,re
 def parse_methods(spec: str, has_retrieval: bool) -> list[str]:
     names = [m.strip() for m in spec.split(",") if m.strip()]
     for m in names:
-        if m in HF_METHODS:
+        if m in HF_METHODS or m == LLAMA_CPP:
             continue
         drafters = method_drafters(m)
         if drafters is None:
-            known = ", ".join([*HF_METHODS, *redraft_methods()])
+            known = ", ".join([*HF_METHODS, LLAMA_CPP, *redraft_methods()])
             raise BenchError(f"unknown method {m!r} (known: {known}, or redraft-A+B)")
         needs = [n for n in parse_names(drafters) if n in REGISTRY
                  and REGISTRY[n].needs_retrieval]

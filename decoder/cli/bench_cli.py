@@ -6,8 +6,9 @@ import argparse
 
 from redraft.datastore.cli import add_client_options
 from redraft.decoder.bench.driver import run
-from redraft.decoder.bench.methods import DEFAULT_METHODS, HF_METHODS, redraft_methods
+from redraft.decoder.bench.methods import DEFAULT_METHODS, HF_METHODS, LLAMA_CPP, redraft_methods
 from redraft.decoder.drafters.registry import add_options
+from redraft.decoder.models.loading import add_dtype_option
 from redraft.proto.models import DEFAULT_MODEL
 
 
@@ -30,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "median and range over the runs")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {', '.join([*HF_METHODS, *redraft_methods()])}"
+                   f", {LLAMA_CPP} (plain llama-cpp-python on the model's GGUF)"
                    ", or redraft-A+B for any combination of drafters; X-nolearn is X without "
                    f"learned drafts (default {DEFAULT_METHODS}; with --samples "
                    "redraft-default,redraft-default-nolearn)")
@@ -46,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "comma-separated, or dns:///name:port)")
     p.add_argument("--out", default="bench-out/spec_bench", help="output directory")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_dtype_option(p, "; Hugging Face's baselines run the same model, in the same dtype")
     p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                    help="redraft's methods verify the best N drafted nodes every step, ignoring "
                    "this machine's cost curve (tokens per forward at a fixed tree size, as on a "

@@ -36,7 +36,7 @@ from redraft.decoder.generate import (
     Generator,
     check_text,
 )
-from redraft.decoder.models.loading import load_model
+from redraft.decoder.models.loading import add_dtype_option, load_model
 from redraft.proto.jsonl import parse_record
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, resolve_model
 
@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="verify the best N drafted nodes every step, ignoring this machine's "
                    "cost curve (tokens per forward at a fixed tree size, as on a GPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default by device)")
+    add_dtype_option(p)
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's; 1 is faster on busy machines)")
     p.add_argument("--raw", action="store_true",

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from redraft.decoder.heads.training_data import Document
+from redraft.decoder.kernels import cpu_has_bf16
 from redraft.proto.files import cache_root, write_atomically
 from tqdm import tqdm
 
@@ -18,12 +19,7 @@ def fast_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 where matmuls in it are fast (GPUs, CPUs with bf16 units), else float32."""
     if device.type == "cuda":
         return torch.bfloat16
-    try:
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return torch.bfloat16
-    except (AttributeError, RuntimeError):
-        pass
-    return torch.float32
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
 class HiddenCache:

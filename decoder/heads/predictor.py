@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from redraft.decoder.heads.blocks import PROJECTIONS, MedusaHeads
 from redraft.decoder.heads.heads_file import HeadsError
+from redraft.decoder.kernels import can_pack
 from redraft.decoder.models.int8 import Int8Linear
 
 
@@ -15,7 +16,7 @@ class HeadsPredictor:
 
     The K head states go through the projection as one [K, H] x [H, V'] product, so the
     projection rows (the whole LM head, or the subset's rows) are read once per step. A step
-    reads far more weight bytes than it computes with, so on a float32 CPU model it runs in
+    reads far more weight bytes than it computes with, so on a CPU model (any dtype) it runs in
     int8 by default (`int8=None`): the K blocks as two stacked int8 matmuls and the
     projection as a third, a quarter of the bytes (what that costs in accuracy:
     `tools/bench_medusa.py --accuracy-docs N`); `int8=False` keeps the exact float path, on
@@ -43,7 +44,9 @@ class HeadsPredictor:
         self.projection = projection
         self.width = int(weight.shape[0])  # projection rows: guesses available per head
         if int8 is None:
-            int8 = weight.device.type == "cpu" and weight.dtype == torch.float32
+            # on a CPU whatever the target's dtype: drafts only need the heads' top guesses,
+            # and int8 is 2-3x cheaper than the exact path in float32 and bfloat16 alike
+            int8 = weight.device.type == "cpu"
         self.int8 = False
         if int8:
             try:
@@ -96,9 +99,8 @@ class _Int8Blocks:
 
 
 def _linear_for(weight: torch.Tensor, bias: torch.Tensor | None):
-    """x -> x W^T + b, on packed oneDNN weights for float32 on a CPU (few rows, big W)."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and \
-            torch.backends.mkldnn.is_available():
+    """x -> x W^T + b, on packed oneDNN weights on a CPU where they apply (few rows, big W)."""
+    if can_pack(weight.dtype, weight.device):
         try:
             with torch.inference_mode():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)

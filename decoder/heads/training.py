@@ -262,7 +262,10 @@ def train_medusa(model_name: str | None, data: Sequence[str], out: str | Path,
     train_idx, held_idx = split_held_out(docs, cfg.held_out_percent)
     if not train_idx or not held_idx:
         raise TrainingError(f"{len(docs)} documents are too few for a held-out split")
-    model, _ = load_model(model_name, device=dev.type)
+    # float32 on a CPU whatever the default: the held-out accuracies the heads file records
+    # stay comparable from machine to machine (the train split has its own `hidden_dtype`)
+    model, _ = load_model(model_name, device=dev.type,
+                          dtype=torch.float32 if dev.type == "cpu" else None)
     fingerprint = model_fingerprint(model)
     hidden_size, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
     fast = resolve_dtype(hidden_dtype, dev.type) if hidden_dtype else fast_dtype(dev)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from redraft.decoder.kernels import KernelChoice, packed_calls, packed_linears
+from redraft.decoder.kernels import KernelChoice, can_pack, packed_calls, packed_linears
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.tree import Tree
 
@@ -38,10 +38,24 @@ def test_packed_once_per_model():
     assert packed_linears(model) is packed_linears(model)
 
 
-def test_not_packed_outside_float32_cpu():
-    model = tiny_model("llama").to(torch.bfloat16)
+def test_not_packed_in_float16_on_a_cpu():
+    model = tiny_model("llama").to(torch.float16)
     assert packed_linears(model) is None
     assert TreeVerifier(model).kernels is None
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN without bfloat16")
+def test_bfloat16_packs_and_matches_stock_bits():
+    """oneDNN's bf16 inner product is the same brgemm as `F.linear` in bf16: same bits."""
+    model = tiny_model("llama", layers=2).to(torch.bfloat16)
+    packed = packed_linears(model)
+    assert packed is not None
+    x = torch.randint(0, 64, (1, 7))
+    with torch.inference_mode():
+        stock = model(input_ids=x).logits
+        with packed.active():
+            fast = model(input_ids=x).logits
+    torch.testing.assert_close(fast, stock, rtol=2e-2, atol=2e-2)
 
 
 def test_verifier_tree_logits_match_with_and_without_packing():
@@ -119,7 +133,8 @@ def test_kernel_choice_follows_the_faster_kind_per_size_and_keeps_checking():
 
 def test_verifier_runs_each_forward_on_the_chosen_kernels():
     model = tiny_model("llama", layers=2)
-    v = TreeVerifier(model)
+    assert TreeVerifier(model).choice is None  # the lean forward: packed for every size
+    v = TreeVerifier(model, lean=False)  # through the modules, kernels chosen per size
     for _ in range(2):  # one-token forwards measured faster on stock, tree forwards on packed
         for n, packed, seconds in ((1, True, 2.0), (1, False, 1.0), (3, True, 1.0),
                                    (3, False, 2.0)):

@@ -105,3 +105,41 @@ def test_tree_logits_equal_sequential_on_the_default_model(default_model):
         worst = max(worst, float((ref - logits[row]).abs().max()))
         assert int(ref.argmax()) == int(logits[row].argmax())
     assert worst < 2e-3, worst
+
+
+def one_token_logits(verifier: TreeVerifier, context: list[int], path: list[int]
+                     ) -> torch.Tensor:
+    """The logits after context + path from one-token forwards of the verifier itself (plain
+    decoding's forwards), the cache rolled back afterwards."""
+    verifier.prefill(context[:-1])
+    toks = [context[-1], *path]
+    for t in toks[:-1]:
+        verifier.tree_forward(t, Tree())
+        verifier.commit([])
+    out = verifier.tree_forward(toks[-1], Tree()).logits[0]
+    verifier.commit([])
+    return out
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "modules"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_exact_bfloat16_tree_rows_are_bitwise_one_token_forwards(kind, lean):
+    """In bfloat16 the verifier's exact forwards make each tree row compute exactly what a
+    one-token forward at its position does, whatever the tree (deep chains past the exact
+    attention's cached body included): plain and speculative decoding then agree bit for bit
+    even where bfloat16 logits tie."""
+    model = tiny_model(kind, vocab=64, layers=2, init=0.2).to(torch.bfloat16)
+    v = TreeVerifier(model, lean=lean)
+    assert v.exact and v.kind.startswith("lean" if lean else "modules")
+    rng = random.Random(1)
+    for trial in range(5):
+        context = [rng.randrange(64) for _ in range(rng.randrange(2, 60))]
+        n = 40 if trial == 0 else rng.randrange(1, 20)
+        tree = Tree.chain([rng.randrange(64) for _ in range(n)]) if trial == 0 \
+            else random_tree(rng, n, 64)
+        v.prefill(context[:-1])
+        logits = v.tree_forward(context[-1], tree).logits
+        v.commit([])
+        for row, path in enumerate([[], *node_paths(tree)]):
+            one = one_token_logits(v, context, path)
+            assert torch.equal(one, logits[row]), (trial, row, len(path))

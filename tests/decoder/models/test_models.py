@@ -67,3 +67,13 @@ def test_lean_int8_decoder_only_takes_plain_stacks():
     qwen3_like = tiny_model("llama")
     qwen3_like.model.layers[0].self_attn.add_module("q_norm", torch.nn.Identity())
     assert lean_int8(qwen3_like) is None
+
+
+def test_the_cpu_default_dtype_is_bfloat16_only_with_bf16_units():
+    from redraft.decoder.kernels import cpu_has_bf16
+    from redraft.decoder.models.loading import resolve_dtype
+
+    expected = torch.bfloat16 if cpu_has_bf16() else torch.float32
+    assert resolve_dtype(None, "cpu") == resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype(None, "cuda") == torch.bfloat16
