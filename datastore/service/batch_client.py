@@ -99,16 +99,21 @@ class SequenceBatch:
         return len(self._held)
 
     def draft(self, contexts: Mapping[Hashable, Sequence[int]],
-              budgets: Mapping[Hashable, int] | None = None) -> SequenceDrafts:
+              budgets: Mapping[Hashable, int] | None = None,
+              end: Iterable[Hashable] = ()) -> SequenceDrafts:
         """Trees (chains with `chain` > 0) for every sequence of `contexts` ({key: its
         whole context: prompt and every token since}), in one call (two when the server had
-        lost some). `budgets`: per key, else the params' budget. A failure of the call
-        itself raises a ServiceError; a sequence's own failure gives it an empty tree."""
+        lost some). `budgets`: per key, else the params' budget. `end`: keys whose
+        sequences are over, ended in the same call (as `end` does, without their last
+        tokens: pass their contexts here one last time to have those learned). A failure of
+        the call itself raises a ServiceError; a sequence's own failure gives it an empty
+        tree."""
         errors: dict[Hashable, ServiceError] = {}
         index: dict[Hashable, int] = {}
+        ends = self._ends(end, None)
         entries = self._entries(list(contexts), contexts, budgets, errors)
         try:
-            results = self._call(entries)
+            results = self._call(entries + ends)
         except ServiceUnavailable:
             if not any(isinstance(e, SequenceStep) for e in entries):
                 raise
@@ -123,7 +128,8 @@ class SequenceBatch:
             self.reopened += len(lost)
             again = self._entries(lost, contexts, budgets, errors)
             second = self._call(again)
-            self._collect(again, second, contexts, index, errors, len(entries))
+            base = len(results) if results is not None else 0
+            self._collect(again, second, contexts, index, errors, base)
             results = _joined(results, second) if results is not None else second
         return SequenceDrafts(results, index, errors)
 
@@ -132,18 +138,7 @@ class SequenceBatch:
         """These sequences are over (their generations finished or were aborted): the server
         frees them and their outputs are final. `contexts`: their whole contexts, so the
         tokens the server has not seen yet are learned first."""
-        entries = []
-        for key in keys:
-            self._failed.pop(key, None)
-            held = self._held.pop(key, None)
-            sid = self._ids.pop(key, None)
-            if sid is not None:
-                del self._keys[sid]
-            if held is None or sid is None:
-                continue
-            ctx = contexts.get(key) if contexts is not None else None
-            tail = [int(t) for t in ctx[held[0]:]] if ctx is not None else []
-            entries.append(SequenceEnd(sid, tail))
+        entries = self._ends(keys, contexts)
         if entries:
             self.client.batch(entries, tokenizer_fingerprint=self.fingerprint,
                               client_id=self.client_id, timeout=self.timeout)
@@ -156,6 +151,23 @@ class SequenceBatch:
             self._held.clear()  # the server sweeps them when they idle
 
     # ---- internals -------------------------------------------------------------------
+    def _ends(self, keys: Iterable[Hashable],
+              contexts: Mapping[Hashable, Sequence[int]] | None) -> list[SequenceEnd]:
+        """Forget these keys; an end entry for each sequence the server holds."""
+        entries = []
+        for key in keys:
+            self._failed.pop(key, None)
+            held = self._held.pop(key, None)
+            sid = self._ids.pop(key, None)
+            if sid is not None:
+                del self._keys[sid]
+            if held is None or sid is None:
+                continue
+            ctx = contexts.get(key) if contexts is not None else None
+            tail = [int(t) for t in ctx[held[0]:]] if ctx is not None else []
+            entries.append(SequenceEnd(sid, tail))
+        return entries
+
     def _id(self, key: Hashable) -> str:
         sid = self._ids.get(key)
         if sid is None:

@@ -160,7 +160,7 @@ class ServiceStats:
 
     def percentile_us(self, q: float) -> float:
         """Latency percentile from the histogram (the bucket's geometric middle)."""
-        hist = self._arr[_HIST0:]
+        hist = self._arr[_HIST0:_HIST0 + _N_BUCKETS]  # not the worker fields after it
         total = sum(hist)
         if total == 0:
             return 0.0

@@ -21,12 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redraft.datastore import Reader
-from redraft.datastore.drafting import (
-    DraftSettings,
-    LearnedIndex,
-    new_learned_index,
-    new_session_drafter,
-)
+from redraft.datastore.drafting import DraftSettings, new_learned_index, new_session_drafter
 from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto.tree import LEARNED, PLD, REST, Tree
 
@@ -66,11 +61,17 @@ class DraftOptions:
 
 
 def check_address(address: str) -> str:
-    """`HOST:PORT` or raise EngineConfigError."""
-    m = _ADDRESS.match(address) if isinstance(address, str) else None
-    if m is None or not 0 < int(m.group(2)) < 65536:
-        raise EngineConfigError(f"service must be HOST:PORT (e.g. 127.0.0.1:50051), "
-                                f"got {address!r}")
+    """`HOST:PORT`, several comma-separated (replicas) or `dns:///NAME:PORT`, or raise
+    EngineConfigError."""
+    parts = address.split(",") if isinstance(address, str) else [None]
+    if len(parts) == 1 and parts[0] is not None and parts[0].startswith("dns:///"):
+        parts = [parts[0][len("dns:///"):]]
+    for part in parts:
+        m = _ADDRESS.match(part.strip()) if part is not None else None
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise EngineConfigError(f"service must be HOST:PORT (e.g. 127.0.0.1:50051), "
+                                    f"several of them comma-separated, or dns:///NAME:PORT; "
+                                    f"got {address!r}")
     return address
 
 
@@ -93,7 +94,7 @@ class LocalStream(DraftStream):
     """Drafts from a datastore opened in this process (or prompt lookup alone: reader None)."""
 
     def __init__(self, prompt: Sequence[int], settings: DraftSettings,
-                 reader: Reader | None = None, learned: LearnedIndex | None = None,
+                 reader: Reader | None = None, learned=None,
                  tenant: str = "") -> None:
         self._session = new_session_drafter(prompt, settings, reader, learned, tenant)
 

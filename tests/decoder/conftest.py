@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -42,12 +43,14 @@ def have_default_model() -> bool:
 
 @pytest.fixture(scope="session")
 def default_model():
-    """(model, tokenizer) of the default model, fp32 on CPU; loaded once per test session."""
+    """(model, tokenizer) of the default model, fp32, on the CPU or on the device named by
+    $REDRAFT_TEST_DEVICE (e.g. `cuda`: the lossless tests on a GPU); loaded once per session."""
     if not have_default_model():
         pytest.skip("default model package not installed (make install)")
     from redraft.decoder.models.loading import load_model
 
-    return load_model(None, device="cpu", dtype="float32")
+    return load_model(None, device=os.environ.get("REDRAFT_TEST_DEVICE", "cpu"),
+                      dtype="float32")
 
 
 @pytest.fixture(autouse=True)

@@ -39,7 +39,7 @@ def assert_same_or_near_tie(model, result, reference) -> bool:
     i = next(k for k, (a, b) in enumerate(zip(result.tokens, reference.tokens)) if a != b)
     ids = reference.prompt_ids + reference.tokens[:i]
     with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
     tie, gap = is_near_tie(logits, next(model.parameters()).dtype)
     print(f"first difference at token {i}: top-2 logit gap {gap:.2e}")
     assert tie, f"tokens differ at {i} with a top-2 gap of {gap:.3g}: a bug"
@@ -57,7 +57,8 @@ def hf_generate(model_and_tokenizer, ours):
     """Hugging Face's greedy `generate` on the prompt of `ours` (a result), as a result."""
     model, tok = model_and_tokenizer
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ours.prompt_ids]), max_new_tokens=NEW,
+        out = model.generate(torch.tensor([ours.prompt_ids], device=model.device),
+                             max_new_tokens=NEW,
                              do_sample=False, eos_token_id=sorted(
                                  {tok.eos_token_id, model.generation_config.eos_token_id}))
     return dataclasses.replace(ours, tokens=out[0, len(ours.prompt_ids):].tolist())

@@ -22,13 +22,14 @@ def node_paths(tree: Tree) -> list[list[int]]:
 
 @torch.inference_mode()
 def sequential_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0, -1].float()
+    return model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
 
 
 def sequential_hidden(model, ids: list[int]) -> torch.Tensor:
     """The final (post-norm) hidden state of the last position, from a plain forward."""
     with torch.no_grad():
-        return model.base_model(torch.tensor([ids])).last_hidden_state[0, -1]
+        return model.base_model(torch.tensor([ids], device=model.device)
+                                ).last_hidden_state[0, -1]
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:

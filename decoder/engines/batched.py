@@ -1,0 +1,124 @@
+"""Drafts for every sequence of an engine step: one batched call to the draft service.
+
+Why one object for vLLM and SGLang: both ask for all running sequences' drafts at once, on
+the step's critical path, and neither may ever fail or stall because of a drafter. So
+`BatchedDrafts.step` takes {key: whole context} for the sequences that want drafts and the
+keys that ended, and makes one `Drafter.Batch` call (through `SequenceBatch`, which sends
+only the tokens the server has not seen). When that call fails, this step and every step
+for the source's `retry_after` seconds are drafted by prompt lookup in this process, one
+incremental drafter per sequence; then the service is tried again with fresh sequences
+(the ones it held are swept when they idle). A sequence whose own entry fails is drafted by
+prompt lookup at that step and tried on the service again at the next (a server that was full
+then has room; a refusal the same context would meet again, such as a context over the
+server's limit, is not resent by `SequenceBatch`). With a datastore in process instead of a
+service, every sequence is drafted here the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+from redraft.decoder.engines.streams import DraftSource, DraftStream, LocalStream
+from redraft.proto.tree import Tree, best_chain
+
+log = logging.getLogger("redraft.engines")
+
+
+class BatchedDrafts:
+    """One engine's sequences drafted together (module docstring). `chain` > 0: each draft
+    is the best chain of at most that many tokens; 0: the whole tree. Not thread-safe: one
+    engine loop calls it."""
+
+    def __init__(self, source: DraftSource, chain: int = 0) -> None:
+        self.source = source
+        self.chain = chain
+        self.calls = 0  # batched calls made (one per step that reached the service)
+        self.local_steps = 0  # steps drafted in process while the service was down
+        self._batch = None  # the SequenceBatch on the service, made when first needed
+        self._local: dict[Hashable, list] = {}  # key -> [stream, tokens fed]
+        self._refused: set[Hashable] = set()  # keys whose service entry failed (warned once)
+
+    def step(self, contexts: Mapping[Hashable, Sequence[int]],
+             end: Iterable[Hashable] = ()) -> dict[Hashable, Tree]:
+        """A draft for each key of `contexts` (its whole context: prompt and every token
+        accepted since); the sequences of `end` are over. Never raises for a service
+        failure."""
+        end = list(end)
+        for key in end:
+            self._drop_local(key)
+            self._refused.discard(key)
+        if self.source.client is None:
+            return self._local_step(contexts)
+        if not self.source.service_usable():
+            self.local_steps += 1
+            return self._local_step(contexts)
+        try:
+            drafts = self._sequence_batch().draft(contexts, end=end)
+        except Exception as exc:  # any failure: prompt lookup, the service later
+            self.source.service_failed(exc)
+            self._batch = None
+            self.local_steps += 1
+            return self._local_step(contexts)
+        self.calls += 1
+        out: dict[Hashable, Tree] = {}
+        failed = {}
+        for key in contexts:
+            err = drafts.errors.get(key)
+            if err is not None:
+                failed[key] = contexts[key]
+                if key not in self._refused:
+                    self._refused.add(key)
+                    log.warning("draft service: sequence %r failed (%s); prompt lookup drafts "
+                                "it while the service refuses it", key, err)
+                continue
+            if self._local:
+                self._drop_local(key)  # back on the service
+            out[key] = drafts[key]
+        if failed:
+            out.update(self._local_step(failed))
+        return out
+
+    def close(self) -> None:
+        """End every sequence (an engine shutting down) and release the source."""
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+        for key in list(self._local):
+            self._drop_local(key)
+        self.source.close()
+
+    # ---- internals -------------------------------------------------------------------
+    def _sequence_batch(self):
+        if self._batch is None:
+            # lazy: grpc is loaded only when a service is used
+            from redraft.datastore.service.batch_client import SequenceBatch
+
+            s = self.source
+            self._batch = SequenceBatch(s.client, s.params, s.fingerprint(), s.tenant,
+                                        self.chain, s.client.timeout)
+        return self._batch
+
+    def _local_step(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, Tree]:
+        out = {}
+        for key, ctx in contexts.items():
+            entry = self._local.get(key)
+            if entry is None:
+                entry = self._local[key] = [self._open_local(ctx), len(ctx)]
+            elif len(ctx) > entry[1]:
+                entry[0].extend([int(t) for t in ctx[entry[1]:]])
+                entry[1] = len(ctx)
+            tree = entry[0].propose()
+            out[key] = best_chain(tree, self.chain).tree(tree.match_len) if self.chain else tree
+        return out
+
+    def _open_local(self, ctx: Sequence[int]) -> DraftStream:
+        prompt = [int(t) for t in ctx]
+        if self.source.client is None:
+            return self.source.open(prompt)  # the datastore in process
+        return LocalStream(prompt, self.source.fallback_settings)  # prompt lookup
+
+    def _drop_local(self, key: Hashable) -> None:
+        entry = self._local.pop(key, None)
+        if entry is not None:
+            entry[0].close()

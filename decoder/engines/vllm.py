@@ -1,0 +1,116 @@
+"""redraft's drafts for vLLM: `RedraftProposer`, a custom speculative proposer.
+
+    REDRAFT_SERVICE=127.0.0.1:50051 python - <<'EOF'
+    from vllm import LLM
+    llm = LLM(model=..., speculative_config={
+        "method": "custom_class",
+        "model": "redraft.decoder.engines.vllm.RedraftProposer",
+        "num_speculative_tokens": 5})
+    EOF
+
+How vLLM calls a custom proposer (vllm/v1/spec_decode/custom_class_proposer.py and
+vllm/v1/worker/gpu_model_runner.py, `GPUModelRunner.propose_draft_token_ids`): it builds the
+class from the config's dotted path with the `VllmConfig` alone, hands `load_model` the target
+model, then once per engine step, after the step's tokens were booked, calls
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)` for every
+row of its persistent batch: row i's whole context is `token_ids_cpu[i, :num_tokens_no_spec[i]]`
+and `sampled_token_ids[i]` the tokens it accepted this step (empty for a row still in a
+chunked prefill). It wants one list of 0..k draft tokens per row back, verified as a chain.
+No request ids, no start or end of a request: rows are matched to their sequences by content
+(`rows.RowIdentity`). All rows are drafted by one batched call to the draft service
+(`batched.BatchedDrafts`); a dead service turns into prompt lookup per row and is tried
+again later. Nothing of vLLM is imported: the module loads without it.
+
+Options: the environment (REDRAFT_SERVICE, REDRAFT_TOKEN, REDRAFT_TENANT, REDRAFT_CORPORA, ...:
+see `settings`), overridden by `additional_config={"redraft": {...}}` of the vLLM config.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from redraft.decoder.engines.batched import BatchedDrafts
+from redraft.decoder.engines.rows import RowIdentity
+from redraft.decoder.engines.settings import EngineSettings
+from redraft.decoder.engines.streams import EngineConfigError
+
+log = logging.getLogger("redraft.engines")
+
+
+class RedraftProposer:
+    """vLLM's `custom_class` proposer drafting from redraft (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        spec = getattr(vllm_config, "speculative_config", None)
+        k = getattr(spec, "num_speculative_tokens", None)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise EngineConfigError(f"speculative_config.num_speculative_tokens must be a "
+                                    f"positive integer for redraft, got {k!r}")
+        self.k = k
+        model_config = getattr(vllm_config, "model_config", None)
+        max_len = getattr(model_config, "max_model_len", None)
+        self.max_model_len = int(max_len) if max_len else None
+        extra = getattr(vllm_config, "additional_config", None)
+        config = extra.get("redraft") if isinstance(extra, Mapping) else None
+        settings = EngineSettings.read(config)
+        self.drafts = BatchedDrafts(settings.source(max_depth=k), chain=k)
+        self.rows = RowIdentity()
+        self.keys: list[int] = []  # the sequence of each row at the last step
+        self.stats = {"steps": 0, "rows": 0, "drafted_rows": 0, "drafted_tokens": 0,
+                      "errors": 0, "seconds": 0.0}
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM hands the target model here; redraft drafts without it."""
+
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]],
+                num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                slot_mappings: Any = None, **kwargs: Any) -> list[list[int]]:
+        """Draft tokens for each row of the batch (at most k, none for rows that sampled
+        nothing or have no room left before max_model_len)."""
+        start = time.perf_counter()
+        n_rows = len(sampled_token_ids)
+        self.stats["steps"] += 1
+        self.stats["rows"] += n_rows
+        try:
+            out = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, n_rows)
+        except Exception as exc:  # drafts never break the engine: no drafts this step
+            self.stats["errors"] += 1
+            log.warning("redraft: drafting failed this step (%s: %s); no drafts",
+                        type(exc).__name__, exc)
+            out = [[] for _ in range(n_rows)]
+        self.stats["seconds"] += time.perf_counter() - start
+        return out
+
+    def _propose(self, sampled: Sequence[Sequence[int]], lengths: np.ndarray,
+                 token_ids: np.ndarray, n_rows: int) -> list[list[int]]:
+        ns = [int(n) for n in lengths[:n_rows]]
+        rows = [token_ids[i, :ns[i]] for i in range(n_rows)]
+        keys, ended = self.rows.assign(rows, [len(s) for s in sampled])
+        self.keys = keys
+        room = [self._room(n) for n in ns]
+        wanted = {keys[i]: rows[i] for i in range(n_rows) if len(sampled[i]) and room[i] > 0}
+        drafts = self.drafts.step(wanted, ended)
+        out: list[list[int]] = []
+        for i in range(n_rows):
+            tree = drafts.get(keys[i]) if keys[i] in wanted else None
+            chain = [int(t) for t in tree.tokens[:room[i]]] if tree is not None else []
+            if chain:
+                self.stats["drafted_rows"] += 1
+                self.stats["drafted_tokens"] += len(chain)
+            out.append(chain)
+        return out
+
+    def _room(self, n: int) -> int:
+        """Drafts row of length n may take: k, fewer near max_model_len."""
+        if self.max_model_len is None:
+            return self.k
+        return max(0, min(self.k, self.max_model_len - n))
+
+    def close(self) -> None:
+        """End every sequence on the service (their outputs become final)."""
+        self.rows.clear()
+        self.drafts.close()
