@@ -112,8 +112,9 @@ class SequenceBatch:
         index: dict[Hashable, int] = {}
         ends = self._ends(end, None)
         entries = self._entries(list(contexts), contexts, budgets, errors)
+        first = len(ends)  # ends go first: the slots they free serve this call's opens
         try:
-            results = self._call(entries + ends)
+            results = self._call(ends + entries)
         except ServiceUnavailable:
             if not any(isinstance(e, SequenceStep) for e in entries):
                 raise
@@ -122,14 +123,14 @@ class SequenceBatch:
             self._held.clear()
             errors.clear()
             entries = self._entries(list(contexts), contexts, budgets, errors)
-            results = self._call(entries)
-        lost = self._collect(entries, results, contexts, index, errors, 0)
+            results, first = self._call(entries), 0
+        lost = self._collect(entries, results, contexts, index, errors, first, 0)
         if lost:  # swept or never there: open them again, whole, at once
             self.reopened += len(lost)
             again = self._entries(lost, contexts, budgets, errors)
             second = self._call(again)
             base = len(results) if results is not None else 0
-            self._collect(again, second, contexts, index, errors, base)
+            self._collect(again, second, contexts, index, errors, 0, base)
             results = _joined(results, second) if results is not None else second
         return SequenceDrafts(results, index, errors)
 
@@ -210,13 +211,14 @@ class SequenceBatch:
         return entries
 
     def _collect(self, entries: list, results: BatchResults | None, contexts, index: dict,
-                 errors: dict, base: int) -> list:
-        """Record each entry's outcome; returns the keys whose steps met a server that did
-        not hold their sequence."""
+                 errors: dict, first: int, base: int) -> list:
+        """Record each entry's outcome (its result is `results`' `first + i`-th, the
+        `base + first + i`-th of the call's joined results); returns the keys whose steps met
+        a server that did not hold their sequence."""
         lost = []
         if results is None:
             return lost
-        for i, entry in enumerate(entries):
+        for i, entry in enumerate(entries, start=first):
             key = self._keys[entry.sequence]
             err = results.errors[i]
             if err is None:

@@ -246,6 +246,25 @@ def test_sessions_and_sequences_share_max_sessions(limited, until):
         assert r.errors == [None, None, None]
 
 
+def test_sequence_batch_ends_before_it_opens_so_freed_slots_serve_the_same_call(store, servers):
+    """An engine step that finishes one request and admits another at a full server: the
+    end goes first in the call, so the new sequence gets the slot at once."""
+    srv = servers.start(store, "--port", "0", "--max-sessions", "2")
+    seqs = contexts(random.Random(4), 3)
+    with DraftClient(srv.address, timeout=30) as c:
+        batch = SequenceBatch(c, DraftParams(budget=32), FP)
+        ctxs = {f"req-{i}": list(p) for i, (p, _) in enumerate(seqs)}
+        first = batch.draft({k: ctxs[k] for k in ("req-0", "req-1")})
+        assert not first.errors
+        swapped = batch.draft({k: ctxs[k] for k in ("req-1", "req-2")}, end=["req-0"])
+        assert not swapped.errors, swapped.errors
+        assert c.stats()["sessions_active"] == 2
+        with pytest.raises(LimitExceeded):  # and the server is still full
+            c.session(ctxs["req-0"], DraftParams(budget=32), FP).open()
+        batch.close()
+        assert c.stats()["sessions_active"] == 0
+
+
 def test_idle_sequences_are_swept_and_sequence_batch_reopens_them(store, servers):
     srv = servers.start(store, "--port", "0", "--idle-timeout", "1")
     seqs = contexts(random.Random(3), 6)

@@ -303,8 +303,8 @@ def test_a_full_server_refuses_a_row_which_drafts_by_prompt_lookup_until_there_i
         monkeypatch, servers, answers_store, plain_answers):
     """Three rows, a server holding two sequences: the third row's open is refused
     (RESOURCE_EXHAUSTED, that entry alone); it drafts by prompt lookup in process and is
-    offered to the service again every step, which takes it once a finished row's
-    sequence has ended there."""
+    offered to the service again every step, which takes it in the call that ends a
+    finished row's sequence (ends go before opens)."""
     serve = servers.start(answers_store, "--port", "0", "--max-sessions", "2")
     monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
     monkeypatch.setenv("REDRAFT_LEARN", "0")
@@ -334,9 +334,8 @@ def test_a_full_server_refuses_a_row_which_drafts_by_prompt_lookup_until_there_i
         drafts = step()
         assert drafts["r2"] == pld_chain(proposer, batch.context("r2"), k)
         assert client.stats()["sessions_active"] == 2
-    step()  # r0 ends, in the call whose entries (before the end) still found the server full
-    assert client.stats()["sessions_active"] == 1
-    drafts = step()  # the slot is free: r2 is opened on the service
+    drafts = step()  # r0 ends first in this call, so its slot opens r2 in the same call
+    assert client.stats()["sessions_active"] == 2
     for rid in ("r1", "r2"):
         assert drafts[rid] == service_chain(client, proposer, batch.context(rid), k)
     assert len(proposer.drafts._batch) == 2
