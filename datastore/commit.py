@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import os
 import shutil
 import time
@@ -40,7 +39,7 @@ from redraft.datastore import tiers
 from redraft.datastore.reader import Reader
 from redraft.datastore.segment import SegmentWriter
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError, DatastoreNotFound
-from redraft.proto.files import fsync_path
+from redraft.proto.files import flock_within, fsync_path
 
 DEFAULT_WAIT_S = 30.0
 _LOCK_POLL_S = 0.02
@@ -67,17 +66,9 @@ def write_lock(out: Path, wait_s: float = DEFAULT_WAIT_S) -> Iterator[None]:
     except OSError as exc:
         raise write_error(out, exc) from exc
     try:
-        deadline = time.monotonic() + max(0.0, float(wait_s))
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise DatastoreError(
-                        f"{out}: another process is writing this datastore (waited "
-                        f"{wait_s:g} s); try again later") from None
-                time.sleep(_LOCK_POLL_S)
+        if not flock_within(fd, wait_s, _LOCK_POLL_S):
+            raise DatastoreError(f"{out}: another process is writing this datastore (waited "
+                                 f"{wait_s:g} s); try again later")
         yield
     finally:
         os.close(fd)

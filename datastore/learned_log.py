@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 from redraft.proto.errors import DatastoreError
+from redraft.proto.files import flock_within
 
 LOG_DIR = "learned"
 LOG_SUFFIX = ".log"
@@ -270,17 +271,7 @@ def persist_lock(datastore: str | os.PathLike, wait_s: float) -> Iterator[bool]:
         raise DatastoreError(f"{folder}: cannot open the persist lock "
                              f"({exc.strerror or exc})") from exc
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.05)
-        yield True
+        yield flock_within(fd, wait_s, 0.05)
     finally:
         os.close(fd)
 

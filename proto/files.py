@@ -8,8 +8,10 @@ may open (a datastore, a heads file, a cache entry) must appear whole or not at 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,3 +97,17 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def flock_within(fd: int, wait_s: float, poll_s: float = 0.02) -> bool:
+    """Take an exclusive flock on `fd`, waiting up to `wait_s` seconds for its holder (a
+    polled non-blocking try: a blocking flock cannot time out); False if never taken."""
+    deadline = time.monotonic() + max(0.0, float(wait_s))
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
