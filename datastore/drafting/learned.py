@@ -102,12 +102,19 @@ class JournaledOutput:
         has one (one lock per step, not one per sequence); the rest one by one, in order."""
         batches: dict[int, tuple[OutputJournal, list]] = {}
         for journaled, tokens in items:
-            journal = journaled.journal
-            if journaled.output is None or not hasattr(journal, "append_all"):
+            output = journaled.output
+            if output is None:
                 journaled.record(tokens)
-            elif len(tokens):
-                batches.setdefault(id(journal), (journal, []))[1].append(
-                    (journaled.output, tokens))
+                continue
+            journal = journaled.journal
+            batch = batches.get(id(journal))
+            if batch is None:
+                if not hasattr(journal, "append_all"):
+                    journaled.record(tokens)
+                    continue
+                batch = batches[id(journal)] = (journal, [])
+            if len(tokens):
+                batch[1].append((output, tokens))
         for journal, pairs in batches.values():
             journal.append_all(pairs)
 

@@ -190,6 +190,38 @@ def native_step(drafters: Sequence[NativeSessionDrafter],
             np.frombuffer(used, np.uint8), {i: e.error for i, e in errors.items()})
 
 
+def native_step_flat(drafters: Sequence[NativeSessionDrafter], tokens: np.ndarray,
+                     counts: np.ndarray, budgets: np.ndarray | None, threads: int,
+                     chain: int) -> tuple:
+    """native_step over flat arrays (the service's packed steps): drafter i is extended by
+    the next counts[i] of `tokens` (uint32, ids the caller checked against the vocabulary)
+    and drafts with budgets[i] nodes (uint32, 0: its own). Returns what native_step does,
+    probs as float32, then every drafter's context length (uint64) after the step."""
+    (status, sizes, toks, parents, probs, bits, mls, expected, used,
+     lens) = _core.step_flat([d._core for d in drafters], tokens, counts, budgets, threads,
+                             chain)
+    status = np.frombuffer(status, np.int32)
+    offsets = np.zeros(len(drafters) + 1, np.int64)
+    np.cumsum(np.frombuffer(sizes, np.int32), out=offsets[1:])
+    errors: dict[int, Exception] = {}
+    if status.any():
+        for i in np.flatnonzero(status).tolist():
+            budget = int(budgets[i]) if budgets is not None and budgets[i] else None
+            errors[i] = drafters[i]._error(int(status[i]), budget)
+    if len(tokens):  # what was learned reaches the journal
+        journaled = [d._journaled for d in drafters]
+        if any(j is not None for j in journaled):
+            flat = tokens.tolist()
+            ends = np.cumsum(counts).tolist()
+            JournaledOutput.record_all(
+                (j, flat[b - c:b]) for j, b, c in zip(journaled, ends, counts.tolist())
+                if j is not None and c)
+    return (offsets, np.frombuffer(toks, np.uint32), np.frombuffer(parents, np.int32),
+            np.frombuffer(probs, np.float32), np.frombuffer(bits, np.uint8),
+            np.frombuffer(mls, np.int64).reshape(-1, 3), np.frombuffer(expected, np.float64),
+            np.frombuffer(used, np.uint8), errors, np.frombuffer(lens, np.uint64))
+
+
 class _Failure:
     __slots__ = ("error",)
 
