@@ -118,6 +118,29 @@ class JournaledOutput:
         for journal, pairs in batches.values():
             journal.append_all(pairs)
 
+    @staticmethod
+    def record_flat(journaled: Sequence[JournaledOutput | None], tokens: list[int],
+                    counts: list[int]) -> None:
+        """record_all() with the tokens concatenated: outputs[i] (None: not journaled) got
+        the next counts[i] of `tokens`. One pass, no pair per output made on the way (a
+        batched step's packed tokens)."""
+        pairs: list = []
+        journal = None  # the one journal of the outputs already begun (a server has one)
+        end = 0
+        for j, c in zip(journaled, counts):
+            end += c
+            if j is None or not c:
+                continue
+            output = j.output
+            if output is not None and (j.journal is journal or (
+                    journal is None and hasattr(j.journal, "append_all"))):
+                journal = j.journal
+                pairs.append((output, tokens[end - c:end]))
+            else:
+                j.record(tokens[end - c:end])
+        if pairs:
+            journal.append_all(pairs)
+
     def end(self) -> None:
         output, self.output = self.output, None
         if output is not None:

@@ -210,12 +210,8 @@ def native_step_flat(drafters: Sequence[NativeSessionDrafter], tokens: np.ndarra
             errors[i] = drafters[i]._error(int(status[i]), budget)
     if len(tokens):  # what was learned reaches the journal
         journaled = [d._journaled for d in drafters]
-        if any(j is not None for j in journaled):
-            flat = tokens.tolist()
-            ends = np.cumsum(counts).tolist()
-            JournaledOutput.record_all(
-                (j, flat[b - c:b]) for j, b, c in zip(journaled, ends, counts.tolist())
-                if j is not None and c)
+        if any(journaled):
+            JournaledOutput.record_flat(journaled, tokens.tolist(), counts.tolist())
     return (offsets, np.frombuffer(toks, np.uint32), np.frombuffer(parents, np.int32),
             np.frombuffer(probs, np.float32), np.frombuffer(bits, np.uint8),
             np.frombuffer(mls, np.int64).reshape(-1, 3), np.frombuffer(expected, np.float64),
