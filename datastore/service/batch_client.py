@@ -193,7 +193,8 @@ class SequenceBatch:
                 continue
             ctx = contexts[key]
             n = len(ctx)
-            budget = int(budgets.get(key, 0)) if budgets is not None else 0
+            # a key without a budget of its own takes the params' (not the one it opened with)
+            budget = int(budgets.get(key, 0)) or self.params.budget if budgets is not None else 0
             held = held_of(key)
             if held is not None and held[0] <= n and (
                     held[0] == 0 or int(ctx[held[0] - 1]) == held[1]):
