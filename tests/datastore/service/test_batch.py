@@ -431,12 +431,12 @@ def test_sequence_batch_steps_packed_draft_the_session_trees(store, servers):
             budgets = {k: rng.choice([0, 5, 20]) for k in live}
             drafts = batch.draft(live, budgets, end=[f"r{step - 1}"] if step else ())
             assert not drafts.errors and len(batch) == len(live)
-            history += [(k, v.tolist(), budgets[k], drafts[k]) for k, v in live.items()]
+            history += [(v.tolist(), budgets[k], drafts[k]) for k, v in live.items()]
             for k in live:
                 n = rng.randint(0, 3)
                 ctxs[k] = np.concatenate([ctxs[k], np.array(tails[k][:n], np.int64)])
                 tails[k] = tails[k][n:]
-        for key, ctx, budget, tree in history:
+        for ctx, budget, tree in history:
             want = c.propose(ctx, DraftParams(budget or 32, 10))
             same_tree(tree, want)
         batch.close()
