@@ -189,6 +189,9 @@ def main() -> int:
                     help="measure the batched RPC at these batch sizes instead of sessions")
     ap.add_argument("--batch-seconds", type=float, default=8.0,
                     help="time per batch size (--batch)")
+    ap.add_argument("--batch-entries", action="store_true",
+                    help="send every step as an entry of its own (the older form) instead of "
+                    "packed (--batch)")
     ap.add_argument("--reference-calls", type=int, default=40,
                     help="calls of the core-against-reference replay (--batch; 0 = skip)")
     ap.add_argument("--serve-arg", action="append", metavar="ARG",
@@ -326,7 +329,8 @@ def batch_main(args) -> int:
         report: dict = {"datastore_tokens": info.n_tokens, "workers": args.workers,
                         "budget": args.budget, "depth": args.depth, "learn": args.learn,
                         "batches": [batch_report(address, docs, fp, params, n,
-                                                 args.batch_seconds, args.workers)
+                                                 args.batch_seconds, args.workers,
+                                                 not args.batch_entries)
                                     for n in sizes]}
     finally:
         proc.terminate()

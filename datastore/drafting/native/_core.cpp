@@ -2715,19 +2715,14 @@ PyObject* step_flat(PyObject*, PyObject* args) {
         Py_DECREF(ss);
         return nullptr;
     }
-    // Extend every session, and ask each Reader once whether it was closed (sessions of one
-    // snapshot share it): both need the GIL.
+    // Ask each Reader once whether it was closed (sessions of one snapshot share it): that
+    // needs the GIL. The extends do not (the learned index has its own lock), so a big step
+    // (a long prompt's worth of tokens) lets other Python threads run while it is indexed.
     Scratch& scratch = step_scratch();
     std::vector<int32_t> status(n, 0), closed(n, 0);
-    const uint32_t* tok = static_cast<const uint32_t*>(av.view.buf);
     PyObject* last_store = nullptr;
     int last_closed = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        if (cnt[i]) {
-            scratch.tokens_in.assign(tok, tok + cnt[i]);
-            tok += cnt[i];
-            session_extend(st[i], scratch.tokens_in);
-        }
         PyObject* store = st[i]->store;
         if (store != nullptr && store != last_store) {
             last_store = store;
@@ -2735,6 +2730,16 @@ PyObject* step_flat(PyObject*, PyObject* args) {
         }
         closed[i] = store != nullptr && last_closed;
     }
+    const uint32_t* tok = static_cast<const uint32_t*>(av.view.buf);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (cnt[i]) {
+            scratch.tokens_in.assign(tok, tok + cnt[i]);
+            tok += cnt[i];
+            session_extend(st[i], scratch.tokens_in);
+        }
+    }
+    Py_END_ALLOW_THREADS
     std::vector<double> expected(n, 0.0);
     std::vector<uint8_t> used(n, 0);
     auto draft = [&](Py_ssize_t i, Scratch& sc) {
