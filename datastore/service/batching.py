@@ -9,13 +9,14 @@ meet. Every entry is checked as a session's request would be; an entry that fail
 sequence (as a session would end) with the status and message the session would get, in its
 own result, and never touches the other entries.
 
-Drafting: every sequence of the call is extended, then all draft (`drafting.step_batch`):
+Drafting: every sequence of the call is extended, then all draft (`drafting.step_flat`):
 one call into the core, without the GIL. Small batches draft inline on the event loop (a
 hand-off to a thread costs more than they do); from `batch_offload_min` sequences on, or
 when the call's steps add more than OFFLOAD_TOKENS tokens (a step may add up to
 max_context_len: tens of ms of indexing), the call drafts on a thread so the loop goes on
-answering other calls and health checks. Only compiled drafters go to a thread: the core's
-learned index is locked, the Python reference's is not (it is for debugging).
+answering other calls and health checks. Opens of prompts of OPEN_OFFLOAD_TOKENS or more are
+indexed on that thread too, before the drafting. Only compiled drafters go to a thread: the
+core's learned index is locked, the Python reference's is not (it is for debugging).
 
 Packed steps (`BatchRequest.steps`, an engine's common call: every running sequence steps)
 take a path without a Python object per sequence where one can be avoided: the packing is
@@ -35,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 from redraft.datastore.drafting import BatchStep, step_flat
+from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
@@ -46,6 +48,7 @@ _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _SWEPT_REMEMBERED = 4096  # ids of swept sequences kept to say why they are gone
 OFFLOAD_TOKENS = 1 << 16  # about 20 ms of indexing in the core
+OPEN_OFFLOAD_TOKENS = 1 << 14  # a prompt this long is indexed on a thread: about 1.5 ms
 
 
 class BatchedSequence:
@@ -53,12 +56,13 @@ class BatchedSequence:
 
     __slots__ = ("key", "drafter", "since", "busy", "length")
 
-    def __init__(self, key: tuple, drafter) -> None:
+    def __init__(self, key: tuple, drafter, length: int | None = None) -> None:
         self.key = key
-        self.drafter = drafter
+        self.drafter = drafter  # None while a thread opens it (busy then)
         self.since = time.monotonic()  # last used
-        self.busy = False  # a call is drafting it on a thread
-        self.length = len(drafter)  # tokens of its context (kept here: no call per check)
+        self.busy = False  # a call is drafting (or opening) it on a thread
+        # tokens of its context (kept here: no call per check)
+        self.length = len(drafter) if length is None else length
 
 
 class SequenceTable:
@@ -75,10 +79,11 @@ class SequenceTable:
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())
 
-    def add(self, key: tuple, drafter) -> None:
+    def add(self, key: tuple, drafter, length: int | None = None) -> BatchedSequence:
         """Hold a new sequence (its slot was taken by `take_slot`)."""
-        self.open[key] = BatchedSequence(key, drafter)
+        seq = self.open[key] = BatchedSequence(key, drafter, length)
         self.swept.pop(key, None)
+        return seq
 
     def take_slot(self) -> None:
         if not self.stats.try_open_session(self.config.max_sessions):
@@ -90,7 +95,8 @@ class SequenceTable:
         """The sequence is over: its output is final, its slot free."""
         if self.open.pop(seq.key, None) is seq:
             try:
-                seq.drafter.close()
+                if seq.drafter is not None:  # else the thread opening it closes it
+                    seq.drafter.close()
             finally:
                 self.stats.close_session()
 
@@ -125,7 +131,7 @@ class SequenceTable:
 class _Entry:
     """One entry of a call on its way through: its result so far, and what it drafts."""
 
-    __slots__ = ("sequence", "seq", "accepted", "budget", "error", "drafts")
+    __slots__ = ("sequence", "seq", "accepted", "budget", "error", "drafts", "opening")
 
     def __init__(self, sequence: str) -> None:
         self.sequence = sequence
@@ -134,6 +140,7 @@ class _Entry:
         self.budget: int | None = None
         self.error: Refusal | None = None
         self.drafts = False
+        self.opening: tuple | None = None  # (prompt, settings, tenant) to open on a thread
 
 
 class BatchDrafting:
@@ -145,6 +152,7 @@ class BatchDrafting:
         self.table = SequenceTable(service.config, service.stats)
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight: set[asyncio.Future] = set()
+        self._native = uses_native(service.config.drafting)  # the core's drafters
 
     async def idle(self) -> None:
         """Wait until the calls drafting on a thread now are done (a snapshot retired now may
@@ -200,6 +208,9 @@ class BatchDrafting:
                     entry.seq = None
         if packed is not None:
             packed.check(self, auth, client, seen)
+        opening = [x for x in entries if x.opening is not None]
+        if opening:
+            await self._open_on_thread(opening)
         drafting = [x for x in entries if x.drafts]
         out = None
         if drafting or (packed is not None and packed.seqs):
@@ -232,19 +243,76 @@ class BatchDrafting:
         settings = (checks.settings(opening.params) if opening.HasField("params")
                     else defaults.settings())
         tenant = checks.tenant(defaults.auth, opening.tenant or defaults.tenant)
-        checks.check_context(opening.prompt, "prompt", "open.prompt")
+        prompt = opening.prompt
+        n = len(prompt)
+        if self._native:  # the ids as one array: checked at once, read by the core at once
+            if n > self.config.max_context_len:
+                checks.check_context(prompt, "prompt", "open.prompt")  # raises
+            ids = np.array(prompt, np.int64)
+            if n and (int(ids.min()) < 0 or int(ids.max()) >= checks.vocab_size):
+                checks.check_tokens(ids.tolist(), "open.prompt")  # raises
+            prompt = ids
+        else:
+            checks.check_context(prompt, "prompt", "open.prompt")
         old = self._held(entry.sequence, key, required=False)
         if old is not None:
             self.table.end(old)  # opened again: the earlier generation is over
         self.table.take_slot()
+        if self._native and n >= OPEN_OFFLOAD_TOKENS:  # indexed on a thread (_open_on_thread)
+            entry.seq = self.table.add(key, None, n)
+            entry.seq.busy = True
+            entry.opening = (prompt, settings, tenant)
+            entry.drafts = True
+            return
         try:
-            drafter = self.service.new_drafter(opening.prompt, settings, tenant)
+            drafter = self.service.new_drafter(prompt, settings, tenant)
         except BaseException:
             self.service.stats.close_session()
             raise
-        self.table.add(key, drafter)
-        entry.seq = self.table.open[key]
+        entry.seq = self.table.add(key, drafter)
         entry.drafts = True
+
+    async def _open_on_thread(self, entries: list[_Entry]) -> None:
+        """Open the sequences of long prompts on a thread (the core indexes a prompt without
+        the GIL: the event loop answers other calls meanwhile). Until then each is held,
+        busy, so that another call naming it is ABORTED."""
+        new_drafter = self.service.new_drafter
+
+        def open_all() -> list:
+            out = []
+            for x in entries:
+                try:
+                    out.append(new_drafter(*x.opening))
+                except Exception as exc:  # noqa: BLE001 - the entry's own failure
+                    out.append(exc)
+            return out
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-batch")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, open_all)
+        self._in_flight.add(fut)
+        try:
+            made = await fut
+        finally:
+            self._in_flight.discard(fut)
+        failure = None
+        for x, drafter in zip(entries, made):
+            seq, x.opening = x.seq, None
+            seq.busy = False
+            if isinstance(drafter, BaseException):
+                failure = failure or (None if isinstance(drafter, Refusal) else drafter)
+                x.error = drafter if isinstance(drafter, Refusal) else None
+            elif self.table.open.get(seq.key) is not seq:  # ended meanwhile (shutdown)
+                drafter.close()
+                x.error = Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            else:
+                seq.drafter = drafter
+                continue
+            x.drafts = False
+            x.seq = None
+            self.table.end(seq)
+        if failure is not None:  # as the same open on the loop would have raised
+            raise failure
 
     def _close(self, entry: _Entry, key: tuple, close: draft_pb2.SequenceClose) -> None:
         seq = entry.seq = self._held(entry.sequence, key)
@@ -263,8 +331,8 @@ class BatchDrafting:
         if drafting:
             counts = np.array([len(x.accepted) if x.accepted is not None else 0
                                for x in drafting], np.uint32)
-            tokens = np.array([t for x in drafting if x.accepted for t in x.accepted],
-                              np.uint32)
+            parts = [np.array(x.accepted, np.uint32) for x in drafting if x.accepted]
+            tokens = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
             budgets = np.array([x.budget or 0 for x in drafting], np.uint32)
             if packed is not None and packed.seqs:
                 seqs += packed.seqs

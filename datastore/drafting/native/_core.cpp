@@ -2015,6 +2015,10 @@ struct SessionObject {
     SessionState* s;
 };
 
+// Indexing this many tokens at once is worth letting the GIL go (below it, handing the GIL
+// over and back could cost more than the indexing).
+constexpr size_t BIG_TOKENS = 4096;
+
 // Not inlined: the compiler would otherwise specialise its callers for this one object and
 // reach every field through the thread-local lookup, on each use.
 __attribute__((noinline)) Scratch& step_scratch() {
@@ -2103,7 +2107,13 @@ int Session_init(SessionObject* self, PyObject* args, PyObject*) {
     s->power = power;
     if (pld_max > 0) {
         s->pld.reset(new PromptIndex(pld_max, pld_min));
-        s->pld->extend(s->context, 0);
+        if (s->context.size() < BIG_TOKENS) {
+            s->pld->extend(s->context, 0);
+        } else {  // a long prompt: other threads (a server's event loop) run meanwhile
+            PyThreadState* save = PyEval_SaveThread();
+            s->pld->extend(s->context, 0);
+            PyEval_RestoreThread(save);
+        }
     }
     if (learned != Py_None) {
         Py_INCREF(learned);
@@ -2717,7 +2727,7 @@ PyObject* step_flat(PyObject*, PyObject* args) {
     }
     // Ask each Reader once whether it was closed (sessions of one snapshot share it): that
     // needs the GIL. The extends do not (the learned index has its own lock), so a big step
-    // (a long prompt's worth of tokens) lets other Python threads run while it is indexed.
+    // (BIG_TOKENS or more) lets other Python threads run while it is indexed.
     Scratch& scratch = step_scratch();
     std::vector<int32_t> status(n, 0), closed(n, 0);
     PyObject* last_store = nullptr;
@@ -2731,7 +2741,7 @@ PyObject* step_flat(PyObject*, PyObject* args) {
         closed[i] = store != nullptr && last_closed;
     }
     const uint32_t* tok = static_cast<const uint32_t*>(av.view.buf);
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState* save = static_cast<size_t>(total) >= BIG_TOKENS ? PyEval_SaveThread() : nullptr;
     for (Py_ssize_t i = 0; i < n; ++i) {
         if (cnt[i]) {
             scratch.tokens_in.assign(tok, tok + cnt[i]);
@@ -2739,7 +2749,7 @@ PyObject* step_flat(PyObject*, PyObject* args) {
             session_extend(st[i], scratch.tokens_in);
         }
     }
-    Py_END_ALLOW_THREADS
+    if (save != nullptr) PyEval_RestoreThread(save);
     std::vector<double> expected(n, 0.0);
     std::vector<uint8_t> used(n, 0);
     auto draft = [&](Py_ssize_t i, Scratch& sc) {

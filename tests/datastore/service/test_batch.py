@@ -537,6 +537,36 @@ def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
             same_tree(r.tree(0), s.step(big))
 
 
+def test_long_prompts_open_on_a_thread_and_draft_what_a_session_drafts(store, servers):
+    """Opens of prompts past what the server indexes on its event loop (16,384 tokens) are
+    indexed on a thread: beside short opens and steps of the same call they draft the
+    Session's trees, and a bad long prompt fails alone with its open's status."""
+    srv = servers.start(store, "--port", "0", "--max-context", "40000")
+    rng = random.Random(50)
+    long = [t for _ in range(400) for t in rng.choice(DOCS)][:30_000]
+    params = DraftParams(budget=32)
+    with DraftClient(srv.address, timeout=60) as c:
+        assert c.batch([SequenceOpen("short", DOCS[4][:20], params)], None, FP,
+                       client_id="e").errors == [None]
+        r = c.batch([SequenceOpen("long", long, params),
+                     SequenceOpen("bad", long[:20_000] + [VOCAB + 1], params),
+                     SequenceOpen("too-long", long + long[:10_001], params),
+                     SequenceStep("short", DOCS[4][20:23])], None, FP, client_id="e")
+        assert r.errors[0] is None and r.errors[3] is None
+        assert r.context_lens[0] == 30_000 and r.context_lens[3] == 23
+        assert "open.prompt: token id 513 is outside the vocabulary [0, 512)" in str(r.errors[1])
+        assert isinstance(r.errors[2], LimitExceeded)
+        assert "prompt of 40001 tokens exceeds max_context_len 40000" in str(r.errors[2])
+        step = c.batch([SequenceStep("long", DOCS[5][:3])], client_id="e")
+        assert step.errors == [None] and step.context_lens == [30_003]
+        assert isinstance(c.batch([SequenceStep("bad", [1])], client_id="e").errors[0],
+                          UnknownSequence)
+        with c.session(long, params, FP) as s:
+            same_tree(r.tree(0), s.draft)
+            same_tree(step.tree(0), s.step(DOCS[5][:3]))
+        assert c.stats()["sessions_active"] == 2
+
+
 def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers, until):
     """SIGTERM ends every open sequence (its output final), the server exits 0, and a
     restarted server drafts what they learned for the same tenant only."""
