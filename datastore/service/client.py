@@ -287,12 +287,14 @@ class PackedSteps:
                                  f"lists, {'no' if self.budgets is None else len(self.budgets)}"
                                  " budgets")
         counts = np.fromiter(map(len, self.accepted), np.int64, n)
-        if all(isinstance(a, np.ndarray) for a in self.accepted):
-            tokens = np.concatenate([*self.accepted, np.zeros(0, np.int64)])
+        if all(isinstance(a, np.ndarray) for a in self.accepted):  # an engine's rows
+            try:
+                tokens = np.concatenate([*self.accepted, np.zeros(0, np.int64)],
+                                        dtype=np.int64, casting="same_kind")
+            except TypeError:
+                raise InvalidRequest("accepted: token ids must be integers") from None
         else:
             tokens = np.array(list(itertools.chain.from_iterable(self.accepted)), np.int64)
-        if tokens.dtype.kind not in "iu" and len(tokens):
-            raise InvalidRequest(f"accepted: token ids must be integers, got {tokens.dtype}")
         if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= 1 << 31):
             raise InvalidRequest("accepted: token ids must be in [0, 2^31)")
         out.sequences.extend(self.sequences)
@@ -428,7 +430,8 @@ def _step_results(r: draft_pb2.PackedResults, steps: PackedSteps, address: str,
             r.failed_codes) or len(failed) != len(r.failed_messages) or (
             failed and not 0 <= min(failed) <= max(failed) < n):
         raise ServiceError(f"draft service {address}: the batch reply's step results do not "
-                           f"fit its {n} steps")
+                           f"fit its {n} steps (a server without packed steps? call with "
+                           "packed=False)")
     first = len(errors)
     sequences += steps.sequences
     errors += [None] * n

@@ -7,6 +7,7 @@ SequenceBatch reopens what the server lost."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
@@ -587,3 +588,17 @@ def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, s
         got = c.propose(prompt + secret[:10], learned_only, tenant="carol").tokens
         assert got[:5] == secret[10:15]
         assert c.propose(prompt + secret[:10], learned_only, tenant="dave").tokens == []
+
+
+@pytest.mark.parametrize("accepted,budgets,message", [
+    ([[1, -2]], None, "accepted: token ids must be in [0, 2^31)"),
+    ([np.array([1, 1 << 31])], None, "accepted: token ids must be in [0, 2^31)"),
+    ([np.array([1.5])], None, "accepted: token ids must be integers"),
+    ([[1]], [-1], "budget must be a non-negative integer, got -1"),
+    ([[1]], [1.5], "budget must be a non-negative integer, got 1.5"),
+    ([[1], [2]], None, "packed steps: 1 sequences, 2 accepted lists, no budgets"),
+])
+def test_packed_steps_refuse_what_step_entries_refuse_before_sending(accepted, budgets,
+                                                                     message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        PackedSteps(["a"], accepted, budgets).to_proto(draft_pb2.PackedSteps())
