@@ -153,6 +153,20 @@ def batch_report(address: str, docs: list[list[int]], fp: str, params: DraftPara
     }
 
 
+def empty_call_ms(address: str, calls: int = 2000) -> float:
+    """Median wall time of a `Batch` call carrying nothing: what gRPC and its Python cost per
+    call over this connection, whatever is drafted."""
+    with DraftClient(address, timeout=30, own_connection=True) as client:
+        for _ in range(calls // 10):
+            client.batch([])
+        wall = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            client.batch([])
+            wall.append(time.perf_counter() - t0)
+    return statistics.median(wall) * 1e3
+
+
 def same_replay(addresses: list[str], docs: list[list[int]], fp: str, params: DraftParams,
                 n: int, calls: int) -> list[float]:
     """The same replay (seed, calls) on each server: its accepted tokens per step."""
