@@ -2769,9 +2769,12 @@ PyObject* step_flat(PyObject*, PyObject* args) {
     if (nt == 1) {
         for (Py_ssize_t i = 0; i < n; ++i) draft(i, scratch);
     } else {
+        // Threads of its own (step_batch's serve one batch at a time under step_batch's lock),
+        // serving one flat step at a time.
+        static Workers* flat_workers = new Workers();  // never destroyed, as workers()
         static std::mutex one_flat_batch_at_a_time;
         std::lock_guard<std::mutex> lock(one_flat_batch_at_a_time);
-        workers().run(nt, [&](int t) {
+        flat_workers->run(nt, [&](int t) {
             Scratch& sc = step_scratch();
             for (Py_ssize_t i = t; i < n; i += nt) draft(i, sc);
         });
