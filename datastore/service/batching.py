@@ -211,6 +211,8 @@ class BatchDrafting:
         opening = [x for x in entries if x.opening is not None]
         if opening:
             await self._open_on_thread(opening)
+            if self.service.stopping:  # shutdown ends every sequence once `idle`: no drafting
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         drafting = [x for x in entries if x.drafts]
         out = None
         if drafting or (packed is not None and packed.seqs):
