@@ -209,20 +209,52 @@ class BatchEntry(_message.Message):
     def __init__(self, sequence: _Optional[str] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., close: _Optional[_Union[SequenceClose, _Mapping]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("client", "entries", "params", "tokenizer_fingerprint", "tenant", "chain")
+    __slots__ = ("client", "entries", "params", "tokenizer_fingerprint", "tenant", "chain", "steps")
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     client: str
     entries: _containers.RepeatedCompositeFieldContainer[BatchEntry]
     params: DraftParams
     tokenizer_fingerprint: str
     tenant: str
     chain: int
-    def __init__(self, client: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., chain: _Optional[int] = ...) -> None: ...
+    steps: PackedSteps
+    def __init__(self, client: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., chain: _Optional[int] = ..., steps: _Optional[_Union[PackedSteps, _Mapping]] = ...) -> None: ...
+
+class PackedSteps(_message.Message):
+    __slots__ = ("sequences", "accepted", "counts", "budgets")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedScalarFieldContainer[str]
+    accepted: bytes
+    counts: bytes
+    budgets: bytes
+    def __init__(self, sequences: _Optional[_Iterable[str]] = ..., accepted: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., budgets: _Optional[bytes] = ...) -> None: ...
+
+class PackedResults(_message.Message):
+    __slots__ = ("nodes", "context_lens", "match_lens", "expected_accepted", "failed", "failed_codes", "failed_messages")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_CODES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    nodes: bytes
+    context_lens: bytes
+    match_lens: bytes
+    expected_accepted: bytes
+    failed: _containers.RepeatedScalarFieldContainer[int]
+    failed_codes: _containers.RepeatedScalarFieldContainer[int]
+    failed_messages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, nodes: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., match_lens: _Optional[bytes] = ..., expected_accepted: _Optional[bytes] = ..., failed: _Optional[_Iterable[int]] = ..., failed_codes: _Optional[_Iterable[int]] = ..., failed_messages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchResult(_message.Message):
     __slots__ = ("sequence", "code", "message", "nodes", "context_len", "match_len", "expected_accepted", "pld_match_len", "learned_match_len")
@@ -259,11 +291,13 @@ class PackedTrees(_message.Message):
     def __init__(self, tokens: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., sources: _Optional[bytes] = ...) -> None: ...
 
 class BatchReply(_message.Message):
-    __slots__ = ("results", "trees", "server_us")
+    __slots__ = ("results", "trees", "server_us", "steps")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
     SERVER_US_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[BatchResult]
     trees: PackedTrees
     server_us: float
-    def __init__(self, results: _Optional[_Iterable[_Union[BatchResult, _Mapping]]] = ..., trees: _Optional[_Union[PackedTrees, _Mapping]] = ..., server_us: _Optional[float] = ...) -> None: ...
+    steps: PackedResults
+    def __init__(self, results: _Optional[_Iterable[_Union[BatchResult, _Mapping]]] = ..., trees: _Optional[_Union[PackedTrees, _Mapping]] = ..., server_us: _Optional[float] = ..., steps: _Optional[_Union[PackedResults, _Mapping]] = ...) -> None: ...

@@ -19,6 +19,7 @@ import numpy as np
 from redraft.datastore.service.client import (
     DraftClient,
     DraftParams,
+    PackedSteps,
     SequenceEnd,
     SequenceOpen,
     SequenceStep,
@@ -65,55 +66,71 @@ class Replay:
 
 
 def run_batches(address: str, docs: list[list[int]], fp: str, params: DraftParams, n: int,
-                seed: int, until: float, max_calls: int) -> dict:
+                seed: int, until: float, max_calls: int, packed: bool = True) -> dict:
     """Replay `n` sequences until `until` or `max_calls` calls: per call its wall time and
-    the server's (s); per sequence-step the tokens accepted."""
+    the server's (s); per sequence-step the tokens accepted. Each call carries the ends and
+    opens as entries, then the steps (packed, as engines' SequenceBatch sends them, or as
+    entries with `packed` False)."""
     replay = Replay(docs, n, seed)
     ids = [str(i) for i in range(n)]
     wall: list[float] = []
     server: list[float] = []
     accepted: list[int] = []
     with DraftClient(address, timeout=30, own_connection=True) as client:
-        entries = replay.opens()
+        entries, steps = replay.opens(), PackedSteps([], [])
+        where = list(range(n))  # each sequence's result in the call
         while time.monotonic() < until and len(wall) < max_calls:
             t0 = time.perf_counter()
-            r = client.batch(entries, params, fp, client_id=f"bench-{seed}")
+            if packed:
+                r = client.batch(entries, params, fp, client_id=f"bench-{seed}", steps=steps)
+            else:
+                r = client.batch(entries + [SequenceStep(s, a) for s, a in zip(
+                    steps.sequences, steps.accepted)], params, fp, client_id=f"bench-{seed}",
+                    packed=False)
             wall.append(time.perf_counter() - t0)
             server.append(r.server_us * 1e-6)
             bad = [e for e in r.errors if e is not None]
             if bad:
                 raise SystemExit(f"bench: a batch entry failed: {bad[0]}")
-            entries = []
-            offset = 0 if len(r) == n else len(r) - n  # closes come first, without a tree
+            ends, opens, steps = [], [], PackedSteps([], [])
+            stepping = []
             for i in range(n):
                 doc, pos = replay.cursor[i]
-                a, b = int(r.offsets[offset + i]), int(r.offsets[offset + i + 1])
+                a, b = int(r.offsets[where[i]]), int(r.offsets[where[i] + 1])
                 k = matched(r.tokens[a:b], r.parents[a:b], doc[pos:pos + 64]) + 1
                 accepted.append(k)
                 pos += k
                 if pos + 8 >= len(doc):  # the generation ends; another one starts
-                    entries.insert(0, SequenceEnd(ids[i], doc[replay.cursor[i][1]:pos]))
+                    ends.append(SequenceEnd(ids[i], doc[replay.cursor[i][1]:pos]))
                     ids[i] = str(replay.next_id)
                     replay.next_id += 1
                     replay.cursor[i] = replay._new_doc()
-                    entries.append(SequenceOpen(ids[i], replay.cursor[i][0][:PROMPT_TOKENS]))
+                    where[i] = len(opens)
+                    opens.append(SequenceOpen(ids[i], replay.cursor[i][0][:PROMPT_TOKENS]))
                     continue
-                entries.append(SequenceStep(ids[i], doc[replay.cursor[i][1]:pos]))
+                stepping.append(i)
+                steps.sequences.append(ids[i])
+                steps.accepted.append(doc[replay.cursor[i][1]:pos])
                 replay.cursor[i] = (doc, pos)
+            entries = ends + opens  # ends first: their results come without a tree
+            for i in range(n):
+                where[i] += len(ends)
+            for j, i in enumerate(stepping):
+                where[i] = len(entries) + j
         client.batch([SequenceEnd(s) for s in ids], client_id=f"bench-{seed}")
     return {"wall": wall, "server": server, "accepted": accepted}
 
 
 def batch_report(address: str, docs: list[list[int]], fp: str, params: DraftParams, n: int,
-                 seconds: float, clients: int = 1) -> dict:
+                 seconds: float, clients: int = 1, packed: bool = True) -> dict:
     """`clients` engines (threads, a connection each: one per server worker) of `n`
     sequences each, for `seconds` after a short warm-up."""
-    run_batches(address, docs, fp, params, n, 999, time.monotonic() + 1.0, 10**9)
+    run_batches(address, docs, fp, params, n, 999, time.monotonic() + 1.0, 10**9, packed)
     until = time.monotonic() + seconds
     results: list[dict] = [{}] * clients
 
     def one(j: int) -> None:
-        results[j] = run_batches(address, docs, fp, params, n, j, until, 10**9)
+        results[j] = run_batches(address, docs, fp, params, n, j, until, 10**9, packed)
 
     threads = [threading.Thread(target=one, args=(j,)) for j in range(clients)]
     t0 = time.monotonic()
@@ -126,7 +143,7 @@ def batch_report(address: str, docs: list[list[int]], fp: str, params: DraftPara
     server = [x * 1e3 for r in results for x in r["server"]]
     calls = len(wall)
     return {
-        "batch": n, "clients": clients, "calls": calls,
+        "batch": n, "clients": clients, "calls": calls, "steps_packed": packed,
         "batch_step_p50_ms": statistics.median(server), "batch_step_p99_ms": pct(server, 0.99),
         "per_sequence_p50_us": statistics.median(server) * 1e3 / n,
         "loopback_p50_ms": statistics.median(wall), "loopback_p99_ms": pct(wall, 0.99),
@@ -134,6 +151,20 @@ def batch_report(address: str, docs: list[list[int]], fp: str, params: DraftPara
         "steps_per_s": calls * n / elapsed,
         "accepted_per_step": statistics.fmean(a for r in results for a in r["accepted"]),
     }
+
+
+def empty_call_ms(address: str, calls: int = 2000) -> float:
+    """Median wall time of a `Batch` call carrying nothing: what gRPC and its Python cost per
+    call over this connection, whatever is drafted."""
+    with DraftClient(address, timeout=30, own_connection=True) as client:
+        for _ in range(calls // 10):
+            client.batch([])
+        wall = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            client.batch([])
+            wall.append(time.perf_counter() - t0)
+    return statistics.median(wall) * 1e3
 
 
 def same_replay(addresses: list[str], docs: list[list[int]], fp: str, params: DraftParams,

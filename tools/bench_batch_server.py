@@ -1,12 +1,13 @@
 """Benchmark of the Python around the compiled core in a batched call, in-process (no gRPC,
-no second process): the server's `BatchDrafting.run` against the `step_batch` it calls, and
-the client's building of the request and reading of the reply.
+no second process): the server's `BatchDrafting.run` against the core's step it calls
+(`step_flat`), and the client's building of the request and reading of the reply.
 
     python tools/bench_batch_server.py --datastore data/stdlib --batch 64
 
 Each call carries --batch sequences replaying held-out code (this project's own sources): a
 128-token prompt, then 1-4 accepted tokens per step; a finished document opens a new
-sequence in its place. The request and the reply go through their wire bytes, as over gRPC.
+sequence in its place. Opens go as entries, steps packed (`--entries`: every step an entry of
+its own, the older form). The request and the reply go through their wire bytes, as over gRPC.
 Times are the medians of wall-clock times in this process (learning on, journaled, as
 `redraft serve` has it); on a shared machine they also count the time others held the CPU.
 """
@@ -28,6 +29,7 @@ from bench_service import held_out_tokens
 from redraft.datastore import Reader
 from redraft.datastore.service.client import (
     DraftParams,
+    PackedSteps,
     SequenceOpen,
     SequenceStep,
     _add_entry,
@@ -43,7 +45,7 @@ PROMPT_TOKENS = 128
 
 
 async def measure(service: DrafterService, docs: list[list[int]], n: int, steps: int,
-                  params: DraftParams, seed: int) -> dict:
+                  params: DraftParams, seed: int, packed: bool = True) -> dict:
     rng = random.Random(seed)
     cursors: list[list] = [[] for _ in range(n)]  # [document, position] per sequence
     fp = service.checks.fingerprint
@@ -55,15 +57,15 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
         return SequenceOpen(str(i), doc[start:start + PROMPT_TOKENS], params)
 
     core: list[float] = []
-    step_batch = batching.step_batch
+    step_flat = batching.step_flat
 
-    def timed_step_batch(*args):
+    def timed_step_flat(*args):
         t = time.perf_counter()
-        out = step_batch(*args)
+        out = step_flat(*args)
         core.append(time.perf_counter() - t)
         return out
 
-    batching.step_batch = timed_step_batch
+    batching.step_flat = timed_step_flat
     run: list[float] = []
     pack: list[float] = []
     parse: list[float] = []
@@ -72,6 +74,13 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
         for _ in range(steps):
             t = time.perf_counter()
             req = draft_pb2.BatchRequest(client="bench", tokenizer_fingerprint=fp)
+            packing = None
+            if packed:
+                stepping = [e for e in entries if e.__class__ is SequenceStep]
+                entries = [e for e in entries if e.__class__ is not SequenceStep]
+                packing = PackedSteps([e.sequence for e in stepping],
+                                      [e.accepted for e in stepping])
+                packing.to_proto(req.steps)
             for e in entries:
                 _add_entry(req.entries.add, e)
             wire = req.SerializeToString()
@@ -82,7 +91,8 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
             run.append(time.perf_counter() - t)
             wire = reply.SerializeToString()
             t = time.perf_counter()
-            results = _batch_results(draft_pb2.BatchReply.FromString(wire), "in-process")
+            results = _batch_results(draft_pb2.BatchReply.FromString(wire), "in-process",
+                                     packing)
             parse.append(time.perf_counter() - t)
             if any(results.errors):
                 raise SystemExit(f"a sequence failed: {next(e for e in results.errors if e)}")
@@ -95,14 +105,14 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
                 entries.append(SequenceStep(str(i), doc[pos:pos + k]))
                 cursors[i][1] = pos + k
     finally:
-        batching.step_batch = step_batch
+        batching.step_flat = step_flat
     warm = slice(min(50, steps // 10), None)
 
     def ms(values: list[float]) -> float:
         return round(statistics.median(values[warm]) * 1e3, 4)
 
     return {"sequences": n, "calls": len(run[warm]), "run_p50_ms": ms(run),
-            "step_batch_p50_ms": ms(core),
+            "steps_packed": packed, "step_flat_p50_ms": ms(core),
             "around_core_p50_ms": ms([a - b for a, b in zip(run, core)]),
             "client_pack_p50_ms": ms(pack), "client_parse_p50_ms": ms(parse)}
 
@@ -115,6 +125,8 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--entries", action="store_true",
+                    help="every step an entry of its own (the older form) instead of packed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     reader = Reader(args.datastore)
@@ -125,7 +137,7 @@ def main() -> int:
     load = os.getloadavg()[0]
     report = asyncio.run(measure(service, docs, args.batch, args.steps,
                                  DraftParams(budget=args.budget, max_depth=args.depth),
-                                 args.seed))
+                                 args.seed, not args.entries))
     report["load_average_before"] = round(load, 2)
     reader.close()
     if args.json:
@@ -133,7 +145,7 @@ def main() -> int:
     else:
         print(f"{report['sequences']} sequences per call, {report['calls']} calls (load "
               f"{report['load_average_before']}): run p50 {report['run_p50_ms']:.3f} ms, of "
-              f"which step_batch {report['step_batch_p50_ms']:.3f} ms, the rest "
+              f"which step_flat {report['step_flat_p50_ms']:.3f} ms, the rest "
               f"{report['around_core_p50_ms']:.3f} ms; client builds the request in "
               f"{report['client_pack_p50_ms']:.3f} ms, reads the reply in "
               f"{report['client_parse_p50_ms']:.3f} ms")

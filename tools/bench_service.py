@@ -15,7 +15,9 @@ steps between the two, so the latency ratio is measured under the same load.
 `--batch 1,8,64` measures the batched RPC instead (tools/bench_batch_replay.py): per batch
 size, the server's time per call (`batch_step_p50_ms`, `batch_step_p99_ms`, from the reply's
 `server_us`), per sequence-step (`per_sequence_p50_us`), the call over loopback
-(`loopback_p50_ms`) and sequence-steps per second, with one engine per server worker; then
+(`loopback_p50_ms`; `empty_call_p50_ms`: a call carrying nothing, what gRPC alone costs) and
+sequence-steps per second, with one engine per server worker (steps packed, as engines'
+SequenceBatch sends them; `--batch-entries`: one entry per step, the older form); then
 the same replay on a compiled-core server and a Python-reference server (learning off, so
 neither learns from the other's logs), whose accepted tokens per step must be equal.
 
@@ -43,7 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redraft.datastore.service.client import DraftClient, DraftParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_batch_replay import batch_report, same_replay  # noqa: E402
+from bench_batch_replay import batch_report, empty_call_ms, same_replay  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,6 +191,9 @@ def main() -> int:
                     help="measure the batched RPC at these batch sizes instead of sessions")
     ap.add_argument("--batch-seconds", type=float, default=8.0,
                     help="time per batch size (--batch)")
+    ap.add_argument("--batch-entries", action="store_true",
+                    help="send every step as an entry of its own (the older form) instead of "
+                    "packed (--batch)")
     ap.add_argument("--reference-calls", type=int, default=40,
                     help="calls of the core-against-reference replay (--batch; 0 = skip)")
     ap.add_argument("--serve-arg", action="append", metavar="ARG",
@@ -325,8 +330,10 @@ def batch_main(args) -> int:
         params = DraftParams(budget=args.budget, max_depth=args.depth, sources=sources)
         report: dict = {"datastore_tokens": info.n_tokens, "workers": args.workers,
                         "budget": args.budget, "depth": args.depth, "learn": args.learn,
+                        "empty_call_p50_ms": empty_call_ms(address),
                         "batches": [batch_report(address, docs, fp, params, n,
-                                                 args.batch_seconds, args.workers)
+                                                 args.batch_seconds, args.workers,
+                                                 not args.batch_entries)
                                     for n in sizes]}
     finally:
         proc.terminate()
@@ -348,7 +355,8 @@ def batch_main(args) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"datastore {report['datastore_tokens']:,} tokens, server workers {args.workers}, "
-          f"budget {args.budget}, depth {args.depth}, learn {args.learn}")
+          f"budget {args.budget}, depth {args.depth}, learn {args.learn}; a call carrying "
+          f"nothing takes {report['empty_call_p50_ms']:.3f} ms over loopback")
     for b in report["batches"]:
         print(f"batch {b['batch']:>3} x {b['clients']} engine(s): server p50 "
               f"{b['batch_step_p50_ms']:.3f} ms, p99 {b['batch_step_p99_ms']:.3f} ms, "

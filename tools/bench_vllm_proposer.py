@@ -151,7 +151,7 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [int(s) for s in args.batch.split(",") if s.strip()]
     server_args = SimpleNamespace(datastore=args.datastore, workers=1, budget=args.budget,
-                                  learn_max_tokens=100_000)
+                                  learn_max_tokens=100_000, serve_arg=None)
     results, docs = [], None
     for n in sizes:  # a fresh server per size: its Stats are this size's alone
         # finished rows' sequences are held for a few steps after they leave: room for them

@@ -14,7 +14,7 @@ This `__init__` is the whole surface the decoder drafts through on the datastore
 `new_learned_index` give the implementation in use (identical trees, compiled by default).
 """
 
-from redraft.datastore.drafting.batch import BatchStep, step_batch
+from redraft.datastore.drafting.batch import BatchStep, step_batch, step_flat
 from redraft.datastore.drafting.implementation import (
     DRAFTING_ENV,
     new_learned_index,
@@ -49,5 +49,6 @@ __all__ = [
     "prompt_lookup",
     "retrieval_tree",
     "step_batch",
+    "step_flat",
     "uses_native",
 ]

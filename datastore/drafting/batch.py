@@ -14,7 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from redraft.datastore.drafting.native import NativeSessionDrafter, native_step
+from redraft.datastore.drafting.native import (
+    NativeSessionDrafter,
+    native_step,
+    native_step_flat,
+)
 from redraft.datastore.drafting.session import SessionDrafter
 from redraft.proto.tree import Tree, best_chain, source_bits, source_label
 
@@ -36,6 +40,7 @@ class BatchStep:
     expected: np.ndarray  # float64 per sequence: the tree's expected accepted tokens
     used: np.ndarray  # uint8 per sequence: the OR of its nodes' source bits
     errors: dict[int, Exception]
+    context_lens: np.ndarray | None = None  # uint64 per sequence after the step (step_flat)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -60,6 +65,25 @@ def step_batch(drafters: Sequence[SessionDrafter | NativeSessionDrafter],
     if drafters and all(d.__class__ is NativeSessionDrafter for d in drafters):
         return BatchStep(*native_step(drafters, accepted, budgets, threads, chain))
     return _reference_step(drafters, accepted, budgets, chain)
+
+
+def step_flat(drafters: Sequence[SessionDrafter | NativeSessionDrafter], tokens: np.ndarray,
+              counts: np.ndarray, budgets: np.ndarray | None = None, chain: int = 0,
+              threads: int = 1) -> BatchStep:
+    """step_batch with the accepted tokens as flat arrays (what the service's packed steps
+    carry, without a list per sequence): drafter i accepts the next counts[i] of `tokens`
+    (uint32 ids within the vocabulary) and drafts with budgets[i] nodes (uint32, 0: its
+    settings'). Also gives every drafter's context length after the step. Probs are float32
+    from the core, float64 from the reference."""
+    if drafters and all(d.__class__ is NativeSessionDrafter for d in drafters):
+        return BatchStep(*native_step_flat(drafters, tokens, counts, budgets, threads, chain))
+    ends = np.cumsum(counts).tolist()
+    flat = tokens.tolist()
+    accepted = [flat[b - c:b] if c else None for b, c in zip(ends, counts.tolist())]
+    out = _reference_step(drafters, accepted, None if budgets is None else
+                          [int(b) or None for b in budgets.tolist()], chain)
+    out.context_lens = np.array([len(d) for d in drafters], np.uint64)
+    return out
 
 
 def _reference_step(drafters, accepted, budgets, chain: int) -> BatchStep:

@@ -102,13 +102,43 @@ class JournaledOutput:
         has one (one lock per step, not one per sequence); the rest one by one, in order."""
         batches: dict[int, tuple[OutputJournal, list]] = {}
         for journaled, tokens in items:
-            journal = journaled.journal
-            if journaled.output is None or not hasattr(journal, "append_all"):
+            output = journaled.output
+            if output is None:
                 journaled.record(tokens)
-            elif len(tokens):
-                batches.setdefault(id(journal), (journal, []))[1].append(
-                    (journaled.output, tokens))
+                continue
+            journal = journaled.journal
+            batch = batches.get(id(journal))
+            if batch is None:
+                if not hasattr(journal, "append_all"):
+                    journaled.record(tokens)
+                    continue
+                batch = batches[id(journal)] = (journal, [])
+            if len(tokens):
+                batch[1].append((output, tokens))
         for journal, pairs in batches.values():
+            journal.append_all(pairs)
+
+    @staticmethod
+    def record_flat(journaled: Sequence[JournaledOutput | None], tokens: list[int],
+                    counts: list[int]) -> None:
+        """record_all() with the tokens concatenated: outputs[i] (None: not journaled) got
+        the next counts[i] of `tokens`. One pass, no pair per output made on the way (a
+        batched step's packed tokens)."""
+        pairs: list = []
+        journal = None  # the one journal of the outputs already begun (a server has one)
+        end = 0
+        for j, c in zip(journaled, counts):
+            end += c
+            if j is None or not c:
+                continue
+            output = j.output
+            if output is not None and (j.journal is journal or (
+                    journal is None and hasattr(j.journal, "append_all"))):
+                journal = j.journal
+                pairs.append((output, tokens[end - c:end]))
+            else:
+                j.record(tokens[end - c:end])
+        if pairs:
             journal.append_all(pairs)
 
     def end(self) -> None:

@@ -27,9 +27,9 @@ from redraft.datastore.service.client import (
     DraftClient,
     DraftParams,
     LimitExceeded,
+    PackedSteps,
     SequenceEnd,
     SequenceOpen,
-    SequenceStep,
     ServiceError,
     ServiceUnavailable,
     UnknownSequence,
@@ -111,26 +111,26 @@ class SequenceBatch:
         errors: dict[Hashable, ServiceError] = {}
         index: dict[Hashable, int] = {}
         ends = self._ends(end, None)
-        entries = self._entries(list(contexts), contexts, budgets, errors)
+        opens, steps = self._entries(list(contexts), contexts, budgets, errors)
         first = len(ends)  # ends go first: the slots they free serve this call's opens
         try:
-            results = self._call(ends + entries)
+            results = self._call(ends + opens, steps)
         except ServiceUnavailable:
-            if not any(isinstance(e, SequenceStep) for e in entries):
+            if not steps:
                 raise
             # Restarted, or failed over: whoever answers now holds none of these sequences.
             self.reopened += len(self._held)
             self._held.clear()
             errors.clear()
-            entries = self._entries(list(contexts), contexts, budgets, errors)
-            results, first = self._call(entries), 0
-        lost = self._collect(entries, results, contexts, index, errors, first, 0)
+            opens, steps = self._entries(list(contexts), contexts, budgets, errors)
+            results, first = self._call(opens, steps), 0
+        lost = self._collect(opens, steps, results, contexts, index, errors, first, 0)
         if lost:  # swept or never there: open them again, whole, at once
             self.reopened += len(lost)
-            again = self._entries(lost, contexts, budgets, errors)
-            second = self._call(again)
+            again, none = self._entries(lost, contexts, budgets, errors)
+            second = self._call(again, none)
             base = len(results) if results is not None else 0
-            self._collect(again, second, contexts, index, errors, 0, base)
+            self._collect(again, none, second, contexts, index, errors, 0, base)
             results = _joined(results, second) if results is not None else second
         return SequenceDrafts(results, index, errors)
 
@@ -177,23 +177,31 @@ class SequenceBatch:
             self._next_id += 1
         return sid
 
-    def _entries(self, keys: list, contexts, budgets, errors: dict) -> list:
+    def _entries(self, keys: list, contexts, budgets, errors: dict
+                 ) -> tuple[list[SequenceOpen], PackedSteps]:
         """A step for each sequence the server holds and whose context extends what it
-        holds; an open for every other one (none for sticky failures and contexts over the
-        server's limit, which go to `errors`)."""
-        entries = []
+        holds (all packed together); an open for every other one (none for sticky failures
+        and contexts over the server's limit, which go to `errors`)."""
+        opens = []
+        steps = PackedSteps([], [], [] if budgets is not None else None)
+        step_ids, step_tokens, step_budgets = steps.sequences, steps.accepted, steps.budgets
+        held_of, failed_of, id_of = self._held.get, self._failed.get, self._ids.get
         for key in keys:
-            failed = self._failed.get(key)
+            failed = failed_of(key)
             if failed is not None:
                 errors[key] = failed
                 continue
             ctx = contexts[key]
             n = len(ctx)
-            budget = int(budgets.get(key, 0)) if budgets is not None else 0
-            held = self._held.get(key)
+            # a key without a budget of its own takes the params' (not the one it opened with)
+            budget = int(budgets.get(key, 0)) or self.params.budget if budgets is not None else 0
+            held = held_of(key)
             if held is not None and held[0] <= n and (
                     held[0] == 0 or int(ctx[held[0] - 1]) == held[1]):
-                entries.append(SequenceStep(self._id(key), ctx[held[0]:], budget))
+                step_ids.append(id_of(key) or self._id(key))
+                step_tokens.append(ctx[held[0]:])
+                if step_budgets is not None:
+                    step_budgets.append(budget)
                 continue
             self._held.pop(key, None)
             limit = self._limit()
@@ -207,29 +215,36 @@ class SequenceBatch:
             if budget:
                 params = DraftParams(budget, params.max_depth, params.sources, params.corpora,
                                      params.min_match_len, params.max_match_len)
-            entries.append(SequenceOpen(self._id(key), ctx, params, self.tenant))
-        return entries
+            opens.append(SequenceOpen(self._id(key), ctx, params, self.tenant))
+        return opens, steps
 
-    def _collect(self, entries: list, results: BatchResults | None, contexts, index: dict,
-                 errors: dict, first: int, base: int) -> list:
-        """Record each entry's outcome (its result is `results`' `first + i`-th, the
-        `base + first + i`-th of the call's joined results); returns the keys whose steps met
-        a server that did not hold their sequence."""
+    def _collect(self, opens: list[SequenceOpen], steps: PackedSteps,
+                 results: BatchResults | None, contexts, index: dict, errors: dict,
+                 first: int, base: int) -> list:
+        """Record each open's and step's outcome (their results are `results`' from
+        `first` on, opens then steps; the `base + first + i`-th of the call's joined
+        results); returns the keys whose steps met a server that did not hold their
+        sequence."""
         lost = []
         if results is None:
             return lost
-        for i, entry in enumerate(entries, start=first):
-            key = self._keys[entry.sequence]
-            err = results.errors[i]
+        keys = self._keys
+        held = self._held
+        n_opens = len(opens)
+        sids = [e.sequence for e in opens] + steps.sequences if opens else steps.sequences
+        res_errors, lens = results.errors, results.context_lens
+        for i, sid in enumerate(sids, start=first):
+            key = keys[sid]
+            err = res_errors[i]
             if err is None:
                 ctx = contexts[key]
-                self._held[key] = (results.context_lens[i], int(ctx[-1]) if len(ctx) else -1)
+                held[key] = (lens[i], int(ctx[-1]) if len(ctx) else -1)
                 index[key] = base + i
-            elif isinstance(err, UnknownSequence) and isinstance(entry, SequenceStep):
-                self._held.pop(key, None)
+            elif isinstance(err, UnknownSequence) and i - first >= n_opens:
+                held.pop(key, None)
                 lost.append(key)
             else:  # the server ended the sequence: open it afresh next time, unless the
-                self._held.pop(key, None)  # same context would fail again
+                held.pop(key, None)  # same context would fail again
                 if err.code in _STICKY:
                     self._failed[key] = err
                 errors[key] = err
@@ -245,11 +260,12 @@ class SequenceBatch:
             self._max_context = int(info.limits.get("max_context_len") or 0)
         return self._max_context or None
 
-    def _call(self, entries: list) -> BatchResults | None:
-        if not entries:
+    def _call(self, entries: list, steps: PackedSteps | None = None) -> BatchResults | None:
+        if not entries and not steps:
             return None
         return self.client.batch(entries, self.params, self.fingerprint, self.tenant,
-                                 self.chain, self.client_id, self.timeout)
+                                 self.chain, self.client_id, self.timeout,
+                                 steps=steps or None)
 
 
 def _joined(a: BatchResults, b: BatchResults) -> BatchResults:

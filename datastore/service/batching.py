@@ -9,13 +9,21 @@ meet. Every entry is checked as a session's request would be; an entry that fail
 sequence (as a session would end) with the status and message the session would get, in its
 own result, and never touches the other entries.
 
-Drafting: every sequence of the call is extended, then all draft (`drafting.step_batch`):
+Drafting: every sequence of the call is extended, then all draft (`drafting.step_flat`):
 one call into the core, without the GIL. Small batches draft inline on the event loop (a
 hand-off to a thread costs more than they do); from `batch_offload_min` sequences on, or
 when the call's steps add more than OFFLOAD_TOKENS tokens (a step may add up to
 max_context_len: tens of ms of indexing), the call drafts on a thread so the loop goes on
-answering other calls and health checks. Only compiled drafters go to a thread: the core's
-learned index is locked, the Python reference's is not (it is for debugging).
+answering other calls and health checks. Opens of prompts of OPEN_OFFLOAD_TOKENS or more are
+indexed on that thread too, before the drafting. Only compiled drafters go to a thread: the
+core's learned index is locked, the Python reference's is not (it is for debugging).
+
+Packed steps (`BatchRequest.steps`, an engine's common call: every running sequence steps)
+take a path without a Python object per sequence where one can be avoided: the packing is
+checked as a whole, the tokens against the vocabulary with one max over all of them, the
+budgets and context lengths (each sequence's length is kept beside it) as arrays; the core
+steps every sequence from the flat arrays (`drafting.step_flat`) and the reply's per-step
+results are a few arrays' bytes. A bad step gets exactly what its step entry would get.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
-from redraft.datastore.drafting import BatchStep, step_batch
+from redraft.datastore.drafting import BatchStep, step_flat
+from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
@@ -39,18 +48,21 @@ _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _SWEPT_REMEMBERED = 4096  # ids of swept sequences kept to say why they are gone
 OFFLOAD_TOKENS = 1 << 16  # about 20 ms of indexing in the core
+OPEN_OFFLOAD_TOKENS = 1 << 14  # a prompt this long is indexed on a thread: about 1.5 ms
 
 
 class BatchedSequence:
     """One sequence held between calls."""
 
-    __slots__ = ("key", "drafter", "since", "busy")
+    __slots__ = ("key", "drafter", "since", "busy", "length")
 
-    def __init__(self, key: tuple, drafter) -> None:
+    def __init__(self, key: tuple, drafter, length: int | None = None) -> None:
         self.key = key
-        self.drafter = drafter
+        self.drafter = drafter  # None while a thread opens it (busy then)
         self.since = time.monotonic()  # last used
-        self.busy = False  # a call is drafting it on a thread
+        self.busy = False  # a call is drafting (or opening) it on a thread
+        # tokens of its context (kept here: no call per check)
+        self.length = len(drafter) if length is None else length
 
 
 class SequenceTable:
@@ -67,10 +79,11 @@ class SequenceTable:
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())
 
-    def add(self, key: tuple, drafter) -> None:
+    def add(self, key: tuple, drafter, length: int | None = None) -> BatchedSequence:
         """Hold a new sequence (its slot was taken by `take_slot`)."""
-        self.open[key] = BatchedSequence(key, drafter)
+        seq = self.open[key] = BatchedSequence(key, drafter, length)
         self.swept.pop(key, None)
+        return seq
 
     def take_slot(self) -> None:
         if not self.stats.try_open_session(self.config.max_sessions):
@@ -82,7 +95,8 @@ class SequenceTable:
         """The sequence is over: its output is final, its slot free."""
         if self.open.pop(seq.key, None) is seq:
             try:
-                seq.drafter.close()
+                if seq.drafter is not None:  # else the thread opening it closes it
+                    seq.drafter.close()
             finally:
                 self.stats.close_session()
 
@@ -117,7 +131,7 @@ class SequenceTable:
 class _Entry:
     """One entry of a call on its way through: its result so far, and what it drafts."""
 
-    __slots__ = ("sequence", "seq", "accepted", "budget", "error", "drafts")
+    __slots__ = ("sequence", "seq", "accepted", "budget", "error", "drafts", "opening")
 
     def __init__(self, sequence: str) -> None:
         self.sequence = sequence
@@ -126,6 +140,7 @@ class _Entry:
         self.budget: int | None = None
         self.error: Refusal | None = None
         self.drafts = False
+        self.opening: tuple | None = None  # (prompt, settings, tenant) to open on a thread
 
 
 class BatchDrafting:
@@ -137,6 +152,7 @@ class BatchDrafting:
         self.table = SequenceTable(service.config, service.stats)
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight: set[asyncio.Future] = set()
+        self._native = uses_native(service.config.drafting)  # the core's drafters
 
     async def idle(self) -> None:
         """Wait until the calls drafting on a thread now are done (a snapshot retired now may
@@ -158,6 +174,7 @@ class BatchDrafting:
         if request.chain > self.config.max_budget:
             raise bad(f"chain {request.chain} exceeds the server's max_budget "
                       f"{self.config.max_budget}")
+        packed = _PackedSteps(request.steps) if request.HasField("steps") else None
         if request.tokenizer_fingerprint:  # one caller has one tokenizer: checked once
             checks.check_fingerprint(request.tokenizer_fingerprint, required=True)
         defaults = _Defaults(self, request, auth)
@@ -189,21 +206,30 @@ class BatchDrafting:
                 if entry.seq is not None:  # a sequence ends with its failed request
                     self.table.end(entry.seq)
                     entry.seq = None
+        if packed is not None:
+            packed.check(self, auth, client, seen)
+        opening = [x for x in entries if x.opening is not None]
+        if opening:
+            await self._open_on_thread(opening)
+            if self.service.stopping:  # shutdown ends every sequence once `idle`: no drafting
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         drafting = [x for x in entries if x.drafts]
-        out = await self._draft(drafting, request.chain) if drafting else None
+        out = None
+        if drafting or (packed is not None and packed.seqs):
+            out = await self._draft(drafting, packed, request.chain)
         self.service.learning.publish()
-        return self._reply(entries, drafting, out, t0)
+        return self._reply(entries, drafting, packed, out, t0)
 
     # ---- entries -----------------------------------------------------------------------
-    def _held(self, entry: _Entry, key: tuple, required: bool = True) -> BatchedSequence | None:
+    def _held(self, sequence: str, key: tuple, required: bool = True) -> BatchedSequence | None:
         """The open sequence an entry names (NOT_FOUND if `required` and there is none),
         ABORTED while another call drafts it."""
         seq = self.table.open.get(key)
         if seq is None:
             if required:
-                raise self.table.missing(key, entry.sequence)
+                raise self.table.missing(key, sequence)
         elif seq.busy:
-            raise Refusal(grpc.StatusCode.ABORTED, f"sequence {entry.sequence!r} is being "
+            raise Refusal(grpc.StatusCode.ABORTED, f"sequence {sequence!r} is being "
                           "drafted by another call; send one call at a time per sequence")
         return seq
 
@@ -219,22 +245,79 @@ class BatchDrafting:
         settings = (checks.settings(opening.params) if opening.HasField("params")
                     else defaults.settings())
         tenant = checks.tenant(defaults.auth, opening.tenant or defaults.tenant)
-        checks.check_context(opening.prompt, "prompt", "open.prompt")
-        old = self._held(entry, key, required=False)
+        prompt = opening.prompt
+        n = len(prompt)
+        if self._native:  # the ids as one array: checked at once, read by the core at once
+            if n > self.config.max_context_len:
+                checks.check_context(prompt, "prompt", "open.prompt")  # raises
+            ids = np.array(prompt, np.int64)
+            if n and (int(ids.min()) < 0 or int(ids.max()) >= checks.vocab_size):
+                checks.check_tokens(ids.tolist(), "open.prompt")  # raises
+            prompt = ids
+        else:
+            checks.check_context(prompt, "prompt", "open.prompt")
+        old = self._held(entry.sequence, key, required=False)
         if old is not None:
             self.table.end(old)  # opened again: the earlier generation is over
         self.table.take_slot()
+        if self._native and n >= OPEN_OFFLOAD_TOKENS:  # indexed on a thread (_open_on_thread)
+            entry.seq = self.table.add(key, None, n)
+            entry.seq.busy = True
+            entry.opening = (prompt, settings, tenant)
+            entry.drafts = True
+            return
         try:
-            drafter = self.service.new_drafter(opening.prompt, settings, tenant)
+            drafter = self.service.new_drafter(prompt, settings, tenant)
         except BaseException:
             self.service.stats.close_session()
             raise
-        self.table.add(key, drafter)
-        entry.seq = self.table.open[key]
+        entry.seq = self.table.add(key, drafter)
         entry.drafts = True
 
+    async def _open_on_thread(self, entries: list[_Entry]) -> None:
+        """Open the sequences of long prompts on a thread (the core indexes a prompt without
+        the GIL: the event loop answers other calls meanwhile). Until then each is held,
+        busy, so that another call naming it is ABORTED."""
+        new_drafter = self.service.new_drafter
+
+        def open_all() -> list:
+            out = []
+            for x in entries:
+                try:
+                    out.append(new_drafter(*x.opening))
+                except Exception as exc:  # noqa: BLE001 - the entry's own failure
+                    out.append(exc)
+            return out
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-batch")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, open_all)
+        self._in_flight.add(fut)
+        try:
+            made = await fut
+        finally:
+            self._in_flight.discard(fut)
+        failure = None
+        for x, drafter in zip(entries, made):
+            seq, x.opening = x.seq, None
+            seq.busy = False
+            if isinstance(drafter, BaseException):
+                failure = failure or (None if isinstance(drafter, Refusal) else drafter)
+                x.error = drafter if isinstance(drafter, Refusal) else None
+            elif self.table.open.get(seq.key) is not seq:  # ended meanwhile (shutdown)
+                drafter.close()
+                x.error = Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            else:
+                seq.drafter = drafter
+                continue
+            x.drafts = False
+            x.seq = None
+            self.table.end(seq)
+        if failure is not None:  # as the same open on the loop would have raised
+            raise failure
+
     def _close(self, entry: _Entry, key: tuple, close: draft_pb2.SequenceClose) -> None:
-        seq = entry.seq = self._held(entry, key)
+        seq = entry.seq = self._held(entry.sequence, key)
         accepted = close.accepted
         self.service.checks.check_tokens(accepted, "close.accepted")
         if accepted:
@@ -242,95 +325,250 @@ class BatchDrafting:
         self.table.end(seq)
 
     # ---- drafting ----------------------------------------------------------------------
-    async def _draft(self, drafting: list[_Entry], chain: int) -> BatchStep:
-        reader = self.service.reader
-        drafters = []
-        for x in drafting:
-            d = x.seq.drafter
-            d.use_reader(reader)  # the newest snapshot, between two steps
-            drafters.append(d)
-        accepted = [x.accepted for x in drafting]
-        budgets = [x.budget for x in drafting]
-        threads = self.config.batch_threads
-        big = (len(drafting) >= self.config.batch_offload_min
-               or sum(len(a) for a in accepted if a is not None) > OFFLOAD_TOKENS)
-        if not big or not all(d.__class__ is NativeSessionDrafter for d in drafters):
-            out = step_batch(drafters, accepted, budgets, chain, threads)
+    async def _draft(self, drafting: list[_Entry], packed: _PackedSteps | None,
+                     chain: int) -> BatchStep:
+        """One step of the core for the call: the drafting entries' sequences first, in
+        order, then the packed steps that passed their checks."""
+        seqs = [x.seq for x in drafting]
+        if drafting:
+            counts = np.array([len(x.accepted) if x.accepted is not None else 0
+                               for x in drafting], np.uint32)
+            parts = [np.array(x.accepted, np.uint32) for x in drafting if x.accepted]
+            tokens = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+            budgets = np.array([x.budget or 0 for x in drafting], np.uint32)
+            if packed is not None and packed.seqs:
+                seqs += packed.seqs
+                tokens = np.concatenate([tokens, packed.ok_tokens])
+                counts = np.concatenate([counts, packed.ok_counts])
+                budgets = np.concatenate([budgets, packed.ok_budgets if packed.ok_budgets
+                                          is not None else np.zeros(len(packed.seqs),
+                                                                    np.uint32)])
         else:
-            for x in drafting:
-                x.seq.busy = True
+            seqs = packed.seqs
+            tokens, counts, budgets = packed.ok_tokens, packed.ok_counts, packed.ok_budgets
+        reader = self.service.reader
+        drafters = [seq.drafter for seq in seqs]
+        for d in drafters:
+            d.use_reader(reader)  # the newest snapshot, between two steps
+        threads = self.config.batch_threads
+        big = len(seqs) >= self.config.batch_offload_min or len(tokens) > OFFLOAD_TOKENS
+        if not big or not all(d.__class__ is NativeSessionDrafter for d in drafters):
+            out = step_flat(drafters, tokens, counts, budgets, chain, threads)
+        else:
+            for seq in seqs:
+                seq.busy = True
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-batch")
             fut = asyncio.get_running_loop().run_in_executor(
-                self._pool, step_batch, drafters, accepted, budgets, chain, threads)
+                self._pool, step_flat, drafters, tokens, counts, budgets, chain, threads)
             self._in_flight.add(fut)
             try:
                 out = await fut
             finally:
                 self._in_flight.discard(fut)
-                for x in drafting:
-                    x.seq.busy = False
+                for seq in seqs:
+                    seq.busy = False
             if self.service.reader is not reader:  # swapped meanwhile: `follow` skipped these
                 for d in drafters:
                     d.use_reader(self.service.reader)
         now = time.monotonic()
-        for i, x in enumerate(drafting):
-            x.seq.since = now
-            err = out.errors.get(i) if out.errors else None
-            if err is not None:
-                x.error = bad(str(err)) if isinstance(err, (DatastoreError, ValueError,
+        for seq, n in zip(seqs, out.context_lens.tolist()):
+            seq.since = now
+            seq.length = n
+        if out.errors:
+            n_entries = len(drafting)
+            for i, err in out.errors.items():
+                refusal = bad(str(err)) if isinstance(err, (DatastoreError, ValueError,
                                                             TypeError)) else \
                     Refusal(grpc.StatusCode.INTERNAL, f"drafting failed: {err}")
-                self.table.end(x.seq)
+                if i < n_entries:
+                    drafting[i].error = refusal
+                else:
+                    packed.failed_drafting(i - n_entries, refusal)
+                self.table.end(seqs[i])
         return out
 
-    def _reply(self, entries: list[_Entry], drafting: list[_Entry], out: BatchStep | None,
+    def _reply(self, entries: list[_Entry], drafting: list[_Entry],
+               packed: _PackedSteps | None, out: BatchStep | None,
                t0: float) -> draft_pb2.BatchReply:
         reply = draft_pb2.BatchReply()
         add = reply.results.add
         row = {id(x): i for i, x in enumerate(drafting)}
-        ok: list[int] = []  # rows of `out` whose trees go out
         if out is not None:  # plain lists: one conversion, not one per field and row
-            sizes = np.diff(out.offsets).tolist()
-            match_lens = out.match_lens.tolist()
-            expected = out.expected.tolist()
+            sizes = np.diff(out.offsets)
+            if drafting:
+                n = len(drafting)
+                nodes = sizes[:n].tolist()
+                match_lens = out.match_lens[:n].tolist()
+                expected = out.expected[:n].tolist()
+                context_lens = out.context_lens[:n].tolist()
+        failed = 0
         for x in entries:
             if x.error is not None:
+                failed += 1
                 add(sequence=x.sequence, code=x.error.code.value[0], message=x.error.message)
                 continue
             i = row.get(id(x))
             if i is None:  # a close
                 add(sequence=x.sequence)
                 continue
-            ok.append(i)
             rest, pld, learned = match_lens[i]
-            add(sequence=x.sequence, nodes=sizes[i], context_len=len(x.seq.drafter),
+            add(sequence=x.sequence, nodes=nodes[i], context_len=context_lens[i],
                 match_len=rest, pld_match_len=pld, learned_match_len=learned,
                 expected_accepted=expected[i])
+        if packed is not None:
+            failed += packed.fill(reply.steps, out, len(drafting))
         if out is not None:
-            t = reply.trees
-            if len(ok) == len(drafting):  # every tree, in row order: the arrays as they are
-                nodes = slice(None)
-            else:
-                nodes = np.concatenate([np.arange(out.offsets[i], out.offsets[i + 1])
-                                        for i in ok] or [np.zeros(0, np.int64)])
-            t.tokens = out.tokens[nodes].astype("<u4", copy=False).tobytes()
-            t.parents = out.parents[nodes].astype("<i4", copy=False).tobytes()
-            t.probs = out.probs[nodes].astype("<f4").tobytes()
-            t.sources = out.bits[nodes].tobytes()
-            counts = np.diff(out.offsets)[ok]
-            used = out.used[ok]
+            t = reply.trees  # a failed row drafted nothing: every row's nodes go as they are
+            t.tokens = out.tokens.astype("<u4", copy=False).tobytes()
+            t.parents = out.parents.astype("<i4", copy=False).tobytes()
+            t.probs = out.probs.astype("<f4", copy=False).tobytes()
+            t.sources = out.bits.tobytes()
+            used = out.used
             self.service.stats.record_batch(
-                time.perf_counter() - t0, len(ok), int(counts.sum()),
-                float(out.expected[ok].sum()), int(np.count_nonzero(counts)),
+                time.perf_counter() - t0, len(sizes) - len(out.errors), int(out.offsets[-1]),
+                float(out.expected.sum()), int(np.count_nonzero(sizes)),
                 rest=int(np.count_nonzero(used & 1)), pld=int(np.count_nonzero(used & 2)),
                 learned=int(np.count_nonzero(used & 4)))
-        failed = len(entries) - len(ok) - sum(1 for x in entries
-                                              if x.error is None and id(x) not in row)
         if failed:
             self.service.stats.add(errors=failed)
         reply.server_us = (time.perf_counter() - t0) * 1e6
         return reply
+
+
+class _PackedSteps:
+    """A call's packed steps (BatchRequest.steps) on their way through: the packing checked
+    as a whole, each step as a step entry would be (the same refusals, in the same order:
+    duplicate, held, tokens, budget, context length), with arrays instead of a loop where
+    a check allows."""
+
+    def __init__(self, steps: draft_pb2.PackedSteps) -> None:
+        self.ids = list(steps.sequences)
+        n = len(self.ids)
+        for name in ("accepted", "counts", "budgets"):
+            size = len(getattr(steps, name))
+            if size % 4:
+                raise bad(f"steps.{name} holds {size} bytes, not a whole number of uint32")
+        counts = np.frombuffer(steps.counts, "<u4")
+        if len(counts) != n:
+            raise bad(f"steps.counts holds {len(counts)} counts for {n} sequences")
+        tokens = np.frombuffer(steps.accepted, "<u4")
+        total = int(counts.sum(dtype=np.uint64))
+        if total != len(tokens):
+            raise bad(f"steps.counts add up to {total} tokens, steps.accepted holds "
+                      f"{len(tokens)}")
+        budgets = np.frombuffer(steps.budgets, "<u4") if steps.budgets else None
+        if budgets is not None and len(budgets) != n:
+            raise bad(f"steps.budgets holds {len(budgets)} budgets for {n} sequences")
+        self.counts, self.tokens, self.budgets = counts, tokens, budgets
+        self.errors: dict[int, Refusal] = {}
+        self.seqs: list[BatchedSequence] = []  # those that draft, in order
+        self.ok = None  # their indexes, when some failed
+
+    def check(self, batching: BatchDrafting, auth: str, client: str, seen: set[str]) -> None:
+        errors = self.errors
+        n = len(self.ids)
+        seqs: list[BatchedSequence | None] = [None] * n
+        lens = [0] * n
+        get = batching.table.open.get
+        for i, sid in enumerate(self.ids):
+            if sid in seen:
+                errors[i] = bad(f"sequence {sid!r} appears twice in one batch")
+                continue
+            seen.add(sid)
+            seq = get((auth, client, sid))
+            if seq is None or seq.busy:
+                try:
+                    batching._held(sid, (auth, client, sid))
+                except Refusal as exc:
+                    errors[i] = exc
+                continue
+            seqs[i] = seq
+            lens[i] = seq.length
+        checks = batching.service.checks
+        ended = []  # steps that reached their sequence and failed: it ends
+        tokens, counts, budgets = self.tokens, self.counts, self.budgets
+        if len(tokens) and int(tokens.max()) >= checks.vocab_size:
+            ends = np.cumsum(counts)
+            rows = np.searchsorted(ends, np.flatnonzero(tokens >= checks.vocab_size), "right")
+            for i in np.unique(rows).tolist():
+                if i not in errors:
+                    try:
+                        checks.check_tokens(tokens[ends[i] - counts[i]:ends[i]].tolist(),
+                                            "step.accepted")
+                    except Refusal as exc:
+                        errors[i] = exc
+                        ended.append(i)
+        max_budget = batching.config.max_budget
+        if budgets is not None and len(budgets) and int(budgets.max()) > max_budget:
+            for i in np.flatnonzero(budgets > max_budget).tolist():
+                if i not in errors:
+                    errors[i] = bad(f"step.budget {int(budgets[i])} exceeds the server's "
+                                    f"max_budget {max_budget}")
+                    ended.append(i)
+        max_context = batching.config.max_context_len
+        reach = np.array(lens, np.int64) + counts
+        if n and int(reach.max()) > max_context:
+            for i in np.flatnonzero(reach > max_context).tolist():
+                if i not in errors:
+                    errors[i] = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"sequence context would reach {int(reach[i])} tokens, "
+                                        f"over max_context_len {max_context}")
+                    ended.append(i)
+        for i in ended:
+            batching.table.end(seqs[i])
+        if not errors:
+            self.seqs = seqs
+            self.ok_tokens, self.ok_counts, self.ok_budgets = tokens, counts, budgets
+            return
+        keep = np.ones(n, bool)
+        keep[list(errors)] = False
+        self.ok = np.flatnonzero(keep)
+        self.seqs = [seqs[i] for i in self.ok.tolist()]
+        self.ok_tokens = tokens[np.repeat(keep, counts)]
+        self.ok_counts = counts[keep]
+        self.ok_budgets = budgets[keep] if budgets is not None else None
+
+    def failed_drafting(self, row: int, refusal: Refusal) -> None:
+        """The core failed the `row`-th step that drafted."""
+        self.errors[row if self.ok is None else int(self.ok[row])] = refusal
+
+    def fill(self, results: draft_pb2.PackedResults, out: BatchStep | None, first: int
+             ) -> int:
+        """The steps' results into `results` (their rows of `out` start at `first`);
+        returns how many failed."""
+        n = len(self.ids)
+        if out is None:  # every step failed before drafting
+            nodes, lens = np.zeros(n, "<u4"), np.zeros(n, "<u8")
+            mls, expected = np.zeros((n, 3), "<u4"), np.zeros(n, "<f4")
+        else:
+            nodes = np.diff(out.offsets[first:]).astype("<u4")
+            lens = out.context_lens[first:].astype("<u8", copy=False)
+            mls = out.match_lens[first:].astype("<u4")
+            expected = out.expected[first:].astype("<f4")
+            if self.ok is not None:
+                nodes, lens, mls, expected = (_scattered(a, self.ok, n)
+                                              for a in (nodes, lens, mls, expected))
+        errors = self.errors
+        if errors:
+            failed = sorted(errors)
+            lens = lens.copy() if self.ok is None else lens
+            lens[failed] = 0  # a step the core failed has held tokens: 0, as documented
+            results.failed.extend(failed)
+            results.failed_codes.extend(errors[i].code.value[0] for i in failed)
+            results.failed_messages.extend(errors[i].message for i in failed)
+        results.nodes = nodes.tobytes()
+        results.context_lens = lens.tobytes()
+        results.match_lens = mls.tobytes()
+        results.expected_accepted = expected.tobytes()
+        return len(errors)
+
+
+def _scattered(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """`values` (one per row of `rows`) at those rows of n zeros."""
+    out = np.zeros((n, *values.shape[1:]), values.dtype)
+    out[rows] = values
+    return out
 
 
 class _StepChecks:
@@ -349,7 +587,7 @@ class _StepChecks:
     def step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
         seq = self.open.get(key)
         if seq is None or seq.busy:  # the refusal, from the general path
-            seq = self.batching._held(entry, key)
+            seq = self.batching._held(entry.sequence, key)
         entry.seq = seq
         accepted = step.accepted
         if accepted and (min(accepted) < 0 or max(accepted) >= self.vocab):

@@ -16,6 +16,7 @@ context the client kept, once, transparently.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -265,6 +266,55 @@ SequenceEntry = SequenceOpen | SequenceStep | SequenceEnd
 
 
 @dataclass
+class PackedSteps:
+    """Steps of many sequences, sent as a few arrays (the wire's PackedSteps): sequence
+    `sequences[i]` accepted `accepted[i]` (a list or array of ids) and drafts with
+    `budgets[i]` nodes (0: its own; None: every step its own). What an engine sends every
+    step, without a message per sequence."""
+
+    sequences: list[str]
+    accepted: Sequence[Sequence[int]]
+    budgets: Sequence[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def to_proto(self, out: draft_pb2.PackedSteps) -> None:
+        """Fills `out` (the request's `steps`), refusing what the entry form refuses."""
+        n = len(self.sequences)
+        if len(self.accepted) != n or (self.budgets is not None and len(self.budgets) != n):
+            raise InvalidRequest(f"packed steps: {n} sequences, {len(self.accepted)} accepted "
+                                 f"lists, {'no' if self.budgets is None else len(self.budgets)}"
+                                 " budgets")
+        counts = np.fromiter(map(len, self.accepted), np.int64, n)
+        if all(isinstance(a, np.ndarray) for a in self.accepted):  # an engine's rows
+            try:
+                tokens = np.concatenate([*self.accepted, np.zeros(0, np.int64)],
+                                        dtype=np.int64, casting="same_kind")
+            except TypeError:
+                raise InvalidRequest("accepted: token ids must be integers") from None
+        else:
+            tokens = np.array(list(itertools.chain.from_iterable(self.accepted)), np.int64)
+        if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= 1 << 31):
+            raise InvalidRequest("accepted: token ids must be in [0, 2^31)")
+        out.sequences.extend(self.sequences)
+        out.accepted = tokens.astype("<u4").tobytes()
+        out.counts = counts.astype("<u4").tobytes()
+        if self.budgets is not None:
+            budgets = np.array(self.budgets)
+            if len(budgets) and (budgets.dtype.kind not in "iu" or int(budgets.min()) < 0
+                                 or int(budgets.max()) >= 1 << 32):
+                raise InvalidRequest("budget must be a non-negative integer, got "
+                                     f"{next(b for b in self.budgets if not _is_budget(b))!r}")
+            if budgets.any():
+                out.budgets = budgets.astype("<u4").tobytes()
+
+
+def _is_budget(b) -> bool:
+    return isinstance(b, (int, np.integer)) and 0 <= b < 1 << 32
+
+
+@dataclass
 class BatchResults:
     """The reply of one batched call: per entry, in order, its error (None: it worked) and
     its tree (its best chain when the call asked for chains), plus every tree's nodes as
@@ -332,9 +382,11 @@ def _add_entry(add, entry: SequenceEntry) -> None:
                          f"a {type(entry).__name__}")
 
 
-def _batch_results(reply: draft_pb2.BatchReply, address: str) -> BatchResults:
-    """The reply's packed arrays as numpy views; a reply whose arrays do not fit its
-    results is a server error, never filled in."""
+def _batch_results(reply: draft_pb2.BatchReply, address: str,
+                   steps: PackedSteps | None = None) -> BatchResults:
+    """The reply's packed arrays as numpy views (the entries' results, then the packed
+    steps'); a reply whose arrays do not fit its results is a server error, never filled
+    in."""
     rs = reply.results
     # One pass over the results (each element reached from Python is an object made anew).
     sequences, errors, context_lens, match_lens, expected = [], [], [], [], []
@@ -347,7 +399,11 @@ def _batch_results(reply: draft_pb2.BatchReply, address: str) -> BatchResults:
         context_lens.append(r.context_len)
         match_lens.append(r.match_len)
         expected.append(r.expected_accepted)
-    offsets = np.zeros(len(rs) + 1, np.int64)
+    if steps is not None:
+        counts = np.concatenate([counts, _step_results(
+            reply.steps, steps, address, sequences, errors, context_lens, match_lens,
+            expected)])
+    offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     t = reply.trees
     n = int(offsets[-1])
@@ -358,6 +414,33 @@ def _batch_results(reply: draft_pb2.BatchReply, address: str) -> BatchResults:
                            f"{[len(a) for a in arrays]} nodes, its results {n}")
     return BatchResults(sequences, errors, context_lens, match_lens, expected,
                         offsets, *arrays, float(reply.server_us))
+
+
+def _step_results(r: draft_pb2.PackedResults, steps: PackedSteps, address: str,
+                  sequences: list, errors: list, context_lens: list, match_lens: list,
+                  expected: list) -> np.ndarray:
+    """The packed steps' results appended to the lists; returns their node counts."""
+    n = len(steps)
+    nodes = np.frombuffer(r.nodes, "<u4")
+    lens = np.frombuffer(r.context_lens, "<u8")
+    mls = np.frombuffer(r.match_lens, "<u4")
+    exp = np.frombuffer(r.expected_accepted, "<f4")
+    failed = list(r.failed)
+    if (len(nodes), len(lens), len(mls), len(exp)) != (n, n, 3 * n, n) or len(failed) != len(
+            r.failed_codes) or len(failed) != len(r.failed_messages) or (
+            failed and not 0 <= min(failed) <= max(failed) < n):
+        raise ServiceError(f"draft service {address}: the batch reply's step results do not "
+                           f"fit its {n} steps (a server without packed steps? call with "
+                           "packed=False)")
+    first = len(errors)
+    sequences += steps.sequences
+    errors += [None] * n
+    for i, code, message in zip(failed, r.failed_codes, r.failed_messages):
+        errors[first + i] = _error(_STATUS.get(code), message, address)
+    context_lens += lens.tolist()
+    match_lens += mls[::3].tolist()
+    expected += exp.tolist()
+    return nodes.astype(np.int64)
 
 
 def channel_target(address: str) -> str:
@@ -517,7 +600,8 @@ class DraftClient:
 
     def batch(self, entries: Sequence[SequenceEntry], params: DraftParams | None = None,
               tokenizer_fingerprint: str = "", tenant: str = "", chain: int = 0,
-              client_id: str = "", timeout: float | None = None) -> BatchResults:
+              client_id: str = "", timeout: float | None = None,
+              steps: PackedSteps | None = None, packed: bool = True) -> BatchResults:
         """Many sequences' entries in one call (an engine's step): opens, steps and ends of
         sequences the server keeps between calls under (this client's token, `client_id`,
         sequence id). Per entry: an error (the status a session would end with, e.g.
@@ -525,17 +609,33 @@ class DraftClient:
         fails the others. `params`, `tenant`: for opens without their own. `chain` > 0:
         each tree is its best chain of at most that many nodes. A failure of the call
         itself (unreachable, auth, tokenizer) raises. batch_client.SequenceBatch keeps
-        track of the sequences for you."""
+        track of the sequences for you.
+
+        `steps`: more steps, after the entries, sent packed (results after the entries').
+        Without `steps`, the step entries after the last open or end are sent packed
+        (`packed=False`: every entry as its own message, as servers before packed steps
+        need); the results are in the entries' order either way."""
         if not isinstance(chain, int) or not 0 <= chain < 1 << 32:
             raise InvalidRequest(f"chain must be a non-negative integer, got {chain!r}")
         req = draft_pb2.BatchRequest(client=client_id, tokenizer_fingerprint=tokenizer_fingerprint,
                                      tenant=tenant, chain=chain)
+        if steps is None and packed:  # the steps after the last open or end go packed
+            k = len(entries)
+            while k and entries[k - 1].__class__ is SequenceStep:
+                k -= 1
+            if k < len(entries):
+                tail = entries[k:]
+                steps = PackedSteps([e.sequence for e in tail], [e.accepted for e in tail],
+                                    [e.budget for e in tail])
+                entries = entries[:k]
         add = req.entries.add
         for e in entries:
             _add_entry(add, e)
+        if steps is not None:
+            steps.to_proto(req.steps)
         if params is not None:
             req.params.CopyFrom(params.to_proto())
-        return _batch_results(self._unary(self._stub.Batch, req, timeout), self.address)
+        return _batch_results(self._unary(self._stub.Batch, req, timeout), self.address, steps)
 
     def session(self, prompt: Sequence[int], params: DraftParams | None = None,
                 tokenizer_fingerprint: str = "", timeout: float | None = None,

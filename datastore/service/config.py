@@ -3,6 +3,7 @@ advertised), and the service's name on the wire."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from redraft.datastore.drafting import DraftSettings
@@ -52,12 +53,27 @@ class ServiceConfig:
     # The drafting implementation (drafting.implementation): "auto" (the compiled core, or
     # $REDRAFT_DRAFTING), "native" or "python" (the reference; identical trees, slower).
     drafting: str = "auto"
-    # A batched call drafts its sequences on this many threads (without the GIL) ...
+    # A batched call drafts its sequences on this many threads (without the GIL; `redraft
+    # serve` defaults to auto_batch_threads) ...
     batch_threads: int = 1
     # ... inline on the event loop below this many sequences, on a thread from it on (the
     # loop answers other calls and health checks meanwhile). 64 sequences draft in ~1.2 ms
     # of CPU; handing them to a thread added 0.5-1 ms to that on a loaded 2-core machine.
     batch_offload_min: int = 256
+
+
+MAX_AUTO_BATCH_THREADS = 8  # more threads than this gain little on an engine's batch
+
+
+def auto_batch_threads(workers: int = 1) -> int:
+    """`redraft serve`'s --batch-threads default: the cores this process may use, shared by
+    its --workers processes (each drafts its calls on its own threads), at least 1 and at
+    most MAX_AUTO_BATCH_THREADS."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_BATCH_THREADS, cores // max(1, workers)))
 
 
 LEARN_MODES = ("tenant", "global", "off")

@@ -30,7 +30,13 @@ from redraft.datastore.service.client import (
     client_token,
     read_tokens,
 )
-from redraft.datastore.service.config import DRAFTING_CHOICES, LEARN_MODES, ServiceConfig
+from redraft.datastore.service.config import (
+    DRAFTING_CHOICES,
+    LEARN_MODES,
+    MAX_AUTO_BATCH_THREADS,
+    ServiceConfig,
+    auto_batch_threads,
+)
 from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.errors import RedraftError
@@ -113,9 +119,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drafting implementation: the compiled core (native), the Python "
                    "reference (python, identical trees, slower; for debugging), or auto "
                    "(native, or $REDRAFT_DRAFTING) (default %(default)s)")
-    p.add_argument("--batch-threads", type=int, default=d.batch_threads, metavar="N",
-                   help="threads drafting one batched call's sequences (default "
-                   f"{d.batch_threads})")
+    p.add_argument("--batch-threads", type=int, default=None, metavar="N",
+                   help="threads drafting one batched call's sequences, without the GIL "
+                   "(default: the cores this process may use divided by --workers, at least 1, "
+                   f"at most {MAX_AUTO_BATCH_THREADS}; here {auto_batch_threads()} with one "
+                   "worker)")
     p.add_argument("--batch-offload", type=int, default=d.batch_offload_min, metavar="N",
                    help="a batched call of at least N sequences drafts on a thread, so the "
                    f"server answers other calls meanwhile (default {d.batch_offload_min})")
@@ -128,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     # Upper bounds are what the wire and gRPC can carry (uint32 fields in Limits and
     # DraftParams; gRPC's message limit is a C int): a larger value would start fine and
     # then fail every Info call.
+    if args.batch_threads is None:
+        args.batch_threads = auto_batch_threads(args.workers if args.workers > 0 else 1)
     bounded = {
         "--max-context": (args.max_context, UINT64), "--max-budget": (args.max_budget, UINT32),
         "--max-depth": (args.max_depth, UINT32), "--max-sessions": (args.max_sessions, UINT32),

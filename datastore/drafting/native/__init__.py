@@ -9,6 +9,10 @@ learned outputs in C++. Callers go through redraft.datastore.drafting, which pic
 """
 
 from redraft.datastore.drafting.native.native_learned import NativeLearnedIndex
-from redraft.datastore.drafting.native.native_session import NativeSessionDrafter, native_step
+from redraft.datastore.drafting.native.native_session import (
+    NativeSessionDrafter,
+    native_step,
+    native_step_flat,
+)
 
-__all__ = ["NativeLearnedIndex", "NativeSessionDrafter", "native_step"]
+__all__ = ["NativeLearnedIndex", "NativeSessionDrafter", "native_step", "native_step_flat"]

@@ -2015,6 +2015,10 @@ struct SessionObject {
     SessionState* s;
 };
 
+// Indexing this many tokens at once is worth letting the GIL go (below it, handing the GIL
+// over and back could cost more than the indexing).
+constexpr size_t BIG_TOKENS = 4096;
+
 // Not inlined: the compiler would otherwise specialise its callers for this one object and
 // reach every field through the thread-local lookup, on each use.
 __attribute__((noinline)) Scratch& step_scratch() {
@@ -2103,7 +2107,13 @@ int Session_init(SessionObject* self, PyObject* args, PyObject*) {
     s->power = power;
     if (pld_max > 0) {
         s->pld.reset(new PromptIndex(pld_max, pld_min));
-        s->pld->extend(s->context, 0);
+        if (s->context.size() < BIG_TOKENS) {
+            s->pld->extend(s->context, 0);
+        } else {  // a long prompt: other threads (a server's event loop) run meanwhile
+            PyThreadState* save = PyEval_SaveThread();
+            s->pld->extend(s->context, 0);
+            PyEval_RestoreThread(save);
+        }
     }
     if (learned != Py_None) {
         Py_INCREF(learned);
@@ -2646,6 +2656,163 @@ PyObject* step_batch(PyObject*, PyObject* args) {
     return result;
 }
 
+// A read-only contiguous buffer of `n` elements of `size` bytes (a bytes object, a numpy
+// array, ...), or an error naming `what`. Releases itself.
+struct FlatView {
+    Py_buffer view{};
+    bool held = false;
+    bool get(PyObject* obj, size_t size, Py_ssize_t n, const char* what) {
+        if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) return false;
+        held = true;
+        if (view.len != static_cast<Py_ssize_t>(size) * n) {
+            PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, not %zd", what, view.len,
+                         static_cast<Py_ssize_t>(size) * n);
+            return false;
+        }
+        return true;
+    }
+    ~FlatView() {
+        if (held) PyBuffer_Release(&view);
+    }
+};
+
+// step_flat(sessions, accepted, counts, budgets, threads=1, chain=0) -> (status, counts,
+// tokens, parents, probs, bits, match_lens, expected, used, context_lens), all as bytes:
+// step_batch's step over flat arrays, for the service's packed steps (no Python object per
+// sequence's tokens). `accepted`: uint32 tokens of every session concatenated, counts[i]
+// (uint32) of them session i's; `budgets`: uint32 per session (0: the session's own) or
+// None. Token ids are not checked against a vocabulary here (the caller did). Probs come as
+// float32 (what the wire carries); context_lens as uint64, after the step.
+PyObject* step_flat(PyObject*, PyObject* args) {
+    PyObject *sessions, *accepted, *counts_in, *budgets;
+    int threads = 1;
+    long long chain = 0;
+    if (!PyArg_ParseTuple(args, "OOOO|iL", &sessions, &accepted, &counts_in, &budgets, &threads,
+                          &chain))
+        return nullptr;
+    PyObject* ss = PySequence_Fast(sessions, "sessions must be a sequence");
+    if (ss == nullptr) return nullptr;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ss);
+    FlatView cv, bv, av;
+    bool ok = cv.get(counts_in, 4, n, "counts") &&
+              (budgets == Py_None || bv.get(budgets, 4, n, "budgets"));
+    const uint32_t* cnt = ok ? static_cast<const uint32_t*>(cv.view.buf) : nullptr;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; ok && i < n; ++i) total += cnt[i];
+    ok = ok && av.get(accepted, 4, total, "accepted");
+    std::vector<SessionState*> st(n);
+    std::vector<int64_t> budget(n);
+    for (Py_ssize_t i = 0; i < n && ok; ++i) {
+        PyObject* o = PySequence_Fast_ITEMS(ss)[i];
+        if (!PyObject_TypeCheck(o, &SessionType)) {
+            PyErr_SetString(PyExc_TypeError, "sessions must be Session objects");
+            ok = false;
+            break;
+        }
+        st[i] = reinterpret_cast<SessionObject*>(o)->s;
+        uint32_t b = budgets == Py_None ? 0 : static_cast<const uint32_t*>(bv.view.buf)[i];
+        budget[i] = b ? static_cast<int64_t>(b) : st[i]->budget;
+    }
+    if (ok) {
+        std::vector<SessionState*> sorted(st);
+        std::sort(sorted.begin(), sorted.end());
+        if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+            PyErr_SetString(PyExc_ValueError, "a session appears twice in one batch");
+            ok = false;
+        }
+    }
+    if (!ok) {
+        Py_DECREF(ss);
+        return nullptr;
+    }
+    // Ask each Reader once whether it was closed (sessions of one snapshot share it): that
+    // needs the GIL. The extends do not (the learned index has its own lock), so a big step
+    // (BIG_TOKENS or more) lets other Python threads run while it is indexed.
+    Scratch& scratch = step_scratch();
+    std::vector<int32_t> status(n, 0), closed(n, 0);
+    PyObject* last_store = nullptr;
+    int last_closed = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* store = st[i]->store;
+        if (store != nullptr && store != last_store) {
+            last_store = store;
+            last_closed = reader_closed(reinterpret_cast<StoreObject*>(store)->reader);
+        }
+        closed[i] = store != nullptr && last_closed;
+    }
+    const uint32_t* tok = static_cast<const uint32_t*>(av.view.buf);
+    PyThreadState* save = static_cast<size_t>(total) >= BIG_TOKENS ? PyEval_SaveThread() : nullptr;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (cnt[i]) {
+            scratch.tokens_in.assign(tok, tok + cnt[i]);
+            tok += cnt[i];
+            session_extend(st[i], scratch.tokens_in);
+        }
+    }
+    if (save != nullptr) PyEval_RestoreThread(save);
+    std::vector<double> expected(n, 0.0);
+    std::vector<uint8_t> used(n, 0);
+    auto draft = [&](Py_ssize_t i, Scratch& sc) {
+        SessionState* s = st[i];
+        status[i] = session_propose(s, budget[i], sc, closed[i]);
+        if (status[i]) {
+            s->out.clear();
+            s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
+        } else if (chain > 0) {
+            best_chain(s->out, chain, sc);
+        }
+        expected[i] = expected_accepted(s->out, sc);
+        for (uint8_t bit : s->out.bits) used[i] |= bit;
+    };
+    int nt = static_cast<int>(std::max<Py_ssize_t>(1, std::min<Py_ssize_t>(threads, n)));
+    Py_BEGIN_ALLOW_THREADS
+    if (nt == 1) {
+        for (Py_ssize_t i = 0; i < n; ++i) draft(i, scratch);
+    } else {
+        // Threads of its own (step_batch's serve one batch at a time under step_batch's lock),
+        // serving one flat step at a time.
+        static Workers* flat_workers = new Workers();  // never destroyed, as workers()
+        static std::mutex one_flat_batch_at_a_time;
+        std::lock_guard<std::mutex> lock(one_flat_batch_at_a_time);
+        flat_workers->run(nt, [&](int t) {
+            Scratch& sc = step_scratch();
+            for (Py_ssize_t i = t; i < n; i += nt) draft(i, sc);
+        });
+    }
+    Py_END_ALLOW_THREADS
+    std::vector<int32_t> counts(n, 0);
+    std::vector<int64_t> mls(3 * n, 0);
+    std::vector<uint64_t> lens(n, 0);
+    size_t m = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) m += st[i]->out.size();
+    std::vector<uint32_t> tokens(m);
+    std::vector<int32_t> parents(m);
+    std::vector<float> probs(m);
+    std::vector<uint8_t> bits(m);
+    size_t at = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        const Tree& t = st[i]->out;
+        size_t k = t.size();
+        counts[i] = static_cast<int32_t>(k);
+        std::copy(t.tokens.begin(), t.tokens.end(), tokens.begin() + at);
+        std::copy(t.parents.begin(), t.parents.end(), parents.begin() + at);
+        for (size_t j = 0; j < k; ++j) probs[at + j] = static_cast<float>(t.probs[j]);
+        std::copy(t.bits.begin(), t.bits.end(), bits.begin() + at);
+        at += k;
+        mls[3 * i] = st[i]->rest_match_len;
+        mls[3 * i + 1] = st[i]->pld_match_len;
+        mls[3 * i + 2] = st[i]->learned_match_len;
+        lens[i] = st[i]->context.size();
+    }
+    Py_DECREF(ss);
+    return Py_BuildValue("(NNNNNNNNNN)", bytes_of(status.data(), n * 4),
+                         bytes_of(counts.data(), n * 4), bytes_of(tokens.data(), m * 4),
+                         bytes_of(parents.data(), m * 4), bytes_of(probs.data(), m * 4),
+                         bytes_of(bits.data(), m), bytes_of(mls.data(), 3 * n * 8),
+                         bytes_of(expected.data(), n * 8), bytes_of(used.data(), n),
+                         bytes_of(lens.data(), n * 8));
+}
+
 // set_labels([label of bits 0..7]): the source strings trees carry as lists
 PyObject* set_labels(PyObject*, PyObject* arg) {
     PyObject* seq = PySequence_Fast(arg, "labels must be a sequence of 8 strings");
@@ -2707,6 +2874,9 @@ PyMethodDef module_methods[] = {
     {"step_batch", step_batch, METH_VARARGS,
      "step_batch(sessions, accepted, budgets, threads=1) -> (status, counts, tokens, parents, "
      "probs, bits, match_lens) as bytes"},
+    {"step_flat", step_flat, METH_VARARGS,
+     "step_flat(sessions, accepted, counts, budgets, threads=1, chain=0) -> (status, counts, "
+     "tokens, parents, probs, bits, match_lens, expected, used, context_lens) as bytes"},
     {"set_labels", set_labels, METH_O, "set_labels(labels)"},
     {nullptr, nullptr, 0, nullptr}};
 

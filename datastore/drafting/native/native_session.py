@@ -169,25 +169,61 @@ def native_step(drafters: Sequence[NativeSessionDrafter],
     """The core's batched step (drafting.batch.step_batch's compiled path): every drafter
     extended, then every one drafted, without the GIL while drafting. Returns (offsets,
     tokens, parents, probs, bits, match_lens, expected, used bits, errors by index)."""
-    status, counts, tokens, parents, probs, bits, mls, expected, used = _core.step_batch(
+    status, counts, *trees = _core.step_batch(
         [d._core for d in drafters], accepted, budgets, threads, chain)
-    status = np.frombuffer(status, np.int32)
-    offsets = np.zeros(len(drafters) + 1, np.int64)
-    np.cumsum(np.frombuffer(counts, np.int32), out=offsets[1:])
-    errors: dict[int, Exception] = {}
-    if status.any():
-        for i in np.flatnonzero(status).tolist():
-            errors[i] = _batch_error(drafters[i], int(status[i]), accepted[i],
-                                     None if budgets is None else budgets[i])
+    errors = {i: _batch_error(drafters[i], code, accepted[i],
+                              None if budgets is None else budgets[i])
+              for i, code in _failed(status)}
     refused = {i for i, f in errors.items() if isinstance(f, _TokensRefused)}
     # what was learned reaches the journal
     JournaledOutput.record_all((d._journaled, acc) for i, (d, acc) in enumerate(
         zip(drafters, accepted)) if d._journaled is not None and acc is not None
         and i not in refused)
-    return (offsets, np.frombuffer(tokens, np.uint32), np.frombuffer(parents, np.int32),
-            np.frombuffer(probs, np.float64), np.frombuffer(bits, np.uint8),
+    return (_offsets(counts), *_tree_arrays(*trees, np.float64),
+            {i: e.error for i, e in errors.items()})
+
+
+def native_step_flat(drafters: Sequence[NativeSessionDrafter], tokens: np.ndarray,
+                     counts: np.ndarray, budgets: np.ndarray | None, threads: int,
+                     chain: int) -> tuple:
+    """native_step over flat arrays (the service's packed steps): drafter i is extended by
+    the next counts[i] of `tokens` (uint32, ids the caller checked against the vocabulary)
+    and drafts with budgets[i] nodes (uint32, 0: its own). Returns what native_step does,
+    probs as float32, then every drafter's context length (uint64) after the step."""
+    status, sizes, *trees, lens = _core.step_flat(
+        [d._core for d in drafters], tokens, counts, budgets, threads, chain)
+    errors = {i: drafters[i]._error(code, int(budgets[i]) if budgets is not None
+                                    and budgets[i] else None)
+              for i, code in _failed(status)}
+    if len(tokens):  # what was learned reaches the journal
+        journaled = [d._journaled for d in drafters]
+        if any(journaled):
+            JournaledOutput.record_flat(journaled, tokens.tolist(), counts.tolist())
+    return (_offsets(sizes), *_tree_arrays(*trees, np.float32), errors,
+            np.frombuffer(lens, np.uint64))
+
+
+def _failed(status: bytes) -> list[tuple[int, int]]:
+    """(index, error code) of the sessions the core failed."""
+    codes = np.frombuffer(status, np.int32)
+    return [(i, int(codes[i])) for i in np.flatnonzero(codes).tolist()]
+
+
+def _offsets(counts: bytes) -> np.ndarray:
+    """Where each session's nodes start in the concatenated trees (and where they end)."""
+    counts = np.frombuffer(counts, np.int32)
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets
+
+
+def _tree_arrays(tokens: bytes, parents: bytes, probs: bytes, bits: bytes, mls: bytes,
+                 expected: bytes, used: bytes, prob_type: type) -> tuple:
+    """The core's concatenated trees and per-session figures as numpy views."""
+    return (np.frombuffer(tokens, np.uint32), np.frombuffer(parents, np.int32),
+            np.frombuffer(probs, prob_type), np.frombuffer(bits, np.uint8),
             np.frombuffer(mls, np.int64).reshape(-1, 3), np.frombuffer(expected, np.float64),
-            np.frombuffer(used, np.uint8), {i: e.error for i, e in errors.items()})
+            np.frombuffer(used, np.uint8))
 
 
 class _Failure:

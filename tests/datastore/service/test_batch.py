@@ -7,9 +7,12 @@ SequenceBatch reopens what the server lost."""
 from __future__ import annotations
 
 import random
+import re
+import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from redraft.datastore import append_corpus, build_datastore
 from redraft.datastore.service.batch_client import SequenceBatch
@@ -19,11 +22,13 @@ from redraft.datastore.service.client import (
     IncompatibleTokenizer,
     InvalidRequest,
     LimitExceeded,
+    PackedSteps,
     SequenceEnd,
     SequenceOpen,
     SequenceStep,
     UnknownSequence,
 )
+from redraft.proto import draft_pb2, draft_pb2_grpc
 from redraft.proto.tree import best_chain
 
 FP = "sha256:batch-test"
@@ -82,17 +87,17 @@ def same_tree(got, want) -> None:
 
 
 def run_batch(client: DraftClient, seqs, steps: int, params: DraftParams, rng: random.Random,
-              chain: int = 0) -> list[list]:
+              chain: int = 0, packed: bool = True, client_id: str = "engine") -> list[list]:
     """Opens every sequence in one call, then steps them all `steps` times (1-4 accepted
-    tokens each, some with a budget of their own); per call, its results as trees (or
-    chains), and the contexts they were drafted for."""
+    tokens each, some with a budget of their own), packed or as step entries; per call, its
+    results as trees (or chains), and the contexts they were drafted for."""
     out = []
     entries = [SequenceOpen(str(i), p) for i, (p, _) in enumerate(seqs)]
     ctxs = [list(p) for p, _ in seqs]
     tails = [list(t) for _, t in seqs]
     budgets = [None] * len(seqs)
     for _ in range(steps + 1):
-        r = client.batch(entries, params, FP, chain=chain, client_id="engine")
+        r = client.batch(entries, params, FP, chain=chain, client_id=client_id, packed=packed)
         assert r.errors == [None] * len(seqs)
         assert r.context_lens == [len(c) for c in ctxs]
         out.append([(list(c), r.chain(i) if chain else r.tree(i), b)
@@ -120,22 +125,24 @@ def session_trees(client: DraftClient, calls, params: DraftParams) -> list[list]
     return trees
 
 
-@pytest.mark.parametrize("drafting", ["native", "python"])
-def test_batched_trees_are_the_session_trees(store, servers, drafting):
-    """Many sequences per call; each tree equals the Session RPC's for the same context on
-    the same server, and the compiled core's server equals the Python reference's."""
+@pytest.mark.parametrize("drafting,packed", [("native", True), ("native", False),
+                                              ("python", True)])
+def test_batched_trees_are_the_session_trees(store, servers, drafting, packed):
+    """Many sequences per call, their steps packed or as entries; each tree equals the
+    Session RPC's for the same context on the same server, and the compiled core's server
+    equals the Python reference's."""
     params = DraftParams(budget=48, max_depth=12)
     srv = servers.start(store, "--port", "0", "--drafting", drafting, "--max-sessions", "64",
                         "--batch-offload", "8")
     seqs = contexts(random.Random(5), 24)
     with DraftClient(srv.address, timeout=30) as c:
-        calls = run_batch(c, seqs, 6, params, random.Random(6))
+        calls = run_batch(c, seqs, 6, params, random.Random(6), packed=packed)
         want = session_trees(c, calls, params)
         for j, call in enumerate(calls):
             for i, (_, tree, _) in enumerate(call):
                 same_tree(tree, want[i][j])
         assert sum(len(tree) > 0 for call in calls for _, tree, _ in call) > 100
-        chains = run_batch(c, seqs, 3, params, random.Random(6), chain=5)
+        chains = run_batch(c, seqs, 3, params, random.Random(6), chain=5, packed=packed)
         for j, call in enumerate(chains):
             for i, (_, chain, _) in enumerate(call):
                 assert chain == best_chain(want[i][j], 5).tokens
@@ -229,6 +236,149 @@ def test_a_bad_entry_fails_alone_with_a_sessions_status(limited):
         assert r.errors == [None, None] and r.context_lens == [11, 11]
 
 
+def test_packed_steps_draft_the_entry_forms_trees_with_learning(tmp_path, servers):
+    """With learned outputs drafted (so each tree depends on what every sequence of the
+    call learned first), packed steps and step entries give the same trees, chains and
+    results, call by call. A datastore per server: servers of one share what they learn."""
+    params = DraftParams(budget=64, max_depth=16, sources=("rest", "pld", "learned"))
+    seqs = contexts(random.Random(21), 20)
+    got = []
+    for packed in (True, False):
+        srv = servers.start(make_store(str(tmp_path / f"ds-{packed}")), "--port", "0",
+                            "--batch-offload", "8")
+        with DraftClient(srv.address, timeout=30) as c:
+            got.append(run_batch(c, seqs, 6, params, random.Random(22), packed=packed)
+                       + run_batch(c, seqs, 2, params, random.Random(23), chain=4,
+                                   packed=packed, client_id="chains"))
+        srv.stop()
+    for call_packed, call_entries in zip(*got):
+        for (ctx, tree, _), (ctx2, tree2, _) in zip(call_packed, call_entries):
+            assert ctx == ctx2
+            if isinstance(tree, list):
+                assert tree == tree2
+            else:
+                same_tree(tree, tree2)
+
+
+def _outcomes(r) -> list:
+    return [(e.code, str(e)) if e else (None, r.context_lens[i], r.tree(i).tokens)
+            for i, e in enumerate(r.errors)]
+
+
+def test_a_bad_packed_step_fails_alone_as_its_step_entry_does(limited):
+    """Every kind of bad step, packed, gets exactly the status and message (and leaves the
+    sequences as) its step entry gets; the other steps draft."""
+    good = DOCS[0][:10]
+    opens = [SequenceOpen(s, good) for s in ("held", "held-2", "long", "ok", "ok-2")]
+    steps = [
+        SequenceStep("never-opened", [1, 2]),
+        SequenceStep("held", [5, VOCAB + 3, 7]),
+        SequenceStep("held-2", [5], budget=101),
+        SequenceStep("long", list(range(1, 32))),
+        SequenceStep("ok", DOCS[0][10:12], budget=7),
+        SequenceStep("ok", [3]),  # the same id twice in one call
+        SequenceStep("ok-2", []),
+    ]
+    outcomes = []
+    with DraftClient(limited.address, token="token-a", timeout=30) as a:
+        for packed in (False, True):
+            cid = f"e-{packed}"
+            assert a.batch(opens, None, FP, client_id=cid).errors == [None] * 5
+            r = a.batch(steps, client_id=cid, packed=packed)
+            again = a.batch([SequenceStep(s, [9]) for s in ("held", "held-2", "long", "ok")],
+                            client_id=cid, packed=packed)
+            outcomes.append((_outcomes(r), _outcomes(again)))
+            # a step entry and a packed step of one sequence in one call: the second fails
+            mixed = a.batch([SequenceOpen("x", good)], None, FP, client_id=cid,
+                            steps=PackedSteps(["x", "ok-2"], [[1], [4]]))
+            assert mixed.errors[0] is None and mixed.errors[2] is None
+            assert "sequence 'x' appears twice in one batch" in str(mixed.errors[1])
+    assert outcomes[0] == outcomes[1]
+    first, again = outcomes[1]
+    codes = [o[0] for o in first]
+    assert codes == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     None, grpc.StatusCode.INVALID_ARGUMENT, None]
+    assert "step.accepted: token id 515 is outside the vocabulary [0, 512)" in first[1][1]
+    assert "step.budget 101 exceeds the server's max_budget 100" in first[2][1]
+    assert "context would reach 41 tokens, over max_context_len 40" in first[3][1]
+    assert first[4][1] == 12 and 0 < len(first[4][2]) <= 7 and first[6][1] == 10
+    # the failed steps ended their sequences; the good one went on
+    assert [o[0] for o in again] == [grpc.StatusCode.NOT_FOUND] * 3 + [None]
+
+
+def _raw_batch(address: str, steps: draft_pb2.PackedSteps) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        stub = draft_pb2_grpc.DrafterStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Batch(draft_pb2.BatchRequest(client="e", steps=steps), timeout=30)
+    return info.value
+
+
+def test_a_malformed_packing_fails_the_whole_call(store, servers):
+    srv = servers.start(store, "--port", "0")
+    u32 = lambda *v: np.array(v, "<u4").tobytes()  # noqa: E731
+    cases = [
+        (dict(sequences=["a", "b"], accepted=u32(1, 2), counts=u32(2)),
+         "steps.counts holds 1 counts for 2 sequences"),
+        (dict(sequences=["a", "b"], accepted=u32(1, 2), counts=u32(2, 1)),
+         "steps.counts add up to 3 tokens, steps.accepted holds 2"),
+        (dict(sequences=["a"], accepted=u32(1, 2)[:7], counts=u32(2)),
+         "steps.accepted holds 7 bytes, not a whole number of uint32"),
+        (dict(sequences=["a"], accepted=u32(1), counts=u32(1) + b"\0"),
+         "steps.counts holds 5 bytes, not a whole number of uint32"),
+        (dict(sequences=["a"], accepted=u32(1), counts=u32(1), budgets=u32(3, 4)),
+         "steps.budgets holds 2 budgets for 1 sequences"),
+        (dict(sequences=["a"], accepted=u32(1), counts=u32(1), budgets=b"\1\0"),
+         "steps.budgets holds 2 bytes, not a whole number of uint32"),
+    ]
+    for fields, message in cases:
+        err = _raw_batch(srv.address, draft_pb2.PackedSteps(**fields))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert err.details() == message
+    with DraftClient(srv.address, timeout=30) as c:  # and the server serves on
+        assert c.batch([SequenceOpen("a", [1, 2])], None, FP, client_id="e").errors == [None]
+
+
+def test_a_second_call_on_a_sequence_being_drafted_is_aborted(store, servers):
+    """ABORTED, with a real race: one call's big step (130,000 tokens: indexed on a thread)
+    drafts while other calls step the same sequence; their other sequences draft, and the
+    busy sequence is left as it was. Tried on fresh sequences until a call meets one busy."""
+    srv = servers.start(store, "--port", "0")
+    rng = random.Random(30)
+    big = [rng.randrange(1, VOCAB) for _ in range(130_000)]
+    prompt = DOCS[2][:10]
+    aborted = []
+    with DraftClient(srv.address, timeout=120) as c:
+        for attempt in range(20):
+            busy, other = f"busy-{attempt}", f"other-{attempt}"
+            assert c.batch([SequenceOpen(busy, prompt), SequenceOpen(other, prompt)], None,
+                           FP, client_id="e").errors == [None, None]
+            first = {}
+
+            def step_big(busy=busy, first=first) -> None:
+                first["r"] = c.batch([SequenceStep(busy, big)], client_id="e")
+
+            thread = threading.Thread(target=step_big)
+            thread.start()
+            while thread.is_alive():
+                r = c.batch([SequenceStep(busy, []), SequenceStep(other, [])], client_id="e")
+                assert r.errors[1] is None and r.context_lens[1] == 10
+                if r.errors[0] is not None:
+                    aborted.append(r.errors[0])
+            thread.join()
+            assert first["r"].errors == [None] and first["r"].context_lens == [10 + len(big)]
+            r = c.batch([SequenceStep(busy, [1])], client_id="e")
+            assert r.errors == [None] and r.context_lens == [11 + len(big)]
+            c.batch([SequenceEnd(busy), SequenceEnd(other)], client_id="e")
+            if aborted:
+                break
+    assert aborted, "no call met the sequence while it was drafted"
+    assert all(e.code == grpc.StatusCode.ABORTED for e in aborted)
+    assert f"sequence '{busy}' is being drafted by another call; send one call at a time " \
+        "per sequence" in str(aborted[0])
+
+
 def test_sessions_and_sequences_share_max_sessions(limited, until):
     good = DOCS[1][:12]
     with DraftClient(limited.address, token="token-a", timeout=30) as a:
@@ -261,6 +411,35 @@ def test_sequence_batch_ends_before_it_opens_so_freed_slots_serve_the_same_call(
         assert c.stats()["sessions_active"] == 2
         with pytest.raises(LimitExceeded):  # and the server is still full
             c.session(ctxs["req-0"], DraftParams(budget=32), FP).open()
+        batch.close()
+        assert c.stats()["sessions_active"] == 0
+
+
+def test_sequence_batch_steps_packed_draft_the_session_trees(store, servers):
+    """SequenceBatch over numpy rows (as an engine hands them), with budgets per key and
+    sequences joining and leaving: every tree is the Session's for the same context."""
+    srv = servers.start(store, "--port", "0")
+    rng = random.Random(40)
+    seqs = contexts(rng, 12)
+    params = DraftParams(budget=32, max_depth=10)
+    with DraftClient(srv.address, timeout=30) as c:
+        batch = SequenceBatch(c, params, FP)
+        ctxs = {f"r{i}": np.array(p, np.int64) for i, (p, _) in enumerate(seqs)}
+        tails = {f"r{i}": t for i, (_, t) in enumerate(seqs)}
+        history = []
+        for step in range(5):
+            live = {k: v for i, (k, v) in enumerate(ctxs.items()) if i >= step}
+            budgets = {k: rng.choice([0, 5, 20]) for k in live}
+            drafts = batch.draft(live, budgets, end=[f"r{step - 1}"] if step else ())
+            assert not drafts.errors and len(batch) == len(live)
+            history += [(v.tolist(), budgets[k], drafts[k]) for k, v in live.items()]
+            for k in live:
+                n = rng.randint(0, 3)
+                ctxs[k] = np.concatenate([ctxs[k], np.array(tails[k][:n], np.int64)])
+                tails[k] = tails[k][n:]
+        for ctx, budget, tree in history:
+            want = c.propose(ctx, DraftParams(budget or 32, 10))
+            same_tree(tree, want)
         batch.close()
         assert c.stats()["sessions_active"] == 0
 
@@ -359,6 +538,36 @@ def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
             same_tree(r.tree(0), s.step(big))
 
 
+def test_long_prompts_open_on_a_thread_and_draft_what_a_session_drafts(store, servers):
+    """Opens of prompts past what the server indexes on its event loop (16,384 tokens) are
+    indexed on a thread: beside short opens and steps of the same call they draft the
+    Session's trees, and a bad long prompt fails alone with its open's status."""
+    srv = servers.start(store, "--port", "0", "--max-context", "40000")
+    rng = random.Random(50)
+    long = [t for _ in range(400) for t in rng.choice(DOCS)][:30_000]
+    params = DraftParams(budget=32)
+    with DraftClient(srv.address, timeout=60) as c:
+        assert c.batch([SequenceOpen("short", DOCS[4][:20], params)], None, FP,
+                       client_id="e").errors == [None]
+        r = c.batch([SequenceOpen("long", long, params),
+                     SequenceOpen("bad", long[:20_000] + [VOCAB + 1], params),
+                     SequenceOpen("too-long", long + long[:10_001], params),
+                     SequenceStep("short", DOCS[4][20:23])], None, FP, client_id="e")
+        assert r.errors[0] is None and r.errors[3] is None
+        assert r.context_lens[0] == 30_000 and r.context_lens[3] == 23
+        assert "open.prompt: token id 513 is outside the vocabulary [0, 512)" in str(r.errors[1])
+        assert isinstance(r.errors[2], LimitExceeded)
+        assert "prompt of 40001 tokens exceeds max_context_len 40000" in str(r.errors[2])
+        step = c.batch([SequenceStep("long", DOCS[5][:3])], client_id="e")
+        assert step.errors == [None] and step.context_lens == [30_003]
+        assert isinstance(c.batch([SequenceStep("bad", [1])], client_id="e").errors[0],
+                          UnknownSequence)
+        with c.session(long, params, FP) as s:
+            same_tree(r.tree(0), s.draft)
+            same_tree(step.tree(0), s.step(DOCS[5][:3]))
+        assert c.stats()["sessions_active"] == 2
+
+
 def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers, until):
     """SIGTERM ends every open sequence (its output final), the server exits 0, and a
     restarted server drafts what they learned for the same tenant only."""
@@ -379,3 +588,17 @@ def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, s
         got = c.propose(prompt + secret[:10], learned_only, tenant="carol").tokens
         assert got[:5] == secret[10:15]
         assert c.propose(prompt + secret[:10], learned_only, tenant="dave").tokens == []
+
+
+@pytest.mark.parametrize("accepted,budgets,message", [
+    ([[1, -2]], None, "accepted: token ids must be in [0, 2^31)"),
+    ([np.array([1, 1 << 31])], None, "accepted: token ids must be in [0, 2^31)"),
+    ([np.array([1.5])], None, "accepted: token ids must be integers"),
+    ([[1]], [-1], "budget must be a non-negative integer, got -1"),
+    ([[1]], [1.5], "budget must be a non-negative integer, got 1.5"),
+    ([[1], [2]], None, "packed steps: 1 sequences, 2 accepted lists, no budgets"),
+])
+def test_packed_steps_refuse_what_step_entries_refuse_before_sending(accepted, budgets,
+                                                                     message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        PackedSteps(["a"], accepted, budgets).to_proto(draft_pb2.PackedSteps())

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 from redraft.datastore import Reader
-from redraft.datastore.drafting import step_batch
+from redraft.datastore.drafting import step_batch, step_flat
 from redraft.datastore.drafting.learned import LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
 from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
@@ -198,3 +198,47 @@ def test_a_batch_of_python_drafters_is_the_reference(narrow_store, same):
             assert a.match_lens.tolist() == b.match_lens.tolist()
             assert a.expected.tolist() == b.expected.tolist()
             assert a.used.tolist() == b.used.tolist()
+
+
+@pytest.mark.parametrize("threads,chain", [(1, 0), (3, 0), (2, 4)])
+def test_a_flat_step_is_the_batch_step(narrow_store, threads, chain):
+    """step_flat (the service's packed steps: tokens concatenated, counts, budgets as
+    arrays) drafts what step_batch drafts, array for array, and gives each context's length;
+    a sequence the core refuses (tokens outside the datastore's vocabulary) fails alone."""
+    rng = random.Random(31)
+    s = DraftSettings(sources=ALL)
+    docs, vocab = narrow_store.docs, narrow_store.vocab
+    with Reader(narrow_store.path) as reader:
+        twins = []
+        for learned in (NativeLearnedIndex(3000), NativeLearnedIndex(3000)):
+            twins.append([NativeSessionDrafter(docs[i][:6], s, reader, learned, f"t{i % 3}")
+                          for i in range(20)])
+        sources = [docs[i] + docs[i + 1] for i in range(20)]
+        pos = [6] * 20
+        nodes, failed = 0, []
+        for step_no in range(30):
+            accepted, budgets = [], []
+            for i in range(20):
+                k = rng.choice([0, 1, 2, 5])
+                accepted.append(sources[i][pos[i]:pos[i] + k])
+                pos[i] += k
+                budgets.append(rng.choice([0, 4, 16, 64]))
+            if step_no == 7:
+                accepted[3] = [vocab + 2]
+            want = step_batch(twins[0], [a or None for a in accepted],
+                              [b or None for b in budgets], chain, threads)
+            got = step_flat(twins[1], np.array([t for a in accepted for t in a], np.uint32),
+                            np.array([len(a) for a in accepted], np.uint32),
+                            np.array(budgets, np.uint32), chain, threads)
+            assert got.offsets.tolist() == want.offsets.tolist()
+            for name in ("tokens", "parents", "bits", "match_lens", "expected", "used"):
+                assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+            assert got.probs.tolist() == want.probs.astype(np.float32).tolist()
+            assert got.context_lens.tolist() == [len(d) for d in twins[0]]
+            assert sorted(got.errors) == sorted(want.errors)
+            for i, err in want.errors.items():
+                assert type(got.errors[i]) is type(err) and str(got.errors[i]) == str(err)
+            nodes += int(want.offsets[-1])
+            failed += [(step_no, i) for i in want.errors]
+        # the bad token fails its sequence's retrieval while it stays in the matched suffix
+        assert failed[0] == (7, 3) and {i for _, i in failed} == {3} and nodes > 1000
