@@ -1628,12 +1628,16 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
     auto& bits = s.m_bits;
     auto& first = s.first;  // first child of node p at first[p + 1] (-1: none)
     auto& next = s.kids;    // next sibling of each node (-1: none)
-    tokens.clear();
-    parents.clear();
-    probs.clear();
-    bits.clear();
-    next.clear();
-    first.assign(1, -1);
+    // Sized for every node of every draft (no growth checks while merging), cut to n after.
+    size_t cap = 0;
+    for (int f = 0; f < nf; ++f) cap += full[f]->size();
+    tokens.resize(cap);
+    parents.resize(cap);
+    probs.resize(cap);
+    bits.resize(cap);
+    next.resize(cap);
+    first.assign(cap + 1, -1);
+    int32_t n = 0;
     bool monotone = true;  // no probability above 1 (nor NaN)
     auto& remap = s.remap;
     for (int f = 0; f < nf; ++f) {
@@ -1650,29 +1654,28 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
                         break;
                     }
             double q = d.probs[j];
+            monotone = monotone && q <= 1.0;
             if (node < 0) {
-                node = static_cast<int32_t>(tokens.size());
-                tokens.push_back(tok);
-                parents.push_back(mp);
-                probs.push_back(q);
-                bits.push_back(d.bits[j]);
-                next.push_back(first[mp + 1]);
+                node = n++;
+                tokens[node] = tok;
+                parents[node] = mp;
+                probs[node] = q;
+                bits[node] = d.bits[j];
+                next[node] = first[mp + 1];
                 first[mp + 1] = node;
-                first.push_back(-1);
-                monotone = monotone && q <= 1.0;
             } else {
                 if (q > probs[node]) probs[node] = q;
                 bits[node] |= d.bits[j];
-                monotone = monotone && q <= 1.0;
             }
             remap[j] = node;
         }
     }
-    int32_t n = static_cast<int32_t>(tokens.size());
     auto& path = s.path;
     auto& depth = s.depth;
-    path.assign(n + 1, 1.0);
-    depth.assign(n + 1, -1);
+    path.resize(n + 1);
+    depth.resize(n + 1);
+    path[n] = 1.0;  // the root's
+    depth[n] = -1;
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
         path[i] = path[p] * probs[i];
@@ -1683,28 +1686,48 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
                  depth.data(), n, budget, 0, out, s);
         return;
     }
+    // The next node in take_top's order is the least of the frontier (the children of the
+    // nodes taken so far). The best child of the node just taken is held aside rather than
+    // pushed: it is often the next node (a chain, the common shape), taken without a heap
+    // operation.
     const int64_t m = std::min<int64_t>(budget, n);
     auto& heap = s.keys;
     heap.clear();
     auto after = std::greater<u128>();
-    auto push_children = [&](int32_t p) {
+    u128 held = 0;
+    bool holding = false;
+    auto add_children = [&](int32_t p) {
         for (int32_t c = first[p + 1]; c >= 0; c = next[c]) {
-            heap.push_back(rank_key(path[c], depth[c], c));
+            u128 key = rank_key(path[c], depth[c], c);
+            if (!holding) {
+                held = key;
+                holding = true;
+                continue;
+            }
+            if (key < held) std::swap(key, held);
+            heap.push_back(key);
             std::push_heap(heap.begin(), heap.end(), after);
         }
     };
-    push_children(-1);
+    add_children(-1);
     auto& new_id = s.new_id;
     new_id.resize(n);
     out.resize(m);
     for (int32_t kept = 0; kept < m; ++kept) {
-        std::pop_heap(heap.begin(), heap.end(), after);
-        int32_t i = static_cast<int32_t>(static_cast<uint32_t>(heap.back()));
-        heap.pop_back();
+        u128 key;
+        if (holding && (heap.empty() || held < heap.front())) {
+            key = held;
+            holding = false;
+        } else {
+            std::pop_heap(heap.begin(), heap.end(), after);
+            key = heap.back();
+            heap.pop_back();
+        }
+        int32_t i = static_cast<int32_t>(static_cast<uint32_t>(key));
         int32_t p = parents[i];
         new_id[i] = kept;
         out.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bits[i]);
-        push_children(i);
+        add_children(i);
     }
 }
 
