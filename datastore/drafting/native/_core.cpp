@@ -130,7 +130,7 @@ struct Scratch {
     std::vector<int64_t> ct_weight;
     std::vector<double> ct_probs, ct_sibling;
     std::vector<int32_t> ct_chain;
-    std::vector<int64_t> ct_start;
+    std::vector<int64_t> ct_start, ct_own;
     // merge
     std::vector<uint32_t> m_tokens;
     std::vector<int32_t> m_parents, remap;
@@ -232,16 +232,6 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
             if (c.match_len > same->m) same->m = c.match_len;
         }
     }
-    auto& tokens = s.ct_tokens;
-    auto& parents = s.ct_parents;
-    auto& depth = s.ct_depth;
-    auto& weight = s.ct_weight;
-    auto& best = s.ct_best;
-    tokens.clear();
-    parents.clear();
-    depth.clear();
-    weight.clear();
-    best.clear();
     // The trie, vote by vote: a vote's first nodes are those of the earlier vote with which
     // it shares the longest prefix (every earlier vote with that prefix went through the
     // same nodes); its other tokens open new nodes, in order (the reference's numbering).
@@ -251,6 +241,20 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
     start[0] = 0;
     for (size_t vi = 0; vi < nv; ++vi) start[vi + 1] = start[vi] + votes[vi].len;
     chain.resize(start[nv]);
+    auto& own = s.ct_own;  // where each vote's own nodes start in `chain`
+    own.resize(nv);
+    // Sized for a node per vote token (no growth checks while building), n nodes used.
+    auto& tokens = s.ct_tokens;
+    auto& parents = s.ct_parents;
+    auto& depth = s.ct_depth;
+    auto& weight = s.ct_weight;
+    auto& best = s.ct_best;
+    tokens.resize(start[nv]);
+    parents.resize(start[nv]);
+    depth.resize(start[nv]);
+    weight.resize(start[nv]);
+    best.resize(start[nv]);
+    int32_t n = 0;
     for (size_t vi = 0; vi < nv; ++vi) {
         const Vote& v = votes[vi];
         int64_t share = 0;
@@ -264,6 +268,7 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
             }
         }
         int32_t* walk = chain.data() + start[vi];
+        own[vi] = start[vi] + share;
         for (int64_t j = 0; j < share; ++j) {
             int32_t node = chain[start[from] + j];
             weight[node] += v.w;
@@ -272,17 +277,16 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
         }
         int32_t parent = share ? walk[share - 1] : -1;
         for (int64_t j = share; j < v.len; ++j) {
-            int32_t node = static_cast<int32_t>(tokens.size());
-            tokens.push_back(v.tokens[j]);
-            parents.push_back(parent);
-            depth.push_back(static_cast<int32_t>(j));
-            weight.push_back(v.w);
-            best.push_back(static_cast<int32_t>(v.m));
+            int32_t node = n++;
+            tokens[node] = v.tokens[j];
+            parents[node] = parent;
+            depth[node] = static_cast<int32_t>(j);
+            weight[node] = v.w;
+            best[node] = static_cast<int32_t>(v.m);
             walk[j] = node;
             parent = node;
         }
     }
-    int32_t n = static_cast<int32_t>(tokens.size());
     auto& sibling = s.ct_sibling;
     sibling.assign(n + 1, 0.0);
     for (int32_t i = 0; i < n; ++i) {
@@ -290,9 +294,10 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
         sibling[p] += static_cast<double>(weight[i]);
     }
     auto& probs = s.ct_probs;
-    probs.assign(n, 0.0);
+    probs.resize(n);
     auto& path = s.path;
-    path.assign(n + 1, 1.0);
+    path.resize(n + 1);
+    path[n] = 1.0;  // the root's
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
         double conf = match_confidence(static_cast<int64_t>(best[i]) + depth[i]);
@@ -302,8 +307,9 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
     }
     // take_top's order without sorting every node: each vote's walk is a chain whose keys
     // increase (a child's probability is at most 0.95, so its path probability is below
-    // its parent's), and merging the chains in key order yields every node in that order,
-    // a shared node once per chain through it (kept the first time).
+    // its parent's), and merging the chains in key order yields every node in that order.
+    // A vote's chain starts at its first own node: the nodes it shares are on the chain of
+    // the earlier vote it shares them with, so every node is on exactly one chain.
     out.clear(conts[0].match_len);
     const int64_t m = std::min<int64_t>(std::max<int64_t>(budget, 0), n);
     if (m == 0) return;
@@ -321,32 +327,41 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
     auto after = [](const Head& a, const Head& b) { return a.key > b.key; };  // min-heap
     size_t nh = 0;
     for (size_t vi = 0; vi < nv; ++vi)
-        if (votes[vi].len > 0) {
-            int32_t i = chain[start[vi]];
-            heads[nh++] = {rank_key(path[i], depth[i], i), start[vi], start[vi + 1]};
+        if (own[vi] < start[vi + 1]) {
+            int32_t i = chain[own[vi]];
+            heads[nh++] = {rank_key(path[i], depth[i], i), own[vi], start[vi + 1]};
         }
     std::make_heap(heads, heads + nh, after);
+    // The least head's chain moves on (or ends) in place, and sinks to where it belongs:
+    // one pass down the heap per node instead of a pop and a push.
+    auto sink = [&]() {
+        size_t at = 0;
+        for (;;) {
+            size_t c = 2 * at + 1;
+            if (c >= nh) break;
+            if (c + 1 < nh && heads[c + 1].key < heads[c].key) ++c;
+            if (heads[at].key < heads[c].key) break;
+            std::swap(heads[at], heads[c]);
+            at = c;
+        }
+    };
     auto& new_id = s.new_id;
-    new_id.assign(n, -2);
+    new_id.resize(n);
     out.resize(m);
-    int32_t kept = 0;
-    while (kept < m && nh > 0) {
-        std::pop_heap(heads, heads + nh, after);
-        Head& h = heads[nh - 1];
+    for (int32_t kept = 0; kept < m; ++kept) {
+        Head& h = heads[0];
         int32_t i = chain[h.at];
         if (++h.at < h.end) {
             int32_t c = chain[h.at];
             h.key = rank_key(path[c], depth[c], c);
-            std::push_heap(heads, heads + nh, after);
         } else {
-            --nh;
+            h = heads[--nh];
         }
-        if (new_id[i] != -2) continue;
+        sink();
         int32_t p = parents[i];
         new_id[i] = kept;
-        out.set(kept++, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bit);
+        out.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bit);
     }
-    out.resize(kept);
 }
 
 // ---- prompt lookup (pld.PromptLookup) --------------------------------------------------
