@@ -1320,11 +1320,18 @@ int64_t sample(const Store& st, const std::vector<Range>& ranges, int64_t k_max,
         if (r.hi <= r.lo) continue;
         int64_t cnt = r.hi - r.lo;
         const Shard& sh = st.shards[r.shard];
+        size_t from = positions.size();
         for (int64_t i = 0; i < k; ++i) {
             int64_t g = (i * total) / k;
             if (nseg > 1 && (g < off || g >= off + cnt)) continue;
             int64_t local = nseg > 1 ? g - off : g;
-            positions.push_back(static_cast<int64_t>(load_le32(sh.sa + r.lo + local)));
+            positions.push_back(r.lo + local);
+            __builtin_prefetch(sh.sa + r.lo + local);
+        }
+        // The suffix-array entries were all asked for (above) before any is read here: the
+        // misses overlap.
+        for (size_t j = from; j < positions.size(); ++j) {
+            positions[j] = static_cast<int64_t>(load_le32(sh.sa + positions[j]));
             shard_of.push_back(r.shard);
         }
         if (nseg > 1) off += cnt;
@@ -1400,12 +1407,14 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     int64_t k = k1 + k2;
     if (k == 0) return;
     // Column c (contiguous, D rows): the tokens at min(L + d + pos, length - 1) of its shard.
-    // Every column's first cache line is asked for before any is read: the reads overlap.
+    // Every column's cache lines (its first and last token's) are asked for before any is
+    // read: the reads overlap.
     for (int64_t c = 0; c < k; ++c) {
         bool first = c < k1;
         const Shard& sh = st.shards[first ? sh1[c] : sh2[c - k1]];
-        int64_t at = std::min((first ? L : L2) + (first ? pos1[c] : pos2[c - k1]), sh.length - 1);
-        __builtin_prefetch(sh.tokens + at * w);
+        int64_t at = (first ? L : L2) + (first ? pos1[c] : pos2[c - k1]);
+        __builtin_prefetch(sh.tokens + std::min(at, sh.length - 1) * w);
+        __builtin_prefetch(sh.tokens + std::min(at + D - 1, sh.length - 1) * w);
     }
     auto& W = s.W;
     W.resize(static_cast<size_t>(D * k));
