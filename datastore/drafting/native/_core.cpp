@@ -118,9 +118,44 @@ struct LearnedFound {
     int64_t end;
 };
 
+// pow(q, power) remembered by q (direct-mapped): the calibrated REST probabilities are mostly
+// ratios of small counts, the same ones step after step, and a pow costs a hundred cycles.
+// A value is only ever the pow of its own arguments: the result is the same bits.
+class PowMemo {
+  public:
+    double pow(double q, double power) {
+        uint64_t qb = bits_of(q), pb = bits_of(power);
+        if (pb != power_ || !ready_) {
+            std::fill(std::begin(q_), std::end(q_), kEmpty);
+            power_ = pb;
+            ready_ = true;
+        }
+        size_t h = static_cast<size_t>((qb * 0x9E3779B97F4A7C15ULL) >> (64 - kBits));
+        if (q_[h] != qb || qb == kEmpty) {
+            q_[h] = qb;
+            r_[h] = std::pow(q, power);
+        }
+        return r_[h];
+    }
+
+  private:
+    static constexpr int kBits = 9;
+    static constexpr uint64_t kEmpty = 0x3FF0000000000000ULL;  // 1.0: the caller's own case
+    static uint64_t bits_of(double x) {
+        uint64_t b;
+        std::memcpy(&b, &x, 8);
+        return b;
+    }
+    uint64_t q_[size_t(1) << kBits];
+    double r_[size_t(1) << kBits];
+    uint64_t power_ = 0;
+    bool ready_ = false;
+};
+
 // Working memory of one thread of drafting, reused across steps (no allocation per step
 // once warm).
 struct Scratch {
+    PowMemo pow;
     std::vector<u128> keys;
     std::vector<int32_t> new_id, depth, first, kids;
     std::vector<double> path;
@@ -1482,8 +1517,12 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     pd.resize(k);
     for (int64_t c = 0; c < k; ++c) {
         const uint32_t* col = W.data() + static_cast<int64_t>(cols[c]) * D;
-        int32_t v = 0;
-        while (v < D && col[v] != sep) ++v;
+        // Most columns hold no separator: a branch-free test of the whole column first.
+        bool has_sep = false;
+        for (int64_t d = 0; d < D; ++d) has_sep |= col[d] == sep;
+        int32_t v = static_cast<int32_t>(D);
+        if (has_sep)
+            for (v = 0; col[v] != sep;) ++v;
         vlen[c] = v;
         if (c > 0) {
             const uint32_t* prev = W.data() + static_cast<int64_t>(cols[c - 1]) * D;
@@ -2223,7 +2262,7 @@ int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int close
         s->rest_match_len = s->t_rest.match_len;
         if (!(s->scale == 1.0 && s->power == 1.0))
             for (auto& q : s->t_rest.probs)  // pow(1, y) is 1 exactly (most REST probs are 1)
-                q = s->scale * (q == 1.0 ? 1.0 : std::pow(q, s->power));
+                q = s->scale * (q == 1.0 ? 1.0 : scratch.pow.pow(q, s->power));
         drafts[nd++] = &s->t_rest;
     }
     if (s->pld) {
@@ -2621,6 +2660,8 @@ PyObject* step_batch(PyObject*, PyObject* args) {
         // Extend every session (its failure is its own), and ask each Reader once whether it
         // was closed: both need the GIL.
         Scratch& scratch = step_scratch();
+        PyObject* last_store = nullptr;
+        bool last_closed = false;
         for (Py_ssize_t i = 0; i < n; ++i) {
             PyObject* a = PySequence_Fast_ITEMS(as)[i];
             if (a != Py_None) {
@@ -2632,8 +2673,11 @@ PyObject* step_batch(PyObject*, PyObject* args) {
                 }
             }
             PyObject* store = st[i]->store;
-            closed[i] = store != nullptr &&
-                        reader_closed(reinterpret_cast<StoreObject*>(store)->reader);
+            if (store != nullptr && store != last_store) {  // most sessions share one Store
+                last_store = store;
+                last_closed = reader_closed(reinterpret_cast<StoreObject*>(store)->reader);
+            }
+            closed[i] = store != nullptr && last_closed;
         }
         std::vector<double> expected(n, 0.0);
         std::vector<uint8_t> used(n, 0);
