@@ -1518,10 +1518,10 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     for (int64_t c = 0; c < k; ++c) {
         const uint32_t* col = W.data() + static_cast<int64_t>(cols[c]) * D;
         // Most columns hold no separator: a branch-free test of the whole column first.
-        bool has_sep = false;
-        for (int64_t d = 0; d < D; ++d) has_sep |= col[d] == sep;
+        uint32_t seps = 0;
+        for (int64_t d = 0; d < D; ++d) seps += col[d] == sep;
         int32_t v = static_cast<int32_t>(D);
-        if (has_sep)
+        if (seps)
             for (v = 0; col[v] != sep;) ++v;
         vlen[c] = v;
         if (c > 0) {
