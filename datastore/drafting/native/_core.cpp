@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <cmath>
@@ -490,8 +491,12 @@ class PromptIndex {
         levels_[1] = min_ngram;
         nlevels_ = long_level == min_ngram ? 1 : 2;  // sorted({min, long}, reverse=True)
     }
-    // Index the n-grams ending at positions [from, toks.size()).
-    void extend(const std::vector<uint32_t>& toks, size_t from) {
+    // Index the n-grams ending at the positions of `toks` not indexed yet (a session's
+    // context only grows). Called when drafting, not when tokens arrive: a batch extends its
+    // sessions one after the other, but drafts them on all its threads.
+    void extend(const std::vector<uint32_t>& toks) {
+        size_t from = indexed_;
+        indexed_ = toks.size();
         for (int l = 0; l < nlevels_; ++l) {
             int n = levels_[l];
             prev_[l].resize(toks.size(), -1);
@@ -560,6 +565,7 @@ class PromptIndex {
         return m;
     }
     int max_ngram_, min_ngram_;
+    size_t indexed_ = 0;  // the context's tokens indexed so far
     int levels_[2];
     int nlevels_;
     FlatMap64 head_[2];
@@ -2094,6 +2100,9 @@ struct SessionState {
     int64_t budget = 64, max_depth = 16;
     int64_t rest_match_len = 0, pld_match_len = 0, learned_match_len = 0;
     Tree t_rest, t_pld, t_learned, out;
+    // the last batched step's: out's expected accepted tokens and the source bits it holds
+    double expected = 0.0;
+    uint8_t used = 0;
 };
 
 struct SessionObject {
@@ -2189,7 +2198,6 @@ int Session_init(SessionObject* self, PyObject* args, PyObject*) {
     s->power = power;
     if (pld_max > 0) {
         s->pld.reset(new PromptIndex(pld_max, pld_min));
-        s->pld->extend(s->context, 0);
     }
     if (learned != Py_None) {
         Py_INCREF(learned);
@@ -2203,9 +2211,7 @@ int Session_init(SessionObject* self, PyObject* args, PyObject*) {
 }
 
 void session_extend(SessionState* s, const std::vector<uint32_t>& toks) {
-    size_t from = s->context.size();
     s->context.insert(s->context.end(), toks.begin(), toks.end());
-    if (s->pld) s->pld->extend(s->context, from);
     if (s->learned != nullptr) s->writer.extend(learned_of(s->learned), toks.data(), toks.size());
 }
 
@@ -2266,6 +2272,7 @@ int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int close
         drafts[nd++] = &s->t_rest;
     }
     if (s->pld) {
+        s->pld->extend(s->context);
         s->pld->propose(s->context, budget, s->max_depth, s->t_pld, scratch);
         s->pld_match_len = s->t_pld.match_len;
         drafts[nd++] = &s->t_pld;
@@ -2679,19 +2686,22 @@ PyObject* step_batch(PyObject*, PyObject* args) {
             }
             closed[i] = store != nullptr && last_closed;
         }
-        std::vector<double> expected(n, 0.0);
-        std::vector<uint8_t> used(n, 0);
+        // A thread writes only to the sessions it drafts (and to `status` on a failure, which
+        // is rare): threads drafting neighbours do not share cache lines.
         auto draft = [&](Py_ssize_t i, Scratch& sc) {
             SessionState* s = st[i];
-            if (status[i] == 0) status[i] = session_propose(s, budget[i], sc, closed[i]);
-            if (status[i]) {
+            int err = status[i];
+            if (err == 0 && (err = session_propose(s, budget[i], sc, closed[i])) != 0)
+                status[i] = err;
+            if (err) {
                 s->out.clear();
                 s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
             } else if (chain > 0) {
                 best_chain(s->out, chain, sc);
             }
-            expected[i] = expected_accepted(s->out, sc);
-            for (uint8_t bit : s->out.bits) used[i] |= bit;
+            s->expected = expected_accepted(s->out, sc);
+            s->used = 0;
+            for (uint8_t bit : s->out.bits) s->used |= bit;
         };
         int nt = static_cast<int>(std::max<Py_ssize_t>(1, std::min<Py_ssize_t>(threads, n)));
         // The drafting reads only the sessions, the mapped arrays and the learned index (under
@@ -2702,14 +2712,20 @@ PyObject* step_batch(PyObject*, PyObject* args) {
         } else {
             static std::mutex one_batch_at_a_time;  // the workers serve one batch at a time
             std::lock_guard<std::mutex> lock(one_batch_at_a_time);
-            workers().run(nt, [&](int t) {
+            // Sessions are handed out one at a time as threads come free: a thread woken late
+            // or given long drafts does not hold the others back.
+            std::atomic<Py_ssize_t> next{0};
+            workers().run(nt, [&](int) {
                 Scratch& sc = step_scratch();
-                for (Py_ssize_t i = t; i < n; i += nt) draft(i, sc);
+                for (Py_ssize_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
+                    draft(i, sc);
             });
         }
         Py_END_ALLOW_THREADS
         std::vector<int32_t> counts(n, 0);
         std::vector<int64_t> mls(3 * n, 0);
+        std::vector<double> expected(n, 0.0);
+        std::vector<uint8_t> used(n, 0);
         auto& b = scratch.batch;  // the trees, concatenated
         b.clear();
         for (Py_ssize_t i = 0; i < n; ++i) {
@@ -2722,6 +2738,8 @@ PyObject* step_batch(PyObject*, PyObject* args) {
             mls[3 * i] = st[i]->rest_match_len;
             mls[3 * i + 1] = st[i]->pld_match_len;
             mls[3 * i + 2] = st[i]->learned_match_len;
+            expected[i] = st[i]->expected;
+            used[i] = st[i]->used;
         }
         size_t m = b.size();
         result = Py_BuildValue(
