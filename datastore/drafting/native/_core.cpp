@@ -153,9 +153,51 @@ class PowMemo {
     bool ready_ = false;
 };
 
+// A binary min-heap of rank keys that can put a new key in the place of its least (one pass
+// down instead of a pop and a push: the merge takes a node, then adds its children).
+class KeyHeap {
+  public:
+    void clear() { k_.clear(); }
+    bool empty() const { return k_.empty(); }
+    u128 least() const { return k_[0]; }
+    void push(u128 key) {
+        size_t at = k_.size();
+        k_.push_back(key);
+        while (at > 0) {
+            size_t up = (at - 1) / 2;
+            if (!(key < k_[up])) break;
+            k_[at] = k_[up];
+            at = up;
+        }
+        k_[at] = key;
+    }
+    void replace_least(u128 key) { sink(key); }
+    void pop_least() {
+        u128 last = k_.back();
+        k_.pop_back();
+        if (!k_.empty()) sink(last);
+    }
+
+  private:
+    void sink(u128 key) {  // key goes in at the top, and down to where it belongs
+        size_t n = k_.size(), at = 0;
+        for (;;) {
+            size_t c = 2 * at + 1;
+            if (c >= n) break;
+            if (c + 1 < n && k_[c + 1] < k_[c]) ++c;
+            if (!(k_[c] < key)) break;
+            k_[at] = k_[c];
+            at = c;
+        }
+        k_[at] = key;
+    }
+    std::vector<u128> k_;
+};
+
 // Working memory of one thread of drafting, reused across steps (no allocation per step
 // once warm).
 struct Scratch {
+    KeyHeap frontier;
     PowMemo pow;
     std::vector<u128> keys;
     std::vector<int32_t> new_id, depth, first, kids;
@@ -1760,11 +1802,13 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
     // pushed: it is often the next node (a chain, the common shape), taken without a heap
     // operation.
     const int64_t m = std::min<int64_t>(budget, n);
-    auto& heap = s.keys;
-    heap.clear();
-    auto after = std::greater<u128>();
+    auto& heap = s.frontier;
     u128 held = 0;
     bool holding = false;
+    auto& new_id = s.new_id;
+    new_id.resize(n);
+    out.resize(m);
+    bool hole = false;  // the heap's least was just taken: its slot awaits a child
     auto add_children = [&](int32_t p) {
         for (int32_t c = first[p + 1]; c >= 0; c = next[c]) {
             u128 key = rank_key(path[c], depth[c], c);
@@ -1774,23 +1818,26 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
                 continue;
             }
             if (key < held) std::swap(key, held);
-            heap.push_back(key);
-            std::push_heap(heap.begin(), heap.end(), after);
+            if (hole) {
+                heap.replace_least(key);
+                hole = false;
+            } else {
+                heap.push(key);
+            }
         }
+        if (hole) heap.pop_least();
+        hole = false;
     };
+    heap.clear();
     add_children(-1);
-    auto& new_id = s.new_id;
-    new_id.resize(n);
-    out.resize(m);
     for (int32_t kept = 0; kept < m; ++kept) {
         u128 key;
-        if (holding && (heap.empty() || held < heap.front())) {
+        if (holding && (heap.empty() || held < heap.least())) {
             key = held;
             holding = false;
         } else {
-            std::pop_heap(heap.begin(), heap.end(), after);
-            key = heap.back();
-            heap.pop_back();
+            key = heap.least();
+            hole = true;
         }
         int32_t i = static_cast<int32_t>(static_cast<uint32_t>(key));
         int32_t p = parents[i];
