@@ -276,6 +276,20 @@ inline double match_confidence(int64_t m) {
     return x < 0.95 ? x : 0.95;
 }
 
+// The same for the small m of nearly every node, computed once (the same division: the
+// same bits), instead of a division per node.
+struct ConfidenceTable {
+    static constexpr int64_t kSize = 128;
+    double v[kSize];
+    ConfidenceTable() {
+        for (int64_t m = 0; m < kSize; ++m) v[m] = match_confidence(m);
+    }
+    double operator()(int64_t m) const {
+        return m >= 0 && m < kSize ? v[m] : match_confidence(m);
+    }
+};
+const ConfidenceTable confidence;
+
 // pld.continuation_tree: the trie of copied continuations (best first), identical ones
 // walked once with their summed weight m*m.
 void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, uint8_t bit,
@@ -378,7 +392,7 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
     path[n] = 1.0;  // the root's
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
-        double conf = match_confidence(static_cast<int64_t>(best[i]) + depth[i]);
+        double conf = confidence(static_cast<int64_t>(best[i]) + depth[i]);
         double prob = conf * static_cast<double>(weight[i]) / sibling[p];
         probs[i] = prob;
         path[i] = path[p] * prob;
