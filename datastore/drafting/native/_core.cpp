@@ -75,12 +75,22 @@ struct Tree {
         probs.resize(n);
         bits.resize(n);
     }
-    void set(size_t i, uint32_t t, int32_t p, double q, uint8_t b) {
-        tokens[i] = t;
-        parents[i] = p;
-        probs[i] = q;
-        bits[i] = b;
-    }
+    // The node arrays as raw pointers (valid until the next resize), for the loops that fill
+    // a tree: a node's source bit stored through a vector would make the compiler load every
+    // vector's bounds again.
+    struct Slots {
+        uint32_t* tokens;
+        int32_t* parents;
+        double* probs;
+        uint8_t* bits;
+        void set(size_t i, uint32_t t, int32_t p, double q, uint8_t b) const {
+            tokens[i] = t;
+            parents[i] = p;
+            probs[i] = q;
+            bits[i] = b;
+        }
+    };
+    Slots slots() { return {tokens.data(), parents.data(), probs.data(), bits.data()}; }
 };
 
 using u128 = unsigned __int128;
@@ -258,6 +268,7 @@ void take_top(const uint32_t* tokens, const int32_t* parents, const double* prob
     auto& new_id = s.new_id;
     new_id.assign(n, -2);
     out.resize(m);
+    const Tree::Slots o = out.slots();
     int32_t kept = 0;
     for (int32_t k = 0; k < m; ++k) {
         int32_t i = static_cast<int32_t>(static_cast<uint32_t>(keys[k]));
@@ -265,7 +276,7 @@ void take_top(const uint32_t* tokens, const int32_t* parents, const double* prob
         int32_t np = p < 0 ? -1 : new_id[p];
         if (np == -2) continue;
         new_id[i] = kept;
-        out.set(kept++, tokens[i], np, probs[i], bits[i]);
+        o.set(kept++, tokens[i], np, probs[i], bits[i]);
     }
     out.resize(kept);
 }
@@ -335,17 +346,23 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
     chain.resize(start[nv]);
     auto& own = s.ct_own;  // where each vote's own nodes start in `chain`
     own.resize(nv);
-    // Sized for a node per vote token (no growth checks while building), n nodes used.
-    auto& tokens = s.ct_tokens;
-    auto& parents = s.ct_parents;
-    auto& depth = s.ct_depth;
-    auto& weight = s.ct_weight;
-    auto& best = s.ct_best;
-    tokens.resize(start[nv]);
-    parents.resize(start[nv]);
-    depth.resize(start[nv]);
-    weight.resize(start[nv]);
-    best.resize(start[nv]);
+    // Sized for a node per vote token (no growth checks while building), n nodes used; raw
+    // pointers from here on (see Tree::Slots).
+    const size_t cap = static_cast<size_t>(start[nv]);
+    s.ct_tokens.resize(cap);
+    s.ct_parents.resize(cap);
+    s.ct_depth.resize(cap);
+    s.ct_weight.resize(cap);
+    s.ct_best.resize(cap);
+    s.ct_sibling.resize(cap + 1);
+    s.ct_probs.resize(cap);
+    s.path.resize(cap + 1);
+    s.new_id.resize(cap);
+    uint32_t* tokens = s.ct_tokens.data();
+    int32_t* parents = s.ct_parents.data();
+    int32_t* depth = s.ct_depth.data();
+    int64_t* weight = s.ct_weight.data();
+    int32_t* best = s.ct_best.data();
     int32_t n = 0;
     for (size_t vi = 0; vi < nv; ++vi) {
         const Vote& v = votes[vi];
@@ -379,16 +396,14 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
             parent = node;
         }
     }
-    auto& sibling = s.ct_sibling;
-    sibling.assign(n + 1, 0.0);
+    double* sibling = s.ct_sibling.data();
+    std::fill(sibling, sibling + n + 1, 0.0);
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
         sibling[p] += static_cast<double>(weight[i]);
     }
-    auto& probs = s.ct_probs;
-    probs.resize(n);
-    auto& path = s.path;
-    path.resize(n + 1);
+    double* probs = s.ct_probs.data();
+    double* path = s.path.data();
     path[n] = 1.0;  // the root's
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
@@ -437,14 +452,15 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
             at = c;
         }
     };
-    auto& new_id = s.new_id;
-    new_id.resize(n);
+    int32_t* new_id = s.new_id.data();
     out.resize(m);
+    const Tree::Slots o = out.slots();
+    const int32_t* chains = chain.data();
     for (int32_t kept = 0; kept < m; ++kept) {
         Head& h = heads[0];
-        int32_t i = chain[h.at];
+        int32_t i = chains[h.at];
         if (++h.at < h.end) {
-            int32_t c = chain[h.at];
+            int32_t c = chains[h.at];
             h.key = rank_key(path[c], depth[c], c);
         } else {
             h = heads[--nh];
@@ -452,7 +468,7 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
         sink();
         int32_t p = parents[i];
         new_id[i] = kept;
-        out.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bit);
+        o.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bit);
     }
 }
 
@@ -1689,6 +1705,7 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     auto& chain_out = s.chain_out;  // output index of each column's last chain node
     chain_out.assign(k, -1);
     out.resize(m);
+    const Tree::Slots o = out.slots();
     int64_t next_shared = 0;
     for (int64_t i = 0; i < m; ++i) {
         int best = -1;  // -1: the next shared node; else a class
@@ -1708,8 +1725,8 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
             int32_t par = sparent[node];
             double pm = static_cast<double>(par < 0 ? root : smass[par]);
             sout[node] = static_cast<int32_t>(i);
-            out.set(i, stok[node], par < 0 ? -1 : sout[par],
-                    static_cast<double>(smass[node]) / pm, BIT_REST);
+            o.set(i, stok[node], par < 0 ? -1 : sout[par],
+                  static_cast<double>(smass[node]) / pm, BIT_REST);
         } else {
             ++classes[best].at;
             const uint32_t* col = W.data() + static_cast<int64_t>(cols[bc]) * D;
@@ -1725,8 +1742,8 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
                 pm = static_cast<double>(wc);
             }
             chain_out[bc] = static_cast<int32_t>(i);
-            out.set(i, col[bd], parent, bd == pd[bc] ? static_cast<double>(wc) / pm : 1.0,
-                    BIT_REST);
+            o.set(i, col[bd], parent, bd == pd[bc] ? static_cast<double>(wc) / pm : 1.0,
+                  BIT_REST);
         }
     }
 }
@@ -1747,30 +1764,39 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
     }
     out.clear();
     if (nf == 0 || budget <= 0) return;
-    auto& tokens = s.m_tokens;
-    auto& parents = s.m_parents;
-    auto& probs = s.m_probs;
-    auto& bits = s.m_bits;
-    auto& first = s.first;  // first child of node p at first[p + 1] (-1: none)
-    auto& next = s.kids;    // next sibling of each node (-1: none)
-    // Sized for every node of every draft (no growth checks while merging), cut to n after.
+    // Sized for every node of every draft (no growth checks while merging), n used.
     size_t cap = 0;
     for (int f = 0; f < nf; ++f) cap += full[f]->size();
-    tokens.resize(cap);
-    parents.resize(cap);
-    probs.resize(cap);
-    bits.resize(cap);
-    next.resize(cap);
-    first.assign(cap + 1, -1);
+    s.m_tokens.resize(cap);
+    s.m_parents.resize(cap);
+    s.m_probs.resize(cap);
+    s.m_bits.resize(cap);
+    s.kids.resize(cap);
+    s.first.assign(cap + 1, -1);
+    s.path.resize(cap + 1);
+    s.depth.resize(cap + 1);
+    s.new_id.resize(cap);
+    // Raw pointers from here on (see Tree::Slots).
+    uint32_t* tokens = s.m_tokens.data();
+    int32_t* parents = s.m_parents.data();
+    double* probs = s.m_probs.data();
+    uint8_t* bits = s.m_bits.data();
+    int32_t* first = s.first.data();  // first child of node p at first[p + 1] (-1: none)
+    int32_t* next = s.kids.data();    // next sibling of each node (-1: none)
     int32_t n = 0;
     bool monotone = true;  // no probability above 1 (nor NaN)
-    auto& remap = s.remap;
     for (int f = 0; f < nf; ++f) {
         const Tree& d = *full[f];
-        remap.resize(d.size());
-        for (size_t j = 0; j < d.size(); ++j) {
-            int32_t mp = d.parents[j] < 0 ? -1 : remap[d.parents[j]];
-            uint32_t tok = d.tokens[j];
+        const size_t dn = d.size();
+        const uint32_t* d_tokens = d.tokens.data();
+        const int32_t* d_parents = d.parents.data();
+        const double* d_probs = d.probs.data();
+        const uint8_t* d_bits = d.bits.data();
+        s.remap.resize(dn);
+        int32_t* remap = s.remap.data();
+        for (size_t j = 0; j < dn; ++j) {
+            int32_t mp = d_parents[j] < 0 ? -1 : remap[d_parents[j]];
+            uint32_t tok = d_tokens[j];
             int32_t node = -1;
             if (f > 0)  // the first draft's nodes are all distinct
                 for (int32_t c = first[mp + 1]; c >= 0; c = next[c])
@@ -1778,27 +1804,25 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
                         node = c;
                         break;
                     }
-            double q = d.probs[j];
+            double q = d_probs[j];
             monotone = monotone && q <= 1.0;
             if (node < 0) {
                 node = n++;
                 tokens[node] = tok;
                 parents[node] = mp;
                 probs[node] = q;
-                bits[node] = d.bits[j];
+                bits[node] = d_bits[j];
                 next[node] = first[mp + 1];
                 first[mp + 1] = node;
             } else {
                 if (q > probs[node]) probs[node] = q;
-                bits[node] |= d.bits[j];
+                bits[node] |= d_bits[j];
             }
             remap[j] = node;
         }
     }
-    auto& path = s.path;
-    auto& depth = s.depth;
-    path.resize(n + 1);
-    depth.resize(n + 1);
+    double* path = s.path.data();
+    int32_t* depth = s.depth.data();
     path[n] = 1.0;  // the root's
     depth[n] = -1;
     for (int32_t i = 0; i < n; ++i) {
@@ -1807,8 +1831,7 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
         depth[i] = depth[p] + 1;
     }
     if (!monotone) {
-        take_top(tokens.data(), parents.data(), probs.data(), bits.data(), path.data(),
-                 depth.data(), n, budget, 0, out, s);
+        take_top(tokens, parents, probs, bits, path, depth, n, budget, 0, out, s);
         return;
     }
     // The next node in take_top's order is the least of the frontier (the children of the
@@ -1819,9 +1842,9 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
     auto& heap = s.frontier;
     u128 held = 0;
     bool holding = false;
-    auto& new_id = s.new_id;
-    new_id.resize(n);
+    int32_t* new_id = s.new_id.data();
     out.resize(m);
+    const Tree::Slots o = out.slots();
     bool hole = false;  // the heap's least was just taken: its slot awaits a child
     auto add_children = [&](int32_t p) {
         for (int32_t c = first[p + 1]; c >= 0; c = next[c]) {
@@ -1856,7 +1879,7 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
         int32_t i = static_cast<int32_t>(static_cast<uint32_t>(key));
         int32_t p = parents[i];
         new_id[i] = kept;
-        out.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bits[i]);
+        o.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bits[i]);
         add_children(i);
     }
 }
@@ -2602,9 +2625,10 @@ void best_chain(Tree& t, int64_t max_len, Scratch& s) {
         }
     }
     int32_t k = 0;
+    const Tree::Slots o = t.slots();
     for (int32_t node = root_best; node >= 0; node = best_child[node], ++k)
         // node >= k always (a child comes after its parent): the chain overwrites in place
-        t.set(k, t.tokens[node], k - 1, t.probs[node], t.bits[node]);
+        o.set(k, o.tokens[node], k - 1, o.probs[node], o.bits[node]);
     t.resize(k);
 }
 
