@@ -1665,10 +1665,12 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         int64_t weight;
         int32_t d, at, dmax;  // the next node: depth d, at-th column of the class
         std::vector<int32_t>& columns;
+        u128 key;  // the next node's rank (all ones: none left)
     };
+    const u128 none = ~static_cast<u128>(0);
     // Columns weigh one of at most two values (one per level sampled): two classes.
-    Chains classes[2] = {{0, INT32_MAX, 0, 0, s.class_columns[0]},
-                         {0, INT32_MAX, 0, 0, s.class_columns[1]}};
+    Chains classes[2] = {{0, INT32_MAX, 0, 0, s.class_columns[0], none},
+                         {0, INT32_MAX, 0, 0, s.class_columns[1], none}};
     classes[0].columns.clear();
     classes[1].columns.clear();
     int nclass = 0;
@@ -1682,23 +1684,21 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         ch.d = std::min(ch.d, pd[c]);
         ch.dmax = std::max(ch.dmax, vlen[c]);
     }
-    // The class's next node (depth, column), or false when it has none left.
-    auto peek = [&](Chains& ch, int32_t& d, int32_t& c) {
-        while (ch.d < ch.dmax) {
-            while (ch.at < static_cast<int32_t>(ch.columns.size())) {
-                int32_t col = ch.columns[ch.at];
+    // Moves the class to its next node (depth d, column columns[at]) and ranks it.
+    auto advance = [&](Chains& ch) {
+        const int32_t* columns = ch.columns.data();
+        const int32_t ncols = static_cast<int32_t>(ch.columns.size());
+        for (; ch.d < ch.dmax; ++ch.d, ch.at = 0)
+            for (; ch.at < ncols; ++ch.at) {
+                int32_t col = columns[ch.at];
                 if (pd[col] <= ch.d && ch.d < vlen[col]) {
-                    d = ch.d;
-                    c = col;
-                    return true;
+                    ch.key = rank(ch.weight, ch.d, col);
+                    return;
                 }
-                ++ch.at;
             }
-            ++ch.d;
-            ch.at = 0;
-        }
-        return false;
+        ch.key = none;
     };
+    for (int j = 0; j < nclass; ++j) advance(classes[j]);
     const int64_t m = std::min<int64_t>(p.budget, nn);
     auto& sout = s.remap;  // output index of each shared node
     sout.assign(ns, -1);
@@ -1709,17 +1709,12 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     int64_t next_shared = 0;
     for (int64_t i = 0; i < m; ++i) {
         int best = -1;  // -1: the next shared node; else a class
-        u128 bk = next_shared < ns ? keys[sorder[next_shared]] : ~static_cast<u128>(0);
-        int32_t bd = 0, bc = 0;
-        for (int j = 0; j < nclass; ++j) {
-            int32_t d, c;
-            if (peek(classes[j], d, c) && rank(classes[j].weight, d, c) < bk) {
-                bk = rank(classes[j].weight, d, c);
+        u128 bk = next_shared < ns ? keys[sorder[next_shared]] : none;
+        for (int j = 0; j < nclass; ++j)
+            if (classes[j].key < bk) {
+                bk = classes[j].key;
                 best = j;
-                bd = d;
-                bc = c;
             }
-        }
         if (best < 0) {
             int32_t node = sorder[next_shared++];
             int32_t par = sparent[node];
@@ -1728,7 +1723,10 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
             o.set(i, stok[node], par < 0 ? -1 : sout[par],
                   static_cast<double>(smass[node]) / pm, BIT_REST);
         } else {
-            ++classes[best].at;
+            Chains& ch = classes[best];
+            int32_t bd = ch.d, bc = ch.columns[ch.at];
+            ++ch.at;
+            advance(ch);
             const uint32_t* col = W.data() + static_cast<int64_t>(cols[bc]) * D;
             int64_t wc = wt[bc];
             int32_t parent;
