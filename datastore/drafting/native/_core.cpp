@@ -499,56 +499,51 @@ struct U64Hash {
     }
 };
 
-// An open-addressing map from a 64-bit key to a 64-bit value (never erased), growing.
+// An open-addressing map from a 64-bit key to a non-negative 64-bit value (never erased),
+// growing. A slot holds its key and value side by side (a lookup touches one cache line),
+// a negative value marking it empty.
 class FlatMap64 {
   public:
     FlatMap64() { rehash(64); }
     int64_t get(uint64_t key, int64_t missing) const {
         size_t h = U64Hash()(key) & mask_;
-        while (used_[h]) {
-            if (keys_[h] == key) return vals_[h];
+        while (slots_[h].value >= 0) {
+            if (slots_[h].key == key) return slots_[h].value;
             h = (h + 1) & mask_;
         }
         return missing;
     }
-    // Stores value for key; returns the previous value (or `missing`).
+    // Stores value (>= 0) for key; returns the previous value (or `missing`).
     int64_t put(uint64_t key, int64_t value, int64_t missing) {
-        if (2 * (count_ + 1) > keys_.size()) rehash(keys_.size() * 2);
+        if (2 * (count_ + 1) > slots_.size()) rehash(slots_.size() * 2);
         size_t h = U64Hash()(key) & mask_;
-        while (used_[h]) {
-            if (keys_[h] == key) {
-                int64_t old = vals_[h];
-                vals_[h] = value;
+        while (slots_[h].value >= 0) {
+            if (slots_[h].key == key) {
+                int64_t old = slots_[h].value;
+                slots_[h].value = value;
                 return old;
             }
             h = (h + 1) & mask_;
         }
-        used_[h] = 1;
-        keys_[h] = key;
-        vals_[h] = value;
+        slots_[h] = {key, value};
         ++count_;
         return missing;
     }
 
   private:
+    struct Slot {
+        uint64_t key;
+        int64_t value;  // < 0: empty
+    };
     void rehash(size_t cap) {
-        std::vector<uint64_t> k;
-        std::vector<int64_t> v;
-        k.swap(keys_);
-        v.swap(vals_);
-        std::vector<uint8_t> u;
-        u.swap(used_);
-        keys_.assign(cap, 0);
-        vals_.assign(cap, 0);
-        used_.assign(cap, 0);
+        std::vector<Slot> old(cap, Slot{0, -1});
+        old.swap(slots_);
         mask_ = cap - 1;
         count_ = 0;
-        for (size_t i = 0; i < u.size(); ++i)
-            if (u[i]) put(k[i], v[i], 0);
+        for (const Slot& e : old)
+            if (e.value >= 0) put(e.key, e.value, 0);
     }
-    std::vector<uint64_t> keys_;
-    std::vector<int64_t> vals_;
-    std::vector<uint8_t> used_;
+    std::vector<Slot> slots_;
     size_t mask_ = 0, count_ = 0;
 };
 
