@@ -740,8 +740,8 @@ class Pool {
     bool empty() const { return full_ == 0; }
     const PosList* find(Key128 key) const {
         size_t h = Key128Hash()(key) & mask_;
-        while (state_[h] != kEmpty) {
-            if (state_[h] == kFull && keys_[h] == key) return &lists_[h];
+        while (slots_[h].state != kEmpty) {
+            if (slots_[h].state == kFull && slots_[h].key == key) return &slots_[h].list;
             h = (h + 1) & mask_;
         }
         return nullptr;
@@ -749,16 +749,21 @@ class Pool {
     PosList* find(Key128 key) {
         return const_cast<PosList*>(static_cast<const Pool*>(this)->find(key));
     }
+    // Asks for the cache line where a lookup of key starts (the table is megabytes: a
+    // lookup is a cache miss, and misses asked for together overlap).
+    void prefetch(Key128 key) const {
+        __builtin_prefetch(&slots_[Key128Hash()(key) & mask_]);
+    }
     PosList& get_or_insert(Key128 key) {
         size_t h = Key128Hash()(key) & mask_;
         size_t grave = SIZE_MAX;
-        while (state_[h] != kEmpty) {
-            if (state_[h] == kFull && keys_[h] == key) return lists_[h];
-            if (state_[h] == kTomb && grave == SIZE_MAX) grave = h;
+        while (slots_[h].state != kEmpty) {
+            if (slots_[h].state == kFull && slots_[h].key == key) return slots_[h].list;
+            if (slots_[h].state == kTomb && grave == SIZE_MAX) grave = h;
             h = (h + 1) & mask_;
         }
         if (grave == SIZE_MAX) {
-            if (10 * (used_ + 1) > 7 * keys_.size()) {  // rebuild, then find the slot again
+            if (10 * (used_ + 1) > 7 * slots_.size()) {  // rebuild, then find the slot again
                 rebuild(std::max<size_t>(16, next_pow2(4 * (full_ + 1))));
                 return get_or_insert(key);
             }
@@ -766,17 +771,17 @@ class Pool {
         } else {
             h = grave;
         }
-        state_[h] = kFull;
-        keys_[h] = key;
+        slots_[h].state = kFull;
+        slots_[h].key = key;
         ++full_;
-        return lists_[h];
+        return slots_[h].list;
     }
     void erase(Key128 key) {
         size_t h = Key128Hash()(key) & mask_;
-        while (state_[h] != kEmpty) {
-            if (state_[h] == kFull && keys_[h] == key) {
-                state_[h] = kTomb;
-                lists_[h] = PosList();
+        while (slots_[h].state != kEmpty) {
+            if (slots_[h].state == kFull && slots_[h].key == key) {
+                slots_[h].state = kTomb;
+                slots_[h].list = PosList();
                 --full_;
                 return;
             }
@@ -786,33 +791,32 @@ class Pool {
 
   private:
     static constexpr uint8_t kEmpty = 0, kFull = 1, kTomb = 2;
+    struct Slot {  // a key, its positions and its state side by side: one cache miss a probe
+        Key128 key = 0;
+        PosList list;
+        uint8_t state = kEmpty;
+    };
     static size_t next_pow2(size_t n) {
         size_t c = 16;
         while (c < n) c <<= 1;
         return c;
     }
     void rebuild(size_t cap) {
-        std::vector<Key128> keys(cap);
-        std::vector<PosList> lists(cap);
-        std::vector<uint8_t> state(cap, kEmpty);
+        std::vector<Slot> slots(cap);
         size_t mask = cap - 1;
-        for (size_t i = 0; i < keys_.size(); ++i) {
-            if (state_[i] != kFull) continue;
-            size_t h = Key128Hash()(keys_[i]) & mask;
-            while (state[h] != kEmpty) h = (h + 1) & mask;
-            state[h] = kFull;
-            keys[h] = keys_[i];
-            lists[h] = std::move(lists_[i]);
+        for (Slot& e : slots_) {
+            if (e.state != kFull) continue;
+            size_t h = Key128Hash()(e.key) & mask;
+            while (slots[h].state != kEmpty) h = (h + 1) & mask;
+            slots[h].state = kFull;
+            slots[h].key = e.key;
+            slots[h].list = std::move(e.list);
         }
-        keys_.swap(keys);
-        lists_.swap(lists);
-        state_.swap(state);
+        slots_.swap(slots);
         mask_ = mask;
         used_ = full_;
     }
-    std::vector<Key128> keys_;
-    std::vector<PosList> lists_;
-    std::vector<uint8_t> state_;
+    std::vector<Slot> slots_;
     size_t mask_ = 0, full_ = 0, used_ = 0;  // used: full slots and tombstones
 };
 
@@ -860,6 +864,7 @@ class Learned {
     void append(LDoc& doc, const uint32_t* toks, size_t n) {
         Pool& pool = pools_[doc.pool];
         uint64_t base = doc.id << POS_BITS;
+        prefetch_keys(pool, doc.tokens, toks, n);
         for (size_t k = 0; k < n; ++k) {
             if (static_cast<int64_t>(doc.tokens.size()) >= MAX_DOC_TOKENS) break;
             doc.tokens.push_back(toks[k]);
@@ -891,7 +896,12 @@ class Learned {
         Pool& pool = pools_[doc->pool];
         uint64_t base = doc->id << POS_BITS;
         const auto& toks = doc->tokens;
-        for (int64_t end = 0; end < static_cast<int64_t>(toks.size()); ++end)
+        const int64_t len = static_cast<int64_t>(toks.size()), ahead = 8;
+        for (int64_t end = 0; end < len; ++end) {
+            // The lookups of a few tokens on are asked for now: the cache misses overlap.
+            for (int n_ : {4, 2})
+                if (end + ahead < len && end + ahead + 1 >= n_)
+                    pool.prefetch(learned_key(toks.data(), end + ahead, n_));
             for (int n_ : {4, 2}) {
                 if (end + 1 < n_) continue;
                 Key128 key = learned_key(toks.data(), end, n_);
@@ -902,6 +912,7 @@ class Learned {
                 positions->erase_at(static_cast<uint32_t>(at));
                 if (positions->empty()) pool.erase(key);
             }
+        }
         size_t keep = std::min<size_t>(PROMPT_TAIL, toks.size());
         doc->tokens.erase(doc->tokens.begin(), doc->tokens.end() - keep);
         if (--pool_docs_[doc->pool] == 0) {  // the tenant's last document: its pool goes too
@@ -984,6 +995,19 @@ class Learned {
     size_t n_pools() const { return pool_ids_.size(); }
 
   private:
+    // Asks for the table slots of the n-grams that appending toks (n of them) to a document
+    // holding `doc` will look up, before any is: the cache misses overlap.
+    static void prefetch_keys(const Pool& pool, const std::vector<uint32_t>& doc,
+                              const uint32_t* toks, size_t n) {
+        uint32_t t[PROMPT_TAIL];  // the last 3 tokens of doc, then toks (n up to 13 here)
+        size_t keep = std::min<size_t>(3, doc.size());
+        n = std::min<size_t>(n, PROMPT_TAIL - 3);
+        std::copy(doc.end() - keep, doc.end(), t);
+        std::copy(toks, toks + n, t + keep);
+        for (size_t end = keep; end < keep + n; ++end)
+            for (int n_ : {4, 2})
+                if (end + 1 >= static_cast<size_t>(n_)) pool.prefetch(learned_key(t, end, n_));
+    }
     std::list<std::shared_ptr<LDoc>> order_;  // oldest first (OrderedDict order)
     std::unordered_map<uint64_t, std::list<std::shared_ptr<LDoc>>::iterator> docs_;
     std::unordered_map<std::string, size_t> pool_ids_;  // live pools by name
