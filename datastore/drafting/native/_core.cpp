@@ -237,6 +237,7 @@ struct Scratch {
     std::vector<Range> r1, r2, best, hits;
     // calls
     std::vector<uint32_t> tokens_in;
+    std::vector<Py_ssize_t> later;  // a batch's sessions whose drafting waits for learning
     Tree batch;
     // prompt lookup and learned lookups
     std::vector<std::pair<int64_t, int64_t>> found, occ;
@@ -2204,6 +2205,7 @@ struct SessionState {
     // the last batched step's: out's expected accepted tokens and the source bits it holds
     double expected = 0.0;
     uint8_t used = 0;
+    std::vector<uint32_t> unlearned;  // a batched step's accepted tokens, until learned
 };
 
 struct SessionObject {
@@ -2311,9 +2313,21 @@ int Session_init(SessionObject* self, PyObject* args, PyObject*) {
     return 0;
 }
 
-void session_extend(SessionState* s, const std::vector<uint32_t>& toks) {
+// The accepted tokens into the context; learned now, or (learn_later: a batched step) kept
+// in `unlearned` for learn_unlearned.
+void session_extend(SessionState* s, const std::vector<uint32_t>& toks, bool learn_later = false) {
     s->context.insert(s->context.end(), toks.begin(), toks.end());
-    if (s->learned != nullptr) s->writer.extend(learned_of(s->learned), toks.data(), toks.size());
+    if (s->learned == nullptr) return;
+    if (learn_later)
+        s->unlearned.insert(s->unlearned.end(), toks.begin(), toks.end());
+    else
+        s->writer.extend(learned_of(s->learned), toks.data(), toks.size());
+}
+
+void learn_unlearned(SessionState* s) {
+    if (s->unlearned.empty()) return;
+    s->writer.extend(learned_of(s->learned), s->unlearned.data(), s->unlearned.size());
+    s->unlearned.clear();
 }
 
 // Whether the Reader behind a Store's weak reference was closed (or is gone).
@@ -2341,17 +2355,16 @@ bool reader_closed(PyObject* ref) {
     return closed != 0;
 }
 
-// SessionDrafter.propose: 0, or an error code (the tree is then empty).
+// SessionDrafter.propose, first part: the drafts from the session's own context (retrieval,
+// prompt lookup). 0, or an error code (the tree is then empty, with no second part).
 // `closed`: whether the session's Reader was closed, when known (-1: asked here, which
 // needs the GIL; without it, every other step is plain C++ over the session's own state,
 // the mapped arrays and the learned index under its shared lock).
-int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int closed = -1) {
+int propose_own(SessionState* s, int64_t budget, Scratch& scratch, int closed = -1) {
     s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
     s->t_rest.clear();
     s->t_pld.clear();
     s->t_learned.clear();
-    const Tree* drafts[3];
-    int nd = 0;
     if (s->store != nullptr && !s->context.empty()) {
         auto* so = reinterpret_cast<StoreObject*>(s->store);
         const Store& st = so->store;
@@ -2370,14 +2383,22 @@ int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int close
         if (!(s->scale == 1.0 && s->power == 1.0))
             for (auto& q : s->t_rest.probs)  // pow(1, y) is 1 exactly (most REST probs are 1)
                 q = s->scale * (q == 1.0 ? 1.0 : scratch.pow.pow(q, s->power));
-        drafts[nd++] = &s->t_rest;
     }
     if (s->pld) {
         s->pld->extend(s->context);
         s->pld->propose(s->context, budget, s->max_depth, s->t_pld, scratch);
         s->pld_match_len = s->t_pld.match_len;
-        drafts[nd++] = &s->t_pld;
     }
+    return 0;
+}
+
+// The second part: the learned outputs' draft (which must see every token learned before
+// the step), and the merge.
+void propose_learned(SessionState* s, int64_t budget, Scratch& scratch) {
+    const Tree* drafts[3];
+    int nd = 0;
+    if (s->store != nullptr && !s->context.empty()) drafts[nd++] = &s->t_rest;
+    if (s->pld) drafts[nd++] = &s->t_pld;
     if (s->learned != nullptr && s->learned_drafts) {
         Learned& index = learned_of(s->learned);
         {
@@ -2391,7 +2412,13 @@ int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int close
     }
     merge_trees(drafts, nd, budget, s->out, scratch);
     s->out.match_len = s->rest_match_len;
-    return 0;
+}
+
+// SessionDrafter.propose: both parts. 0, or an error code.
+int session_propose(SessionState* s, int64_t budget, Scratch& scratch) {
+    int err = propose_own(s, budget, scratch);
+    if (err == 0) propose_learned(s, budget, scratch);
+    return err;
 }
 
 PyObject* Session_extend(SessionObject* self, PyObject* arg) {
@@ -2775,7 +2802,7 @@ PyObject* step_batch(PyObject*, PyObject* args) {
             PyObject* a = PySequence_Fast_ITEMS(as)[i];
             if (a != Py_None) {
                 if (read_tokens(a, scratch.tokens_in, "accepted")) {
-                    session_extend(st[i], scratch.tokens_in);
+                    session_extend(st[i], scratch.tokens_in, true);
                 } else {  // the wrapper says why
                     PyErr_Clear();
                     status[i] = ERR_TOKENS;
@@ -2790,16 +2817,19 @@ PyObject* step_batch(PyObject*, PyObject* args) {
         }
         // A thread writes only to the sessions it drafts (and to `status` on a failure, which
         // is rare): threads drafting neighbours do not share cache lines.
-        auto draft = [&](Py_ssize_t i, Scratch& sc) {
-            SessionState* s = st[i];
+        auto draft_own = [&](Py_ssize_t i, Scratch& sc) {
             int err = status[i];
-            if (err == 0 && (err = session_propose(s, budget[i], sc, closed[i])) != 0)
+            if (err == 0 && (err = propose_own(st[i], budget[i], sc, closed[i])) != 0)
                 status[i] = err;
-            if (err) {
+        };
+        auto draft_rest = [&](Py_ssize_t i, Scratch& sc) {
+            SessionState* s = st[i];
+            if (status[i]) {
                 s->out.clear();
                 s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
-            } else if (chain > 0) {
-                best_chain(s->out, chain, sc);
+            } else {
+                propose_learned(s, budget[i], sc);
+                if (chain > 0) best_chain(s->out, chain, sc);
             }
             s->expected = expected_accepted(s->out, sc);
             s->used = 0;
@@ -2810,17 +2840,39 @@ PyObject* step_batch(PyObject*, PyObject* args) {
         // its lock): other Python threads run meanwhile (a server's event loop, say).
         Py_BEGIN_ALLOW_THREADS
         if (nt == 1) {
-            for (Py_ssize_t i = 0; i < n; ++i) draft(i, scratch);
+            for (Py_ssize_t i = 0; i < n; ++i) learn_unlearned(st[i]);
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                draft_own(i, scratch);
+                draft_rest(i, scratch);
+            }
         } else {
             static std::mutex one_batch_at_a_time;  // the workers serve one batch at a time
             std::lock_guard<std::mutex> lock(one_batch_at_a_time);
-            // Sessions are handed out one at a time as threads come free: a thread woken late
-            // or given long drafts does not hold the others back.
+            // The first thread learns every session's tokens, in order, while the others
+            // start drafting from the sessions' own contexts; the learned drafts wait until
+            // it is done (a thread that drafted a session's first part before then keeps the
+            // second for later). Sessions are handed out one at a time as threads come free:
+            // a thread woken late or given long drafts does not hold the others back.
+            std::atomic<bool> learned{false};
             std::atomic<Py_ssize_t> next{0};
-            workers().run(nt, [&](int) {
+            workers().run(nt, [&](int t) {
                 Scratch& sc = step_scratch();
-                for (Py_ssize_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
-                    draft(i, sc);
+                if (t == 0) {
+                    for (Py_ssize_t i = 0; i < n; ++i) learn_unlearned(st[i]);
+                    learned.store(true, std::memory_order_release);
+                }
+                auto& later = sc.later;
+                later.clear();
+                for (Py_ssize_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+                    draft_own(i, sc);
+                    if (learned.load(std::memory_order_acquire))
+                        draft_rest(i, sc);
+                    else
+                        later.push_back(i);
+                }
+                while (!later.empty() && !learned.load(std::memory_order_acquire))
+                    std::this_thread::yield();
+                for (Py_ssize_t i : later) draft_rest(i, sc);
             });
         }
         Py_END_ALLOW_THREADS
