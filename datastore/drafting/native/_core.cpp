@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -2682,11 +2683,6 @@ class Workers {
   public:
     void run(int n, const std::function<void(int)>& job) {
         std::unique_lock<std::mutex> lock(mu_);
-        if (pid_ != getpid()) {  // a forked child has none of its parent's threads
-            threads_.clear();
-            wanted_ = pending_ = 0;
-            pid_ = getpid();
-        }
         while (static_cast<int>(threads_.size()) < n - 1) {
             int index = static_cast<int>(threads_.size()) + 1;
             std::thread t([this, index] { serve(index); });
@@ -2722,16 +2718,27 @@ class Workers {
     }
     std::mutex mu_;
     std::condition_variable wake_, done_;
-    std::vector<int> threads_;  // the indexes of the threads started (by this process)
-    pid_t pid_ = getpid();
+    std::vector<int> threads_;  // the indexes of the threads started
     const std::function<void(int)>* job_ = nullptr;
     int wanted_ = 0, pending_ = 0;
     uint64_t generation_ = 0;
 };
 
-Workers& workers() {
-    static Workers* w = new Workers();  // never destroyed: its threads outlive main()
-    return *w;
+// The batched step's threads, and the lock that lets one batch at a time use them. Neither
+// is ever destroyed (the threads outlive main()). A forked child has none of its parent's
+// threads, and may have inherited the lock held or the threads' condition variables waited
+// on (a batch running in another thread): it starts afresh, the parent's objects left alone.
+std::mutex* g_batch_lock = new std::mutex();
+Workers* g_workers = nullptr;  // made by the first batch on more than one thread
+
+void fresh_workers_after_fork() {
+    g_batch_lock = new std::mutex();
+    g_workers = nullptr;
+}
+
+Workers& workers() {  // the caller holds *g_batch_lock
+    if (g_workers == nullptr) g_workers = new Workers();
+    return *g_workers;
 }
 
 // step_batch(sessions, accepted, budgets, threads=1) -> (status, counts, tokens, parents,
@@ -2846,8 +2853,7 @@ PyObject* step_batch(PyObject*, PyObject* args) {
                 draft_rest(i, scratch);
             }
         } else {
-            static std::mutex one_batch_at_a_time;  // the workers serve one batch at a time
-            std::lock_guard<std::mutex> lock(one_batch_at_a_time);
+            std::lock_guard<std::mutex> lock(*g_batch_lock);
             // The first thread learns every session's tokens, in order, while the others
             // start drafting from the sessions' own contexts; the learned drafts wait until
             // it is done (a thread that drafted a session's first part before then keeps the
@@ -2994,6 +3000,14 @@ bool ready(PyTypeObject& t, const char* name, size_t size, newfunc tp_new, initp
 }  // namespace
 
 PyMODINIT_FUNC PyInit__core(void) {
+    static bool fork_handler = false;  // once per process, however often the module loads
+    if (!fork_handler) {
+        if (pthread_atfork(nullptr, nullptr, fresh_workers_after_fork) != 0) {
+            PyErr_SetString(PyExc_RuntimeError, "cannot register the fork handler");
+            return nullptr;
+        }
+        fork_handler = true;
+    }
     StoreType.tp_weaklistoffset = offsetof(StoreObject, weakrefs);
     if (!ready(StoreType, "redraft.datastore.drafting.native._core.Store", sizeof(StoreObject),
                Store_new, reinterpret_cast<initproc>(Store_init),
