@@ -1638,29 +1638,29 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     out.match_len = L;
     if (nn == 0) return;
     // Shared nodes: mass, depth, opening column, parent (a shared node or -1), token.
+    int64_t ns = 0;  // their number (pd[c] >= lcp[c], as lcp[c] <= vlen[c])
+    for (int64_t c = 0; c < k; ++c) ns += pd[c] - lcp[c];
     auto& smass = s.mass;
     auto& sdepth = s.sdepth;
     auto& scol = s.scol;
     auto& sparent = s.tparent;
     auto& stok = s.ntok;
-    smass.clear();
-    sdepth.clear();
-    scol.clear();
-    sparent.clear();
-    stok.clear();
+    smass.assign(ns, 0);
+    sdepth.resize(ns);
+    scol.resize(ns);
+    sparent.resize(ns);
+    stok.resize(ns);
     auto& cur = s.cur;  // the shared node the current column passes at each depth
     cur.assign(D, -1);
     auto& anchor = s.anchor;  // the shared node above each column's own chain (-1: root)
     anchor.resize(k);
-    for (int64_t c = 0; c < k; ++c) {
+    for (int64_t c = 0, id = 0; c < k; ++c) {
         const uint32_t* col = W.data() + static_cast<int64_t>(cols[c]) * D;
-        for (int32_t d = lcp[c]; d < pd[c]; ++d) {
-            int64_t id = static_cast<int64_t>(smass.size());
-            smass.push_back(0);
-            sdepth.push_back(d);
-            scol.push_back(static_cast<int32_t>(c));
-            sparent.push_back(d == 0 ? -1 : static_cast<int32_t>(cur[d - 1]));
-            stok.push_back(col[d]);
+        for (int32_t d = lcp[c]; d < pd[c]; ++d, ++id) {
+            sdepth[id] = d;
+            scol[id] = static_cast<int32_t>(c);
+            sparent[id] = d == 0 ? -1 : static_cast<int32_t>(cur[d - 1]);
+            stok[id] = col[d];
             cur[d] = id;
         }
         int64_t wc = wt[c];
@@ -1674,7 +1674,6 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         return (static_cast<u128>(UINT64_MAX - static_cast<uint64_t>(mass)) << 64) |
                (static_cast<uint64_t>(d) << 32) | static_cast<uint64_t>(c);
     };
-    const int64_t ns = static_cast<int64_t>(smass.size());
     auto& keys = s.keys;
     keys.resize(ns);
     for (int64_t i = 0; i < ns; ++i) keys[i] = rank(smass[i], sdepth[i], scol[i]);
