@@ -1449,28 +1449,30 @@ int64_t sample(const Store& st, const std::vector<Range>& ranges, int64_t k_max,
     size_t nseg = 0;
     for (const auto& r : ranges)
         if (r.hi > r.lo) ++nseg;
-    int64_t off = 0;
+    positions.resize(k);  // each of the k samples falls in one range
+    shard_of.resize(k);
+    int64_t off = 0, j = 0;
     for (const auto& r : ranges) {
         if (r.hi <= r.lo) continue;
         int64_t cnt = r.hi - r.lo;
         const Shard& sh = st.shards[r.shard];
-        size_t from = positions.size();
+        int64_t from = j;
         for (int64_t i = 0; i < k; ++i) {
             int64_t g = (i * total) / k;
             if (nseg > 1 && (g < off || g >= off + cnt)) continue;
             int64_t local = nseg > 1 ? g - off : g;
-            positions.push_back(r.lo + local);
+            positions[j++] = r.lo + local;
             __builtin_prefetch(sh.sa + r.lo + local);
         }
         // The suffix-array entries were all asked for (above) before any is read here: the
         // misses overlap.
-        for (size_t j = from; j < positions.size(); ++j) {
-            positions[j] = static_cast<int64_t>(load_le32(sh.sa + positions[j]));
-            shard_of.push_back(r.shard);
+        for (int64_t q = from; q < j; ++q) {
+            positions[q] = static_cast<int64_t>(load_le32(sh.sa + positions[q]));
+            shard_of[q] = r.shard;
         }
         if (nseg > 1) off += cnt;
     }
-    return static_cast<int64_t>(positions.size());
+    return k;
 }
 
 struct RestParams {
