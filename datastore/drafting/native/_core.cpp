@@ -54,12 +54,35 @@ constexpr int ERR_TOKENS = 2;  // (batched step) the accepted tokens were not to
 
 PyObject* g_labels[8] = {nullptr};  // source label of each bit set ("pld+rest" for 3)
 
+// An allocator whose resize leaves new elements unset: a tree's arrays and most working
+// arrays are resized, then written in full, every step; zeroing them first cost a memset
+// per array per step. (assign and resize with a value still fill.)
+template <class T>
+struct Unset : std::allocator<T> {
+    template <class U>
+    struct rebind {
+        using other = Unset<U>;
+    };
+    Unset() = default;
+    template <class U>
+    Unset(const Unset<U>&) noexcept {}
+    template <class U, class... Args>
+    void construct(U* p, Args&&... args) {
+        if constexpr (sizeof...(Args) == 0)
+            ::new (static_cast<void*>(p)) U;
+        else
+            ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+    }
+};
+template <class T>
+using Array = std::vector<T, Unset<T>>;
+
 // ---- a tree under construction (draft.Draft as flat arrays) ----------------------------
 struct Tree {
-    std::vector<uint32_t> tokens;
-    std::vector<int32_t> parents;
-    std::vector<double> probs;
-    std::vector<uint8_t> bits;
+    Array<uint32_t> tokens;
+    Array<int32_t> parents;
+    Array<double> probs;
+    Array<uint8_t> bits;
     int64_t match_len = 0;
 
     void clear(int64_t ml = 0) {
@@ -211,23 +234,23 @@ struct Scratch {
     KeyHeap frontier;
     PowMemo pow;
     std::vector<u128> keys;
-    std::vector<int32_t> new_id, depth, first, kids;
-    std::vector<double> path;
+    Array<int32_t> new_id, depth, first, kids;
+    Array<double> path;
     // continuation_tree
-    std::vector<uint32_t> ct_tokens;
-    std::vector<int32_t> ct_parents, ct_depth, ct_best;
-    std::vector<int64_t> ct_weight;
-    std::vector<double> ct_probs, ct_sibling;
-    std::vector<int32_t> ct_chain;
-    std::vector<int64_t> ct_start, ct_own;
+    Array<uint32_t> ct_tokens;
+    Array<int32_t> ct_parents, ct_depth, ct_best;
+    Array<int64_t> ct_weight;
+    Array<double> ct_probs, ct_sibling;
+    Array<int32_t> ct_chain;
+    Array<int64_t> ct_start, ct_own;
     // merge
-    std::vector<uint32_t> m_tokens;
-    std::vector<int32_t> m_parents, remap;
-    std::vector<double> m_probs;
-    std::vector<uint8_t> m_bits;
+    Array<uint32_t> m_tokens;
+    Array<int32_t> m_parents, remap;
+    Array<double> m_probs;
+    Array<uint8_t> m_bits;
     // retrieval
     std::vector<uint8_t> key;
-    std::vector<uint32_t> W;
+    Array<uint32_t> W;
     std::vector<int64_t> wt;
     std::vector<int32_t> cols, lcp, vlen, pd, tparent, sel, sdepth, scol, anchor, chain_out;
     std::vector<int64_t> mass, cur;
@@ -2643,7 +2666,7 @@ void best_chain(Tree& t, int64_t max_len, Scratch& s) {
     auto& path = s.path;
     auto& depth = s.depth;
     auto& best_child = s.new_id;
-    std::vector<double>& gain = s.ct_sibling;
+    auto& gain = s.ct_sibling;
     path.resize(n);
     depth.resize(n);
     gain.assign(n, 0.0);
