@@ -12,11 +12,11 @@ own result, and never touches the other entries.
 Drafting: every sequence of the call is extended, then all draft (`drafting.step_flat`):
 one call into the core, without the GIL. Small batches draft inline on the event loop (a
 hand-off to a thread costs more than they do); from `batch_offload_min` sequences on, or
-when the call's steps add more than OFFLOAD_TOKENS tokens (a step may add up to
-max_context_len: tens of ms of indexing), the call drafts on a thread so the loop goes on
-answering other calls and health checks. Opens of prompts of OPEN_OFFLOAD_TOKENS or more are
-indexed on that thread too, before the drafting. Only compiled drafters go to a thread: the
-core's learned index is locked, the Python reference's is not (it is for debugging).
+when the call's opens and steps bring more than OFFLOAD_TOKENS new tokens (a step or a
+prompt may be up to max_context_len: tens of ms of indexing, which the core does while
+drafting), the call drafts on a thread so the loop goes on answering other calls and health
+checks. Only compiled drafters go to a thread: the core's learned index is locked, the Python
+reference's is not (it is for debugging).
 
 Packed steps (`BatchRequest.steps`, an engine's common call: every running sequence steps)
 take a path without a Python object per sequence where one can be avoided: the packing is
@@ -48,7 +48,6 @@ _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _SWEPT_REMEMBERED = 4096  # ids of swept sequences kept to say why they are gone
 OFFLOAD_TOKENS = 1 << 16  # about 20 ms of indexing in the core
-OPEN_OFFLOAD_TOKENS = 1 << 14  # a prompt this long is indexed on a thread: about 1.5 ms
 
 
 class BatchedSequence:
@@ -58,9 +57,9 @@ class BatchedSequence:
 
     def __init__(self, key: tuple, drafter, length: int | None = None) -> None:
         self.key = key
-        self.drafter = drafter  # None while a thread opens it (busy then)
+        self.drafter = drafter
         self.since = time.monotonic()  # last used
-        self.busy = False  # a call is drafting (or opening) it on a thread
+        self.busy = False  # a call is drafting it on a thread
         # tokens of its context (kept here: no call per check)
         self.length = len(drafter) if length is None else length
 
@@ -95,8 +94,7 @@ class SequenceTable:
         """The sequence is over: its output is final, its slot free."""
         if self.open.pop(seq.key, None) is seq:
             try:
-                if seq.drafter is not None:  # else the thread opening it closes it
-                    seq.drafter.close()
+                seq.drafter.close()
             finally:
                 self.stats.close_session()
 
@@ -131,7 +129,7 @@ class SequenceTable:
 class _Entry:
     """One entry of a call on its way through: its result so far, and what it drafts."""
 
-    __slots__ = ("sequence", "seq", "accepted", "budget", "error", "drafts", "opening")
+    __slots__ = ("sequence", "seq", "accepted", "budget", "error", "drafts")
 
     def __init__(self, sequence: str) -> None:
         self.sequence = sequence
@@ -140,7 +138,6 @@ class _Entry:
         self.budget: int | None = None
         self.error: Refusal | None = None
         self.drafts = False
-        self.opening: tuple | None = None  # (prompt, settings, tenant) to open on a thread
 
 
 class BatchDrafting:
@@ -208,11 +205,6 @@ class BatchDrafting:
                     entry.seq = None
         if packed is not None:
             packed.check(self, auth, client, seen)
-        opening = [x for x in entries if x.opening is not None]
-        if opening:
-            await self._open_on_thread(opening)
-            if self.service.stopping:  # shutdown ends every sequence once `idle`: no drafting
-                raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         drafting = [x for x in entries if x.drafts]
         out = None
         if drafting or (packed is not None and packed.seqs):
@@ -260,12 +252,6 @@ class BatchDrafting:
         if old is not None:
             self.table.end(old)  # opened again: the earlier generation is over
         self.table.take_slot()
-        if self._native and n >= OPEN_OFFLOAD_TOKENS:  # indexed on a thread (_open_on_thread)
-            entry.seq = self.table.add(key, None, n)
-            entry.seq.busy = True
-            entry.opening = (prompt, settings, tenant)
-            entry.drafts = True
-            return
         try:
             drafter = self.service.new_drafter(prompt, settings, tenant)
         except BaseException:
@@ -273,48 +259,6 @@ class BatchDrafting:
             raise
         entry.seq = self.table.add(key, drafter)
         entry.drafts = True
-
-    async def _open_on_thread(self, entries: list[_Entry]) -> None:
-        """Open the sequences of long prompts on a thread (the core indexes a prompt without
-        the GIL: the event loop answers other calls meanwhile). Until then each is held,
-        busy, so that another call naming it is ABORTED."""
-        new_drafter = self.service.new_drafter
-
-        def open_all() -> list:
-            out = []
-            for x in entries:
-                try:
-                    out.append(new_drafter(*x.opening))
-                except Exception as exc:  # noqa: BLE001 - the entry's own failure
-                    out.append(exc)
-            return out
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-batch")
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, open_all)
-        self._in_flight.add(fut)
-        try:
-            made = await fut
-        finally:
-            self._in_flight.discard(fut)
-        failure = None
-        for x, drafter in zip(entries, made):
-            seq, x.opening = x.seq, None
-            seq.busy = False
-            if isinstance(drafter, BaseException):
-                failure = failure or (None if isinstance(drafter, Refusal) else drafter)
-                x.error = drafter if isinstance(drafter, Refusal) else None
-            elif self.table.open.get(seq.key) is not seq:  # ended meanwhile (shutdown)
-                drafter.close()
-                x.error = Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-            else:
-                seq.drafter = drafter
-                continue
-            x.drafts = False
-            x.seq = None
-            self.table.end(seq)
-        if failure is not None:  # as the same open on the loop would have raised
-            raise failure
 
     def _close(self, entry: _Entry, key: tuple, close: draft_pb2.SequenceClose) -> None:
         seq = entry.seq = self._held(entry.sequence, key)
@@ -351,7 +295,8 @@ class BatchDrafting:
         for d in drafters:
             d.use_reader(reader)  # the newest snapshot, between two steps
         threads = self.config.batch_threads
-        big = len(seqs) >= self.config.batch_offload_min or len(tokens) > OFFLOAD_TOKENS
+        new = len(tokens) + sum(x.seq.length for x in drafting if x.accepted is None)  # opens
+        big = len(seqs) >= self.config.batch_offload_min or new > OFFLOAD_TOKENS
         if not big or not all(d.__class__ is NativeSessionDrafter for d in drafters):
             out = step_flat(drafters, tokens, counts, budgets, chain, threads)
         else:

@@ -18,10 +18,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <cmath>
@@ -52,12 +54,35 @@ constexpr int ERR_TOKENS = 2;  // (batched step) the accepted tokens were not to
 
 PyObject* g_labels[8] = {nullptr};  // source label of each bit set ("pld+rest" for 3)
 
+// An allocator whose resize leaves new elements unset: a tree's arrays and most working
+// arrays are resized, then written in full, every step; zeroing them first cost a memset
+// per array per step. (assign and resize with a value still fill.)
+template <class T>
+struct Unset : std::allocator<T> {
+    template <class U>
+    struct rebind {
+        using other = Unset<U>;
+    };
+    Unset() = default;
+    template <class U>
+    Unset(const Unset<U>&) noexcept {}
+    template <class U, class... Args>
+    void construct(U* p, Args&&... args) {
+        if constexpr (sizeof...(Args) == 0)
+            ::new (static_cast<void*>(p)) U;
+        else
+            ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+    }
+};
+template <class T>
+using Array = std::vector<T, Unset<T>>;
+
 // ---- a tree under construction (draft.Draft as flat arrays) ----------------------------
 struct Tree {
-    std::vector<uint32_t> tokens;
-    std::vector<int32_t> parents;
-    std::vector<double> probs;
-    std::vector<uint8_t> bits;
+    Array<uint32_t> tokens;
+    Array<int32_t> parents;
+    Array<double> probs;
+    Array<uint8_t> bits;
     int64_t match_len = 0;
 
     void clear(int64_t ml = 0) {
@@ -74,12 +99,22 @@ struct Tree {
         probs.resize(n);
         bits.resize(n);
     }
-    void set(size_t i, uint32_t t, int32_t p, double q, uint8_t b) {
-        tokens[i] = t;
-        parents[i] = p;
-        probs[i] = q;
-        bits[i] = b;
-    }
+    // The node arrays as raw pointers (valid until the next resize), for the loops that fill
+    // a tree: a node's source bit stored through a vector would make the compiler load every
+    // vector's bounds again.
+    struct Slots {
+        uint32_t* tokens;
+        int32_t* parents;
+        double* probs;
+        uint8_t* bits;
+        void set(size_t i, uint32_t t, int32_t p, double q, uint8_t b) const {
+            tokens[i] = t;
+            parents[i] = p;
+            probs[i] = q;
+            bits[i] = b;
+        }
+    };
+    Slots slots() { return {tokens.data(), parents.data(), probs.data(), bits.data()}; }
 };
 
 using u128 = unsigned __int128;
@@ -118,27 +153,104 @@ struct LearnedFound {
     int64_t end;
 };
 
+// pow(q, power) remembered by q (direct-mapped): the calibrated REST probabilities are mostly
+// ratios of small counts, the same ones step after step, and a pow costs a hundred cycles.
+// A value is only ever the pow of its own arguments: the result is the same bits.
+class PowMemo {
+  public:
+    double pow(double q, double power) {
+        uint64_t qb = bits_of(q), pb = bits_of(power);
+        if (pb != power_ || !ready_) {
+            std::fill(std::begin(q_), std::end(q_), kEmpty);
+            power_ = pb;
+            ready_ = true;
+        }
+        size_t h = static_cast<size_t>((qb * 0x9E3779B97F4A7C15ULL) >> (64 - kBits));
+        if (q_[h] != qb || qb == kEmpty) {
+            q_[h] = qb;
+            r_[h] = std::pow(q, power);
+        }
+        return r_[h];
+    }
+
+  private:
+    static constexpr int kBits = 9;
+    static constexpr uint64_t kEmpty = 0x3FF0000000000000ULL;  // 1.0: the caller's own case
+    static uint64_t bits_of(double x) {
+        uint64_t b;
+        std::memcpy(&b, &x, 8);
+        return b;
+    }
+    uint64_t q_[size_t(1) << kBits];
+    double r_[size_t(1) << kBits];
+    uint64_t power_ = 0;
+    bool ready_ = false;
+};
+
+// A binary min-heap of rank keys that can put a new key in the place of its least (one pass
+// down instead of a pop and a push: the merge takes a node, then adds its children).
+class KeyHeap {
+  public:
+    void clear() { k_.clear(); }
+    bool empty() const { return k_.empty(); }
+    u128 least() const { return k_[0]; }
+    void push(u128 key) {
+        size_t at = k_.size();
+        k_.push_back(key);
+        while (at > 0) {
+            size_t up = (at - 1) / 2;
+            if (!(key < k_[up])) break;
+            k_[at] = k_[up];
+            at = up;
+        }
+        k_[at] = key;
+    }
+    void replace_least(u128 key) { sink(key); }
+    void pop_least() {
+        u128 last = k_.back();
+        k_.pop_back();
+        if (!k_.empty()) sink(last);
+    }
+
+  private:
+    void sink(u128 key) {  // key goes in at the top, and down to where it belongs
+        size_t n = k_.size(), at = 0;
+        for (;;) {
+            size_t c = 2 * at + 1;
+            if (c >= n) break;
+            if (c + 1 < n && k_[c + 1] < k_[c]) ++c;
+            if (!(k_[c] < key)) break;
+            k_[at] = k_[c];
+            at = c;
+        }
+        k_[at] = key;
+    }
+    std::vector<u128> k_;
+};
+
 // Working memory of one thread of drafting, reused across steps (no allocation per step
 // once warm).
 struct Scratch {
+    KeyHeap frontier;
+    PowMemo pow;
     std::vector<u128> keys;
-    std::vector<int32_t> new_id, depth, first, kids;
-    std::vector<double> path;
+    Array<int32_t> new_id, depth, first, kids;
+    Array<double> path;
     // continuation_tree
-    std::vector<uint32_t> ct_tokens;
-    std::vector<int32_t> ct_parents, ct_depth, ct_best;
-    std::vector<int64_t> ct_weight;
-    std::vector<double> ct_probs, ct_sibling;
-    std::vector<int32_t> ct_chain;
-    std::vector<int64_t> ct_start;
+    Array<uint32_t> ct_tokens;
+    Array<int32_t> ct_parents, ct_depth, ct_best;
+    Array<int64_t> ct_weight;
+    Array<double> ct_probs, ct_sibling;
+    Array<int32_t> ct_chain;
+    Array<int64_t> ct_start, ct_own;
     // merge
-    std::vector<uint32_t> m_tokens;
-    std::vector<int32_t> m_parents, remap;
-    std::vector<double> m_probs;
-    std::vector<uint8_t> m_bits;
+    Array<uint32_t> m_tokens;
+    Array<int32_t> m_parents, remap;
+    Array<double> m_probs;
+    Array<uint8_t> m_bits;
     // retrieval
     std::vector<uint8_t> key;
-    std::vector<uint32_t> W;
+    Array<uint32_t> W;
     std::vector<int64_t> wt;
     std::vector<int32_t> cols, lcp, vlen, pd, tparent, sel, sdepth, scol, anchor, chain_out;
     std::vector<int64_t> mass, cur;
@@ -149,6 +261,7 @@ struct Scratch {
     std::vector<Range> r1, r2, best, hits;
     // calls
     std::vector<uint32_t> tokens_in;
+    std::vector<Py_ssize_t> later;  // a batch's sessions whose drafting waits for learning
     Tree batch;
     // prompt lookup and learned lookups
     std::vector<std::pair<int64_t, int64_t>> found, occ;
@@ -180,6 +293,7 @@ void take_top(const uint32_t* tokens, const int32_t* parents, const double* prob
     auto& new_id = s.new_id;
     new_id.assign(n, -2);
     out.resize(m);
+    const Tree::Slots o = out.slots();
     int32_t kept = 0;
     for (int32_t k = 0; k < m; ++k) {
         int32_t i = static_cast<int32_t>(static_cast<uint32_t>(keys[k]));
@@ -187,7 +301,7 @@ void take_top(const uint32_t* tokens, const int32_t* parents, const double* prob
         int32_t np = p < 0 ? -1 : new_id[p];
         if (np == -2) continue;
         new_id[i] = kept;
-        out.set(kept++, tokens[i], np, probs[i], bits[i]);
+        o.set(kept++, tokens[i], np, probs[i], bits[i]);
     }
     out.resize(kept);
 }
@@ -197,6 +311,20 @@ inline double match_confidence(int64_t m) {
     double x = static_cast<double>(m) / (static_cast<double>(m) + 1.5);
     return x < 0.95 ? x : 0.95;
 }
+
+// The same for the small m of nearly every node, computed once (the same division: the
+// same bits), instead of a division per node.
+struct ConfidenceTable {
+    static constexpr int64_t kSize = 128;
+    double v[kSize];
+    ConfidenceTable() {
+        for (int64_t m = 0; m < kSize; ++m) v[m] = match_confidence(m);
+    }
+    double operator()(int64_t m) const {
+        return m >= 0 && m < kSize ? v[m] : match_confidence(m);
+    }
+};
+const ConfidenceTable confidence;
 
 // pld.continuation_tree: the trie of copied continuations (best first), identical ones
 // walked once with their summed weight m*m.
@@ -232,16 +360,6 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
             if (c.match_len > same->m) same->m = c.match_len;
         }
     }
-    auto& tokens = s.ct_tokens;
-    auto& parents = s.ct_parents;
-    auto& depth = s.ct_depth;
-    auto& weight = s.ct_weight;
-    auto& best = s.ct_best;
-    tokens.clear();
-    parents.clear();
-    depth.clear();
-    weight.clear();
-    best.clear();
     // The trie, vote by vote: a vote's first nodes are those of the earlier vote with which
     // it shares the longest prefix (every earlier vote with that prefix went through the
     // same nodes); its other tokens open new nodes, in order (the reference's numbering).
@@ -251,6 +369,26 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
     start[0] = 0;
     for (size_t vi = 0; vi < nv; ++vi) start[vi + 1] = start[vi] + votes[vi].len;
     chain.resize(start[nv]);
+    auto& own = s.ct_own;  // where each vote's own nodes start in `chain`
+    own.resize(nv);
+    // Sized for a node per vote token (no growth checks while building), n nodes used; raw
+    // pointers from here on (see Tree::Slots).
+    const size_t cap = static_cast<size_t>(start[nv]);
+    s.ct_tokens.resize(cap);
+    s.ct_parents.resize(cap);
+    s.ct_depth.resize(cap);
+    s.ct_weight.resize(cap);
+    s.ct_best.resize(cap);
+    s.ct_sibling.resize(cap + 1);
+    s.ct_probs.resize(cap);
+    s.path.resize(cap + 1);
+    s.new_id.resize(cap);
+    uint32_t* tokens = s.ct_tokens.data();
+    int32_t* parents = s.ct_parents.data();
+    int32_t* depth = s.ct_depth.data();
+    int64_t* weight = s.ct_weight.data();
+    int32_t* best = s.ct_best.data();
+    int32_t n = 0;
     for (size_t vi = 0; vi < nv; ++vi) {
         const Vote& v = votes[vi];
         int64_t share = 0;
@@ -264,6 +402,7 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
             }
         }
         int32_t* walk = chain.data() + start[vi];
+        own[vi] = start[vi] + share;
         for (int64_t j = 0; j < share; ++j) {
             int32_t node = chain[start[from] + j];
             weight[node] += v.w;
@@ -272,38 +411,37 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
         }
         int32_t parent = share ? walk[share - 1] : -1;
         for (int64_t j = share; j < v.len; ++j) {
-            int32_t node = static_cast<int32_t>(tokens.size());
-            tokens.push_back(v.tokens[j]);
-            parents.push_back(parent);
-            depth.push_back(static_cast<int32_t>(j));
-            weight.push_back(v.w);
-            best.push_back(static_cast<int32_t>(v.m));
+            int32_t node = n++;
+            tokens[node] = v.tokens[j];
+            parents[node] = parent;
+            depth[node] = static_cast<int32_t>(j);
+            weight[node] = v.w;
+            best[node] = static_cast<int32_t>(v.m);
             walk[j] = node;
             parent = node;
         }
     }
-    int32_t n = static_cast<int32_t>(tokens.size());
-    auto& sibling = s.ct_sibling;
-    sibling.assign(n + 1, 0.0);
+    double* sibling = s.ct_sibling.data();
+    std::fill(sibling, sibling + n + 1, 0.0);
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
         sibling[p] += static_cast<double>(weight[i]);
     }
-    auto& probs = s.ct_probs;
-    probs.assign(n, 0.0);
-    auto& path = s.path;
-    path.assign(n + 1, 1.0);
+    double* probs = s.ct_probs.data();
+    double* path = s.path.data();
+    path[n] = 1.0;  // the root's
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
-        double conf = match_confidence(static_cast<int64_t>(best[i]) + depth[i]);
+        double conf = confidence(static_cast<int64_t>(best[i]) + depth[i]);
         double prob = conf * static_cast<double>(weight[i]) / sibling[p];
         probs[i] = prob;
         path[i] = path[p] * prob;
     }
     // take_top's order without sorting every node: each vote's walk is a chain whose keys
     // increase (a child's probability is at most 0.95, so its path probability is below
-    // its parent's), and merging the chains in key order yields every node in that order,
-    // a shared node once per chain through it (kept the first time).
+    // its parent's), and merging the chains in key order yields every node in that order.
+    // A vote's chain starts at its first own node: the nodes it shares are on the chain of
+    // the earlier vote it shares them with, so every node is on exactly one chain.
     out.clear(conts[0].match_len);
     const int64_t m = std::min<int64_t>(std::max<int64_t>(budget, 0), n);
     if (m == 0) return;
@@ -321,32 +459,42 @@ void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, u
     auto after = [](const Head& a, const Head& b) { return a.key > b.key; };  // min-heap
     size_t nh = 0;
     for (size_t vi = 0; vi < nv; ++vi)
-        if (votes[vi].len > 0) {
-            int32_t i = chain[start[vi]];
-            heads[nh++] = {rank_key(path[i], depth[i], i), start[vi], start[vi + 1]};
+        if (own[vi] < start[vi + 1]) {
+            int32_t i = chain[own[vi]];
+            heads[nh++] = {rank_key(path[i], depth[i], i), own[vi], start[vi + 1]};
         }
     std::make_heap(heads, heads + nh, after);
-    auto& new_id = s.new_id;
-    new_id.assign(n, -2);
-    out.resize(m);
-    int32_t kept = 0;
-    while (kept < m && nh > 0) {
-        std::pop_heap(heads, heads + nh, after);
-        Head& h = heads[nh - 1];
-        int32_t i = chain[h.at];
-        if (++h.at < h.end) {
-            int32_t c = chain[h.at];
-            h.key = rank_key(path[c], depth[c], c);
-            std::push_heap(heads, heads + nh, after);
-        } else {
-            --nh;
+    // The least head's chain moves on (or ends) in place, and sinks to where it belongs:
+    // one pass down the heap per node instead of a pop and a push.
+    auto sink = [&]() {
+        size_t at = 0;
+        for (;;) {
+            size_t c = 2 * at + 1;
+            if (c >= nh) break;
+            if (c + 1 < nh && heads[c + 1].key < heads[c].key) ++c;
+            if (heads[at].key < heads[c].key) break;
+            std::swap(heads[at], heads[c]);
+            at = c;
         }
-        if (new_id[i] != -2) continue;
+    };
+    int32_t* new_id = s.new_id.data();
+    out.resize(m);
+    const Tree::Slots o = out.slots();
+    const int32_t* chains = chain.data();
+    for (int32_t kept = 0; kept < m; ++kept) {
+        Head& h = heads[0];
+        int32_t i = chains[h.at];
+        if (++h.at < h.end) {
+            int32_t c = chains[h.at];
+            h.key = rank_key(path[c], depth[c], c);
+        } else {
+            h = heads[--nh];
+        }
+        sink();
         int32_t p = parents[i];
         new_id[i] = kept;
-        out.set(kept++, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bit);
+        o.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bit);
     }
-    out.resize(kept);
 }
 
 // ---- prompt lookup (pld.PromptLookup) --------------------------------------------------
@@ -376,56 +524,51 @@ struct U64Hash {
     }
 };
 
-// An open-addressing map from a 64-bit key to a 64-bit value (never erased), growing.
+// An open-addressing map from a 64-bit key to a non-negative 64-bit value (never erased),
+// growing. A slot holds its key and value side by side (a lookup touches one cache line),
+// a negative value marking it empty.
 class FlatMap64 {
   public:
     FlatMap64() { rehash(64); }
     int64_t get(uint64_t key, int64_t missing) const {
         size_t h = U64Hash()(key) & mask_;
-        while (used_[h]) {
-            if (keys_[h] == key) return vals_[h];
+        while (slots_[h].value >= 0) {
+            if (slots_[h].key == key) return slots_[h].value;
             h = (h + 1) & mask_;
         }
         return missing;
     }
-    // Stores value for key; returns the previous value (or `missing`).
+    // Stores value (>= 0) for key; returns the previous value (or `missing`).
     int64_t put(uint64_t key, int64_t value, int64_t missing) {
-        if (2 * (count_ + 1) > keys_.size()) rehash(keys_.size() * 2);
+        if (2 * (count_ + 1) > slots_.size()) rehash(slots_.size() * 2);
         size_t h = U64Hash()(key) & mask_;
-        while (used_[h]) {
-            if (keys_[h] == key) {
-                int64_t old = vals_[h];
-                vals_[h] = value;
+        while (slots_[h].value >= 0) {
+            if (slots_[h].key == key) {
+                int64_t old = slots_[h].value;
+                slots_[h].value = value;
                 return old;
             }
             h = (h + 1) & mask_;
         }
-        used_[h] = 1;
-        keys_[h] = key;
-        vals_[h] = value;
+        slots_[h] = {key, value};
         ++count_;
         return missing;
     }
 
   private:
+    struct Slot {
+        uint64_t key;
+        int64_t value;  // < 0: empty
+    };
     void rehash(size_t cap) {
-        std::vector<uint64_t> k;
-        std::vector<int64_t> v;
-        k.swap(keys_);
-        v.swap(vals_);
-        std::vector<uint8_t> u;
-        u.swap(used_);
-        keys_.assign(cap, 0);
-        vals_.assign(cap, 0);
-        used_.assign(cap, 0);
+        std::vector<Slot> old(cap, Slot{0, -1});
+        old.swap(slots_);
         mask_ = cap - 1;
         count_ = 0;
-        for (size_t i = 0; i < u.size(); ++i)
-            if (u[i]) put(k[i], v[i], 0);
+        for (const Slot& e : old)
+            if (e.value >= 0) put(e.key, e.value, 0);
     }
-    std::vector<uint64_t> keys_;
-    std::vector<int64_t> vals_;
-    std::vector<uint8_t> used_;
+    std::vector<Slot> slots_;
     size_t mask_ = 0, count_ = 0;
 };
 
@@ -440,8 +583,12 @@ class PromptIndex {
         levels_[1] = min_ngram;
         nlevels_ = long_level == min_ngram ? 1 : 2;  // sorted({min, long}, reverse=True)
     }
-    // Index the n-grams ending at positions [from, toks.size()).
-    void extend(const std::vector<uint32_t>& toks, size_t from) {
+    // Index the n-grams ending at the positions of `toks` not indexed yet (a session's
+    // context only grows). Called when drafting, not when tokens arrive: a batch extends its
+    // sessions one after the other, but drafts them on all its threads.
+    void extend(const std::vector<uint32_t>& toks) {
+        size_t from = indexed_;
+        indexed_ = toks.size();
         for (int l = 0; l < nlevels_; ++l) {
             int n = levels_[l];
             prev_[l].resize(toks.size(), -1);
@@ -510,6 +657,7 @@ class PromptIndex {
         return m;
     }
     int max_ngram_, min_ngram_;
+    size_t indexed_ = 0;  // the context's tokens indexed so far
     int levels_[2];
     int nlevels_;
     FlatMap64 head_[2];
@@ -617,8 +765,8 @@ class Pool {
     bool empty() const { return full_ == 0; }
     const PosList* find(Key128 key) const {
         size_t h = Key128Hash()(key) & mask_;
-        while (state_[h] != kEmpty) {
-            if (state_[h] == kFull && keys_[h] == key) return &lists_[h];
+        while (slots_[h].state != kEmpty) {
+            if (slots_[h].state == kFull && slots_[h].key == key) return &slots_[h].list;
             h = (h + 1) & mask_;
         }
         return nullptr;
@@ -626,16 +774,21 @@ class Pool {
     PosList* find(Key128 key) {
         return const_cast<PosList*>(static_cast<const Pool*>(this)->find(key));
     }
+    // Asks for the cache line where a lookup of key starts (the table is megabytes: a
+    // lookup is a cache miss, and misses asked for together overlap).
+    void prefetch(Key128 key) const {
+        __builtin_prefetch(&slots_[Key128Hash()(key) & mask_]);
+    }
     PosList& get_or_insert(Key128 key) {
         size_t h = Key128Hash()(key) & mask_;
         size_t grave = SIZE_MAX;
-        while (state_[h] != kEmpty) {
-            if (state_[h] == kFull && keys_[h] == key) return lists_[h];
-            if (state_[h] == kTomb && grave == SIZE_MAX) grave = h;
+        while (slots_[h].state != kEmpty) {
+            if (slots_[h].state == kFull && slots_[h].key == key) return slots_[h].list;
+            if (slots_[h].state == kTomb && grave == SIZE_MAX) grave = h;
             h = (h + 1) & mask_;
         }
         if (grave == SIZE_MAX) {
-            if (10 * (used_ + 1) > 7 * keys_.size()) {  // rebuild, then find the slot again
+            if (10 * (used_ + 1) > 7 * slots_.size()) {  // rebuild, then find the slot again
                 rebuild(std::max<size_t>(16, next_pow2(4 * (full_ + 1))));
                 return get_or_insert(key);
             }
@@ -643,17 +796,17 @@ class Pool {
         } else {
             h = grave;
         }
-        state_[h] = kFull;
-        keys_[h] = key;
+        slots_[h].state = kFull;
+        slots_[h].key = key;
         ++full_;
-        return lists_[h];
+        return slots_[h].list;
     }
     void erase(Key128 key) {
         size_t h = Key128Hash()(key) & mask_;
-        while (state_[h] != kEmpty) {
-            if (state_[h] == kFull && keys_[h] == key) {
-                state_[h] = kTomb;
-                lists_[h] = PosList();
+        while (slots_[h].state != kEmpty) {
+            if (slots_[h].state == kFull && slots_[h].key == key) {
+                slots_[h].state = kTomb;
+                slots_[h].list = PosList();
                 --full_;
                 return;
             }
@@ -663,33 +816,32 @@ class Pool {
 
   private:
     static constexpr uint8_t kEmpty = 0, kFull = 1, kTomb = 2;
+    struct Slot {  // a key, its positions and its state side by side: one cache miss a probe
+        Key128 key = 0;
+        PosList list;
+        uint8_t state = kEmpty;
+    };
     static size_t next_pow2(size_t n) {
         size_t c = 16;
         while (c < n) c <<= 1;
         return c;
     }
     void rebuild(size_t cap) {
-        std::vector<Key128> keys(cap);
-        std::vector<PosList> lists(cap);
-        std::vector<uint8_t> state(cap, kEmpty);
+        std::vector<Slot> slots(cap);
         size_t mask = cap - 1;
-        for (size_t i = 0; i < keys_.size(); ++i) {
-            if (state_[i] != kFull) continue;
-            size_t h = Key128Hash()(keys_[i]) & mask;
-            while (state[h] != kEmpty) h = (h + 1) & mask;
-            state[h] = kFull;
-            keys[h] = keys_[i];
-            lists[h] = std::move(lists_[i]);
+        for (Slot& e : slots_) {
+            if (e.state != kFull) continue;
+            size_t h = Key128Hash()(e.key) & mask;
+            while (slots[h].state != kEmpty) h = (h + 1) & mask;
+            slots[h].state = kFull;
+            slots[h].key = e.key;
+            slots[h].list = std::move(e.list);
         }
-        keys_.swap(keys);
-        lists_.swap(lists);
-        state_.swap(state);
+        slots_.swap(slots);
         mask_ = mask;
         used_ = full_;
     }
-    std::vector<Key128> keys_;
-    std::vector<PosList> lists_;
-    std::vector<uint8_t> state_;
+    std::vector<Slot> slots_;
     size_t mask_ = 0, full_ = 0, used_ = 0;  // used: full slots and tombstones
 };
 
@@ -737,6 +889,7 @@ class Learned {
     void append(LDoc& doc, const uint32_t* toks, size_t n) {
         Pool& pool = pools_[doc.pool];
         uint64_t base = doc.id << POS_BITS;
+        prefetch_keys(pool, doc.tokens, toks, n);
         for (size_t k = 0; k < n; ++k) {
             if (static_cast<int64_t>(doc.tokens.size()) >= MAX_DOC_TOKENS) break;
             doc.tokens.push_back(toks[k]);
@@ -768,7 +921,12 @@ class Learned {
         Pool& pool = pools_[doc->pool];
         uint64_t base = doc->id << POS_BITS;
         const auto& toks = doc->tokens;
-        for (int64_t end = 0; end < static_cast<int64_t>(toks.size()); ++end)
+        const int64_t len = static_cast<int64_t>(toks.size()), ahead = 8;
+        for (int64_t end = 0; end < len; ++end) {
+            // The lookups of a few tokens on are asked for now: the cache misses overlap.
+            for (int n_ : {4, 2})
+                if (end + ahead < len && end + ahead + 1 >= n_)
+                    pool.prefetch(learned_key(toks.data(), end + ahead, n_));
             for (int n_ : {4, 2}) {
                 if (end + 1 < n_) continue;
                 Key128 key = learned_key(toks.data(), end, n_);
@@ -779,6 +937,7 @@ class Learned {
                 positions->erase_at(static_cast<uint32_t>(at));
                 if (positions->empty()) pool.erase(key);
             }
+        }
         size_t keep = std::min<size_t>(PROMPT_TAIL, toks.size());
         doc->tokens.erase(doc->tokens.begin(), doc->tokens.end() - keep);
         if (--pool_docs_[doc->pool] == 0) {  // the tenant's last document: its pool goes too
@@ -861,6 +1020,19 @@ class Learned {
     size_t n_pools() const { return pool_ids_.size(); }
 
   private:
+    // Asks for the table slots of the n-grams that appending toks (n of them) to a document
+    // holding `doc` will look up, before any is: the cache misses overlap.
+    static void prefetch_keys(const Pool& pool, const std::vector<uint32_t>& doc,
+                              const uint32_t* toks, size_t n) {
+        uint32_t t[PROMPT_TAIL];  // the last 3 tokens of doc, then toks (n up to 13 here)
+        size_t keep = std::min<size_t>(3, doc.size());
+        n = std::min<size_t>(n, PROMPT_TAIL - 3);
+        std::copy(doc.end() - keep, doc.end(), t);
+        std::copy(toks, toks + n, t + keep);
+        for (size_t end = keep; end < keep + n; ++end)
+            for (int n_ : {4, 2})
+                if (end + 1 >= static_cast<size_t>(n_)) pool.prefetch(learned_key(t, end, n_));
+    }
     std::list<std::shared_ptr<LDoc>> order_;  // oldest first (OrderedDict order)
     std::unordered_map<uint64_t, std::list<std::shared_ptr<LDoc>>::iterator> docs_;
     std::unordered_map<std::string, size_t> pool_ids_;  // live pools by name
@@ -1300,21 +1472,30 @@ int64_t sample(const Store& st, const std::vector<Range>& ranges, int64_t k_max,
     size_t nseg = 0;
     for (const auto& r : ranges)
         if (r.hi > r.lo) ++nseg;
-    int64_t off = 0;
+    positions.resize(k);  // each of the k samples falls in one range
+    shard_of.resize(k);
+    int64_t off = 0, j = 0;
     for (const auto& r : ranges) {
         if (r.hi <= r.lo) continue;
         int64_t cnt = r.hi - r.lo;
         const Shard& sh = st.shards[r.shard];
+        int64_t from = j;
         for (int64_t i = 0; i < k; ++i) {
             int64_t g = (i * total) / k;
             if (nseg > 1 && (g < off || g >= off + cnt)) continue;
             int64_t local = nseg > 1 ? g - off : g;
-            positions.push_back(static_cast<int64_t>(load_le32(sh.sa + r.lo + local)));
-            shard_of.push_back(r.shard);
+            positions[j++] = r.lo + local;
+            __builtin_prefetch(sh.sa + r.lo + local);
+        }
+        // The suffix-array entries were all asked for (above) before any is read here: the
+        // misses overlap.
+        for (int64_t q = from; q < j; ++q) {
+            positions[q] = static_cast<int64_t>(load_le32(sh.sa + positions[q]));
+            shard_of[q] = r.shard;
         }
         if (nseg > 1) off += cnt;
     }
-    return static_cast<int64_t>(positions.size());
+    return k;
 }
 
 struct RestParams {
@@ -1385,12 +1566,14 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     int64_t k = k1 + k2;
     if (k == 0) return;
     // Column c (contiguous, D rows): the tokens at min(L + d + pos, length - 1) of its shard.
-    // Every column's first cache line is asked for before any is read: the reads overlap.
+    // Every column's cache lines (its first and last token's) are asked for before any is
+    // read: the reads overlap.
     for (int64_t c = 0; c < k; ++c) {
         bool first = c < k1;
         const Shard& sh = st.shards[first ? sh1[c] : sh2[c - k1]];
-        int64_t at = std::min((first ? L : L2) + (first ? pos1[c] : pos2[c - k1]), sh.length - 1);
-        __builtin_prefetch(sh.tokens + at * w);
+        int64_t at = (first ? L : L2) + (first ? pos1[c] : pos2[c - k1]);
+        __builtin_prefetch(sh.tokens + std::min(at, sh.length - 1) * w);
+        __builtin_prefetch(sh.tokens + std::min(at + D - 1, sh.length - 1) * w);
     }
     auto& W = s.W;
     W.resize(static_cast<size_t>(D * k));
@@ -1458,8 +1641,12 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     pd.resize(k);
     for (int64_t c = 0; c < k; ++c) {
         const uint32_t* col = W.data() + static_cast<int64_t>(cols[c]) * D;
-        int32_t v = 0;
-        while (v < D && col[v] != sep) ++v;
+        // Most columns hold no separator: a branch-free test of the whole column first.
+        uint32_t seps = 0;
+        for (int64_t d = 0; d < D; ++d) seps += col[d] == sep;
+        int32_t v = static_cast<int32_t>(D);
+        if (seps)
+            for (v = 0; col[v] != sep;) ++v;
         vlen[c] = v;
         if (c > 0) {
             const uint32_t* prev = W.data() + static_cast<int64_t>(cols[c - 1]) * D;
@@ -1476,29 +1663,29 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     out.match_len = L;
     if (nn == 0) return;
     // Shared nodes: mass, depth, opening column, parent (a shared node or -1), token.
+    int64_t ns = 0;  // their number (pd[c] >= lcp[c], as lcp[c] <= vlen[c])
+    for (int64_t c = 0; c < k; ++c) ns += pd[c] - lcp[c];
     auto& smass = s.mass;
     auto& sdepth = s.sdepth;
     auto& scol = s.scol;
     auto& sparent = s.tparent;
     auto& stok = s.ntok;
-    smass.clear();
-    sdepth.clear();
-    scol.clear();
-    sparent.clear();
-    stok.clear();
+    smass.assign(ns, 0);
+    sdepth.resize(ns);
+    scol.resize(ns);
+    sparent.resize(ns);
+    stok.resize(ns);
     auto& cur = s.cur;  // the shared node the current column passes at each depth
     cur.assign(D, -1);
     auto& anchor = s.anchor;  // the shared node above each column's own chain (-1: root)
     anchor.resize(k);
-    for (int64_t c = 0; c < k; ++c) {
+    for (int64_t c = 0, id = 0; c < k; ++c) {
         const uint32_t* col = W.data() + static_cast<int64_t>(cols[c]) * D;
-        for (int32_t d = lcp[c]; d < pd[c]; ++d) {
-            int64_t id = static_cast<int64_t>(smass.size());
-            smass.push_back(0);
-            sdepth.push_back(d);
-            scol.push_back(static_cast<int32_t>(c));
-            sparent.push_back(d == 0 ? -1 : static_cast<int32_t>(cur[d - 1]));
-            stok.push_back(col[d]);
+        for (int32_t d = lcp[c]; d < pd[c]; ++d, ++id) {
+            sdepth[id] = d;
+            scol[id] = static_cast<int32_t>(c);
+            sparent[id] = d == 0 ? -1 : static_cast<int32_t>(cur[d - 1]);
+            stok[id] = col[d];
             cur[d] = id;
         }
         int64_t wc = wt[c];
@@ -1512,7 +1699,6 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         return (static_cast<u128>(UINT64_MAX - static_cast<uint64_t>(mass)) << 64) |
                (static_cast<uint64_t>(d) << 32) | static_cast<uint64_t>(c);
     };
-    const int64_t ns = static_cast<int64_t>(smass.size());
     auto& keys = s.keys;
     keys.resize(ns);
     for (int64_t i = 0; i < ns; ++i) keys[i] = rank(smass[i], sdepth[i], scol[i]);
@@ -1524,10 +1710,12 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         int64_t weight;
         int32_t d, at, dmax;  // the next node: depth d, at-th column of the class
         std::vector<int32_t>& columns;
+        u128 key;  // the next node's rank (all ones: none left)
     };
+    const u128 none = ~static_cast<u128>(0);
     // Columns weigh one of at most two values (one per level sampled): two classes.
-    Chains classes[2] = {{0, INT32_MAX, 0, 0, s.class_columns[0]},
-                         {0, INT32_MAX, 0, 0, s.class_columns[1]}};
+    Chains classes[2] = {{0, INT32_MAX, 0, 0, s.class_columns[0], none},
+                         {0, INT32_MAX, 0, 0, s.class_columns[1], none}};
     classes[0].columns.clear();
     classes[1].columns.clear();
     int nclass = 0;
@@ -1541,52 +1729,49 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         ch.d = std::min(ch.d, pd[c]);
         ch.dmax = std::max(ch.dmax, vlen[c]);
     }
-    // The class's next node (depth, column), or false when it has none left.
-    auto peek = [&](Chains& ch, int32_t& d, int32_t& c) {
-        while (ch.d < ch.dmax) {
-            while (ch.at < static_cast<int32_t>(ch.columns.size())) {
-                int32_t col = ch.columns[ch.at];
+    // Moves the class to its next node (depth d, column columns[at]) and ranks it.
+    auto advance = [&](Chains& ch) {
+        const int32_t* columns = ch.columns.data();
+        const int32_t ncols = static_cast<int32_t>(ch.columns.size());
+        for (; ch.d < ch.dmax; ++ch.d, ch.at = 0)
+            for (; ch.at < ncols; ++ch.at) {
+                int32_t col = columns[ch.at];
                 if (pd[col] <= ch.d && ch.d < vlen[col]) {
-                    d = ch.d;
-                    c = col;
-                    return true;
+                    ch.key = rank(ch.weight, ch.d, col);
+                    return;
                 }
-                ++ch.at;
             }
-            ++ch.d;
-            ch.at = 0;
-        }
-        return false;
+        ch.key = none;
     };
+    for (int j = 0; j < nclass; ++j) advance(classes[j]);
     const int64_t m = std::min<int64_t>(p.budget, nn);
     auto& sout = s.remap;  // output index of each shared node
     sout.assign(ns, -1);
     auto& chain_out = s.chain_out;  // output index of each column's last chain node
     chain_out.assign(k, -1);
     out.resize(m);
+    const Tree::Slots o = out.slots();
     int64_t next_shared = 0;
     for (int64_t i = 0; i < m; ++i) {
         int best = -1;  // -1: the next shared node; else a class
-        u128 bk = next_shared < ns ? keys[sorder[next_shared]] : ~static_cast<u128>(0);
-        int32_t bd = 0, bc = 0;
-        for (int j = 0; j < nclass; ++j) {
-            int32_t d, c;
-            if (peek(classes[j], d, c) && rank(classes[j].weight, d, c) < bk) {
-                bk = rank(classes[j].weight, d, c);
+        u128 bk = next_shared < ns ? keys[sorder[next_shared]] : none;
+        for (int j = 0; j < nclass; ++j)
+            if (classes[j].key < bk) {
+                bk = classes[j].key;
                 best = j;
-                bd = d;
-                bc = c;
             }
-        }
         if (best < 0) {
             int32_t node = sorder[next_shared++];
             int32_t par = sparent[node];
             double pm = static_cast<double>(par < 0 ? root : smass[par]);
             sout[node] = static_cast<int32_t>(i);
-            out.set(i, stok[node], par < 0 ? -1 : sout[par],
-                    static_cast<double>(smass[node]) / pm, BIT_REST);
+            o.set(i, stok[node], par < 0 ? -1 : sout[par],
+                  static_cast<double>(smass[node]) / pm, BIT_REST);
         } else {
-            ++classes[best].at;
+            Chains& ch = classes[best];
+            int32_t bd = ch.d, bc = ch.columns[ch.at];
+            ++ch.at;
+            advance(ch);
             const uint32_t* col = W.data() + static_cast<int64_t>(cols[bc]) * D;
             int64_t wc = wt[bc];
             int32_t parent;
@@ -1600,8 +1785,8 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
                 pm = static_cast<double>(wc);
             }
             chain_out[bc] = static_cast<int32_t>(i);
-            out.set(i, col[bd], parent, bd == pd[bc] ? static_cast<double>(wc) / pm : 1.0,
-                    BIT_REST);
+            o.set(i, col[bd], parent, bd == pd[bc] ? static_cast<double>(wc) / pm : 1.0,
+                  BIT_REST);
         }
     }
 }
@@ -1622,26 +1807,39 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
     }
     out.clear();
     if (nf == 0 || budget <= 0) return;
-    auto& tokens = s.m_tokens;
-    auto& parents = s.m_parents;
-    auto& probs = s.m_probs;
-    auto& bits = s.m_bits;
-    auto& first = s.first;  // first child of node p at first[p + 1] (-1: none)
-    auto& next = s.kids;    // next sibling of each node (-1: none)
-    tokens.clear();
-    parents.clear();
-    probs.clear();
-    bits.clear();
-    next.clear();
-    first.assign(1, -1);
+    // Sized for every node of every draft (no growth checks while merging), n used.
+    size_t cap = 0;
+    for (int f = 0; f < nf; ++f) cap += full[f]->size();
+    s.m_tokens.resize(cap);
+    s.m_parents.resize(cap);
+    s.m_probs.resize(cap);
+    s.m_bits.resize(cap);
+    s.kids.resize(cap);
+    s.first.assign(cap + 1, -1);
+    s.path.resize(cap + 1);
+    s.depth.resize(cap + 1);
+    s.new_id.resize(cap);
+    // Raw pointers from here on (see Tree::Slots).
+    uint32_t* tokens = s.m_tokens.data();
+    int32_t* parents = s.m_parents.data();
+    double* probs = s.m_probs.data();
+    uint8_t* bits = s.m_bits.data();
+    int32_t* first = s.first.data();  // first child of node p at first[p + 1] (-1: none)
+    int32_t* next = s.kids.data();    // next sibling of each node (-1: none)
+    int32_t n = 0;
     bool monotone = true;  // no probability above 1 (nor NaN)
-    auto& remap = s.remap;
     for (int f = 0; f < nf; ++f) {
         const Tree& d = *full[f];
-        remap.resize(d.size());
-        for (size_t j = 0; j < d.size(); ++j) {
-            int32_t mp = d.parents[j] < 0 ? -1 : remap[d.parents[j]];
-            uint32_t tok = d.tokens[j];
+        const size_t dn = d.size();
+        const uint32_t* d_tokens = d.tokens.data();
+        const int32_t* d_parents = d.parents.data();
+        const double* d_probs = d.probs.data();
+        const uint8_t* d_bits = d.bits.data();
+        s.remap.resize(dn);
+        int32_t* remap = s.remap.data();
+        for (size_t j = 0; j < dn; ++j) {
+            int32_t mp = d_parents[j] < 0 ? -1 : remap[d_parents[j]];
+            uint32_t tok = d_tokens[j];
             int32_t node = -1;
             if (f > 0)  // the first draft's nodes are all distinct
                 for (int32_t c = first[mp + 1]; c >= 0; c = next[c])
@@ -1649,62 +1847,83 @@ void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, S
                         node = c;
                         break;
                     }
-            double q = d.probs[j];
+            double q = d_probs[j];
+            monotone = monotone && q <= 1.0;
             if (node < 0) {
-                node = static_cast<int32_t>(tokens.size());
-                tokens.push_back(tok);
-                parents.push_back(mp);
-                probs.push_back(q);
-                bits.push_back(d.bits[j]);
-                next.push_back(first[mp + 1]);
+                node = n++;
+                tokens[node] = tok;
+                parents[node] = mp;
+                probs[node] = q;
+                bits[node] = d_bits[j];
+                next[node] = first[mp + 1];
                 first[mp + 1] = node;
-                first.push_back(-1);
-                monotone = monotone && q <= 1.0;
             } else {
                 if (q > probs[node]) probs[node] = q;
-                bits[node] |= d.bits[j];
-                monotone = monotone && q <= 1.0;
+                bits[node] |= d_bits[j];
             }
             remap[j] = node;
         }
     }
-    int32_t n = static_cast<int32_t>(tokens.size());
-    auto& path = s.path;
-    auto& depth = s.depth;
-    path.assign(n + 1, 1.0);
-    depth.assign(n + 1, -1);
+    double* path = s.path.data();
+    int32_t* depth = s.depth.data();
+    path[n] = 1.0;  // the root's
+    depth[n] = -1;
     for (int32_t i = 0; i < n; ++i) {
         int32_t p = parents[i] < 0 ? n : parents[i];
         path[i] = path[p] * probs[i];
         depth[i] = depth[p] + 1;
     }
     if (!monotone) {
-        take_top(tokens.data(), parents.data(), probs.data(), bits.data(), path.data(),
-                 depth.data(), n, budget, 0, out, s);
+        take_top(tokens, parents, probs, bits, path, depth, n, budget, 0, out, s);
         return;
     }
+    // The next node in take_top's order is the least of the frontier (the children of the
+    // nodes taken so far). The best child of the node just taken is held aside rather than
+    // pushed: it is often the next node (a chain, the common shape), taken without a heap
+    // operation.
     const int64_t m = std::min<int64_t>(budget, n);
-    auto& heap = s.keys;
-    heap.clear();
-    auto after = std::greater<u128>();
-    auto push_children = [&](int32_t p) {
-        for (int32_t c = first[p + 1]; c >= 0; c = next[c]) {
-            heap.push_back(rank_key(path[c], depth[c], c));
-            std::push_heap(heap.begin(), heap.end(), after);
-        }
-    };
-    push_children(-1);
-    auto& new_id = s.new_id;
-    new_id.resize(n);
+    auto& heap = s.frontier;
+    u128 held = 0;
+    bool holding = false;
+    int32_t* new_id = s.new_id.data();
     out.resize(m);
+    const Tree::Slots o = out.slots();
+    bool hole = false;  // the heap's least was just taken: its slot awaits a child
+    auto add_children = [&](int32_t p) {
+        for (int32_t c = first[p + 1]; c >= 0; c = next[c]) {
+            u128 key = rank_key(path[c], depth[c], c);
+            if (!holding) {
+                held = key;
+                holding = true;
+                continue;
+            }
+            if (key < held) std::swap(key, held);
+            if (hole) {
+                heap.replace_least(key);
+                hole = false;
+            } else {
+                heap.push(key);
+            }
+        }
+        if (hole) heap.pop_least();
+        hole = false;
+    };
+    heap.clear();
+    add_children(-1);
     for (int32_t kept = 0; kept < m; ++kept) {
-        std::pop_heap(heap.begin(), heap.end(), after);
-        int32_t i = static_cast<int32_t>(static_cast<uint32_t>(heap.back()));
-        heap.pop_back();
+        u128 key;
+        if (holding && (heap.empty() || held < heap.least())) {
+            key = held;
+            holding = false;
+        } else {
+            key = heap.least();
+            hole = true;
+        }
+        int32_t i = static_cast<int32_t>(static_cast<uint32_t>(key));
         int32_t p = parents[i];
         new_id[i] = kept;
-        out.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bits[i]);
-        push_children(i);
+        o.set(kept, tokens[i], p < 0 ? -1 : new_id[p], probs[i], bits[i]);
+        add_children(i);
     }
 }
 
@@ -2008,16 +2227,16 @@ struct SessionState {
     int64_t budget = 64, max_depth = 16;
     int64_t rest_match_len = 0, pld_match_len = 0, learned_match_len = 0;
     Tree t_rest, t_pld, t_learned, out;
+    // the last batched step's: out's expected accepted tokens and the source bits it holds
+    double expected = 0.0;
+    uint8_t used = 0;
+    std::vector<uint32_t> unlearned;  // a batched step's accepted tokens, until learned
 };
 
 struct SessionObject {
     PyObject_HEAD
     SessionState* s;
 };
-
-// Indexing this many tokens at once is worth letting the GIL go (below it, handing the GIL
-// over and back could cost more than the indexing).
-constexpr size_t BIG_TOKENS = 4096;
 
 // Not inlined: the compiler would otherwise specialise its callers for this one object and
 // reach every field through the thread-local lookup, on each use.
@@ -2107,13 +2326,6 @@ int Session_init(SessionObject* self, PyObject* args, PyObject*) {
     s->power = power;
     if (pld_max > 0) {
         s->pld.reset(new PromptIndex(pld_max, pld_min));
-        if (s->context.size() < BIG_TOKENS) {
-            s->pld->extend(s->context, 0);
-        } else {  // a long prompt: other threads (a server's event loop) run meanwhile
-            PyThreadState* save = PyEval_SaveThread();
-            s->pld->extend(s->context, 0);
-            PyEval_RestoreThread(save);
-        }
     }
     if (learned != Py_None) {
         Py_INCREF(learned);
@@ -2126,11 +2338,21 @@ int Session_init(SessionObject* self, PyObject* args, PyObject*) {
     return 0;
 }
 
-void session_extend(SessionState* s, const std::vector<uint32_t>& toks) {
-    size_t from = s->context.size();
+// The accepted tokens into the context; learned now, or (learn_later: a batched step) kept
+// in `unlearned` for learn_unlearned.
+void session_extend(SessionState* s, const std::vector<uint32_t>& toks, bool learn_later = false) {
     s->context.insert(s->context.end(), toks.begin(), toks.end());
-    if (s->pld) s->pld->extend(s->context, from);
-    if (s->learned != nullptr) s->writer.extend(learned_of(s->learned), toks.data(), toks.size());
+    if (s->learned == nullptr) return;
+    if (learn_later)
+        s->unlearned.insert(s->unlearned.end(), toks.begin(), toks.end());
+    else
+        s->writer.extend(learned_of(s->learned), toks.data(), toks.size());
+}
+
+void learn_unlearned(SessionState* s) {
+    if (s->unlearned.empty()) return;
+    s->writer.extend(learned_of(s->learned), s->unlearned.data(), s->unlearned.size());
+    s->unlearned.clear();
 }
 
 // Whether the Reader behind a Store's weak reference was closed (or is gone).
@@ -2158,17 +2380,16 @@ bool reader_closed(PyObject* ref) {
     return closed != 0;
 }
 
-// SessionDrafter.propose: 0, or an error code (the tree is then empty).
+// SessionDrafter.propose, first part: the drafts from the session's own context (retrieval,
+// prompt lookup). 0, or an error code (the tree is then empty, with no second part).
 // `closed`: whether the session's Reader was closed, when known (-1: asked here, which
 // needs the GIL; without it, every other step is plain C++ over the session's own state,
 // the mapped arrays and the learned index under its shared lock).
-int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int closed = -1) {
+int propose_own(SessionState* s, int64_t budget, Scratch& scratch, int closed = -1) {
     s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
     s->t_rest.clear();
     s->t_pld.clear();
     s->t_learned.clear();
-    const Tree* drafts[3];
-    int nd = 0;
     if (s->store != nullptr && !s->context.empty()) {
         auto* so = reinterpret_cast<StoreObject*>(s->store);
         const Store& st = so->store;
@@ -2186,14 +2407,23 @@ int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int close
         s->rest_match_len = s->t_rest.match_len;
         if (!(s->scale == 1.0 && s->power == 1.0))
             for (auto& q : s->t_rest.probs)  // pow(1, y) is 1 exactly (most REST probs are 1)
-                q = s->scale * (q == 1.0 ? 1.0 : std::pow(q, s->power));
-        drafts[nd++] = &s->t_rest;
+                q = s->scale * (q == 1.0 ? 1.0 : scratch.pow.pow(q, s->power));
     }
     if (s->pld) {
+        s->pld->extend(s->context);
         s->pld->propose(s->context, budget, s->max_depth, s->t_pld, scratch);
         s->pld_match_len = s->t_pld.match_len;
-        drafts[nd++] = &s->t_pld;
     }
+    return 0;
+}
+
+// The second part: the learned outputs' draft (which must see every token learned before
+// the step), and the merge.
+void propose_learned(SessionState* s, int64_t budget, Scratch& scratch) {
+    const Tree* drafts[3];
+    int nd = 0;
+    if (s->store != nullptr && !s->context.empty()) drafts[nd++] = &s->t_rest;
+    if (s->pld) drafts[nd++] = &s->t_pld;
     if (s->learned != nullptr && s->learned_drafts) {
         Learned& index = learned_of(s->learned);
         {
@@ -2207,7 +2437,13 @@ int session_propose(SessionState* s, int64_t budget, Scratch& scratch, int close
     }
     merge_trees(drafts, nd, budget, s->out, scratch);
     s->out.match_len = s->rest_match_len;
-    return 0;
+}
+
+// SessionDrafter.propose: both parts. 0, or an error code.
+int session_propose(SessionState* s, int64_t budget, Scratch& scratch) {
+    int err = propose_own(s, budget, scratch);
+    if (err == 0) propose_learned(s, budget, scratch);
+    return err;
 }
 
 PyObject* Session_extend(SessionObject* self, PyObject* arg) {
@@ -2430,7 +2666,7 @@ void best_chain(Tree& t, int64_t max_len, Scratch& s) {
     auto& path = s.path;
     auto& depth = s.depth;
     auto& best_child = s.new_id;
-    std::vector<double>& gain = s.ct_sibling;
+    auto& gain = s.ct_sibling;
     path.resize(n);
     depth.resize(n);
     gain.assign(n, 0.0);
@@ -2458,9 +2694,10 @@ void best_chain(Tree& t, int64_t max_len, Scratch& s) {
         }
     }
     int32_t k = 0;
+    const Tree::Slots o = t.slots();
     for (int32_t node = root_best; node >= 0; node = best_child[node], ++k)
         // node >= k always (a child comes after its parent): the chain overwrites in place
-        t.set(k, t.tokens[node], k - 1, t.probs[node], t.bits[node]);
+        o.set(k, o.tokens[node], k - 1, o.probs[node], o.bits[node]);
     t.resize(k);
 }
 
@@ -2470,11 +2707,6 @@ class Workers {
   public:
     void run(int n, const std::function<void(int)>& job) {
         std::unique_lock<std::mutex> lock(mu_);
-        if (pid_ != getpid()) {  // a forked child has none of its parent's threads
-            threads_.clear();
-            wanted_ = pending_ = 0;
-            pid_ = getpid();
-        }
         while (static_cast<int>(threads_.size()) < n - 1) {
             int index = static_cast<int>(threads_.size()) + 1;
             std::thread t([this, index] { serve(index); });
@@ -2510,26 +2742,196 @@ class Workers {
     }
     std::mutex mu_;
     std::condition_variable wake_, done_;
-    std::vector<int> threads_;  // the indexes of the threads started (by this process)
-    pid_t pid_ = getpid();
+    std::vector<int> threads_;  // the indexes of the threads started
     const std::function<void(int)>* job_ = nullptr;
     int wanted_ = 0, pending_ = 0;
     uint64_t generation_ = 0;
 };
 
-Workers& workers() {
-    static Workers* w = new Workers();  // never destroyed: its threads outlive main()
-    return *w;
+// The batched step's threads, and the lock that lets one batch at a time use them. Neither
+// is ever destroyed (the threads outlive main()). A forked child has none of its parent's
+// threads, and may have inherited the lock held or the threads' condition variables waited
+// on (a batch running in another thread): it starts afresh, the parent's objects left alone.
+std::mutex* g_batch_lock = new std::mutex();
+Workers* g_workers = nullptr;  // made by the first batch on more than one thread
+
+void fresh_workers_after_fork() {
+    g_batch_lock = new std::mutex();
+    g_workers = nullptr;
 }
 
-// step_batch(sessions, accepted, budgets, threads=1) -> (status, counts, tokens, parents,
-// probs, bits, match_lens), all as bytes. Every session is first extended by its accepted
-// tokens (None: none; learned at once, in order), then every session drafts with its budget
-// (None, or budgets None: the session's own), so that a session's tree is the same whatever
-// the order or the threads: on `threads` > 1 the drafting runs on that many threads without
-// the GIL (the sessions must not be used elsewhere meanwhile). The trees come concatenated,
-// counts[i] nodes each; status[i] != 0: session i failed and drafted nothing; match_lens
-// holds (rest, pld, learned) per session.
+Workers& workers() {  // the caller holds *g_batch_lock
+    if (g_workers == nullptr) g_workers = new Workers();
+    return *g_workers;
+}
+
+// ---- batched steps ----------------------------------------------------------------------
+// A batch's sessions from a Python sequence of Session objects, each at most once (a
+// session stepped twice in one batch would draft from a context its caller never saw).
+bool batch_sessions(PyObject* ss, std::vector<SessionState*>& st) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ss);
+    st.resize(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* o = PySequence_Fast_ITEMS(ss)[i];
+        if (!PyObject_TypeCheck(o, &SessionType)) {
+            PyErr_SetString(PyExc_TypeError, "sessions must be Session objects");
+            return false;
+        }
+        st[i] = reinterpret_cast<SessionObject*>(o)->s;
+    }
+    std::vector<SessionState*> sorted(st);
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+        PyErr_SetString(PyExc_ValueError, "a session appears twice in one batch");
+        return false;
+    }
+    return true;
+}
+
+// Whether each session's Reader was closed: asked once per Store (the sessions of one
+// snapshot share it), with the GIL, before the drafting lets it go.
+std::vector<int32_t> closed_readers(const std::vector<SessionState*>& st) {
+    std::vector<int32_t> closed(st.size(), 0);
+    PyObject* last_store = nullptr;
+    bool last_closed = false;
+    for (size_t i = 0; i < st.size(); ++i) {
+        PyObject* store = st[i]->store;
+        if (store != nullptr && store != last_store) {
+            last_store = store;
+            last_closed = reader_closed(reinterpret_cast<StoreObject*>(store)->reader);
+        }
+        closed[i] = store != nullptr && last_closed;
+    }
+    return closed;
+}
+
+// The drafting of a batched step, once every session holds its accepted tokens (extended
+// with learn_later): every session's tokens are learned, in order, and every session drafts
+// with its budget, so that a session's tree is the same whatever the order or the threads.
+// status[i] != 0: session i drafts nothing (an empty tree). Called with the GIL; drafts
+// without it (on `threads` threads when > 1): the sessions must not be used elsewhere.
+void draft_batch(const std::vector<SessionState*>& st, const std::vector<int64_t>& budget,
+                 std::vector<int32_t>& status, int threads, long long chain, Scratch& scratch) {
+    Py_ssize_t n = static_cast<Py_ssize_t>(st.size());
+    std::vector<int32_t> closed = closed_readers(st);
+    // A thread writes only to the sessions it drafts (and to `status` on a failure, which
+    // is rare): threads drafting neighbours do not share cache lines.
+    auto draft_own = [&](Py_ssize_t i, Scratch& sc) {
+        int err = status[i];
+        if (err == 0 && (err = propose_own(st[i], budget[i], sc, closed[i])) != 0)
+            status[i] = err;
+    };
+    auto draft_rest = [&](Py_ssize_t i, Scratch& sc) {
+        SessionState* s = st[i];
+        if (status[i]) {
+            s->out.clear();
+            s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
+        } else {
+            propose_learned(s, budget[i], sc);
+            if (chain > 0) best_chain(s->out, chain, sc);
+        }
+        s->expected = expected_accepted(s->out, sc);
+        s->used = 0;
+        for (uint8_t bit : s->out.bits) s->used |= bit;
+    };
+    int nt = static_cast<int>(std::max<Py_ssize_t>(1, std::min<Py_ssize_t>(threads, n)));
+    // The drafting reads only the sessions, the mapped arrays and the learned index (under
+    // its lock): other Python threads run meanwhile (a server's event loop, say).
+    Py_BEGIN_ALLOW_THREADS
+    if (nt == 1) {
+        for (Py_ssize_t i = 0; i < n; ++i) learn_unlearned(st[i]);
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            draft_own(i, scratch);
+            draft_rest(i, scratch);
+        }
+    } else {
+        std::lock_guard<std::mutex> lock(*g_batch_lock);
+        // The first thread learns every session's tokens, in order, while the others
+        // start drafting from the sessions' own contexts; the learned drafts wait until
+        // it is done (a thread that drafted a session's first part before then keeps the
+        // second for later). Sessions are handed out one at a time as threads come free:
+        // a thread woken late or given long drafts does not hold the others back.
+        std::atomic<bool> learned{false};
+        std::atomic<Py_ssize_t> next{0};
+        workers().run(nt, [&](int t) {
+            Scratch& sc = step_scratch();
+            if (t == 0) {
+                for (Py_ssize_t i = 0; i < n; ++i) learn_unlearned(st[i]);
+                learned.store(true, std::memory_order_release);
+            }
+            auto& later = sc.later;
+            later.clear();
+            for (Py_ssize_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+                draft_own(i, sc);
+                if (learned.load(std::memory_order_acquire))
+                    draft_rest(i, sc);
+                else
+                    later.push_back(i);
+            }
+            while (!later.empty() && !learned.load(std::memory_order_acquire))
+                std::this_thread::yield();
+            for (Py_ssize_t i : later) draft_rest(i, sc);
+        });
+    }
+    Py_END_ALLOW_THREADS
+}
+
+// A drafted batch as bytes: (status, counts, tokens, parents, probs, bits, match_lens,
+// expected, used), and with `flat` probs as float32 (what the wire carries; float64
+// otherwise) and each session's context length (uint64) after them.
+PyObject* batch_result(const std::vector<SessionState*>& st, const std::vector<int32_t>& status,
+                       Scratch& scratch, bool flat) {
+    size_t n = st.size();
+    std::vector<int32_t> counts(n, 0);
+    std::vector<int64_t> mls(3 * n, 0);
+    std::vector<double> expected(n, 0.0);
+    std::vector<uint8_t> used(n, 0);
+    std::vector<uint64_t> lens(n, 0);
+    auto& b = scratch.batch;  // the trees, concatenated
+    b.clear();
+    for (size_t i = 0; i < n; ++i) {
+        const Tree& t = st[i]->out;
+        counts[i] = static_cast<int32_t>(t.size());
+        b.tokens.insert(b.tokens.end(), t.tokens.begin(), t.tokens.end());
+        b.parents.insert(b.parents.end(), t.parents.begin(), t.parents.end());
+        b.probs.insert(b.probs.end(), t.probs.begin(), t.probs.end());
+        b.bits.insert(b.bits.end(), t.bits.begin(), t.bits.end());
+        mls[3 * i] = st[i]->rest_match_len;
+        mls[3 * i + 1] = st[i]->pld_match_len;
+        mls[3 * i + 2] = st[i]->learned_match_len;
+        expected[i] = st[i]->expected;
+        used[i] = st[i]->used;
+        lens[i] = st[i]->context.size();
+    }
+    size_t m = b.size();
+    std::vector<float> p32(flat ? m : 0);
+    std::copy_n(b.probs.begin(), p32.size(), p32.begin());
+    PyObject* items[] = {
+        bytes_of(status.data(), n * 4), bytes_of(counts.data(), n * 4),
+        bytes_of(b.tokens.data(), m * 4), bytes_of(b.parents.data(), m * 4),
+        flat ? bytes_of(p32.data(), m * 4) : bytes_of(b.probs.data(), m * 8),
+        bytes_of(b.bits.data(), m), bytes_of(mls.data(), 3 * n * 8),
+        bytes_of(expected.data(), n * 8), bytes_of(used.data(), n),
+        flat ? bytes_of(lens.data(), n * 8) : nullptr};
+    Py_ssize_t k = flat ? 10 : 9;
+    PyObject* out = PyTuple_New(k);
+    for (Py_ssize_t i = 0; i < k; ++i) {
+        if (out != nullptr && items[i] != nullptr) {
+            PyTuple_SET_ITEM(out, i, items[i]);
+        } else {
+            Py_XDECREF(items[i]);
+            Py_CLEAR(out);
+        }
+    }
+    return out;
+}
+
+// step_batch(sessions, accepted, budgets, threads=1, chain=0) -> (status, counts, tokens,
+// parents, probs, bits, match_lens, expected, used), all as bytes. Every session is first
+// extended by its accepted tokens (None: none), then the batch drafts (draft_batch) with
+// each session's budget (None, or budgets None: the session's own). The trees come
+// concatenated, counts[i] nodes each; status[i] != 0: session i failed and drafted nothing;
+// match_lens holds (rest, pld, learned) per session; chain > 0: each tree's best chain.
 PyObject* step_batch(PyObject*, PyObject* args) {
     PyObject *sessions, *accepted, *budgets;
     int threads = 1;
@@ -2552,103 +2954,34 @@ PyObject* step_batch(PyObject*, PyObject* args) {
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(ss);
     PyObject* result = nullptr;
-    std::vector<SessionState*> st(n);
-    std::vector<long long> budget(n);
-    std::vector<int32_t> status(n, 0), closed(n, 0);
+    std::vector<SessionState*> st;
+    std::vector<int64_t> budget(n);
+    std::vector<int32_t> status(n, 0);
     bool ok = true;
     if (PySequence_Fast_GET_SIZE(as) != n || (bs && PySequence_Fast_GET_SIZE(bs) != n)) {
         PyErr_SetString(PyExc_ValueError, "sessions, accepted and budgets differ in length");
         ok = false;
     }
+    ok = ok && batch_sessions(ss, st);
     for (Py_ssize_t i = 0; i < n && ok; ++i) {
-        PyObject* o = PySequence_Fast_ITEMS(ss)[i];
-        if (!PyObject_TypeCheck(o, &SessionType)) {
-            PyErr_SetString(PyExc_TypeError, "sessions must be Session objects");
-            ok = false;
-            break;
-        }
-        st[i] = reinterpret_cast<SessionObject*>(o)->s;
         PyObject* b = bs ? PySequence_Fast_ITEMS(bs)[i] : Py_None;
         budget[i] = b == Py_None ? st[i]->budget : PyLong_AsLongLong(b);
         if (budget[i] == -1 && PyErr_Occurred()) ok = false;
     }
     if (ok) {
-        std::vector<SessionState*> sorted(st);
-        std::sort(sorted.begin(), sorted.end());
-        if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-            PyErr_SetString(PyExc_ValueError, "a session appears twice in one batch");
-            ok = false;
-        }
-    }
-    if (ok) {
-        // Extend every session (its failure is its own), and ask each Reader once whether it
-        // was closed: both need the GIL.
         Scratch& scratch = step_scratch();
-        for (Py_ssize_t i = 0; i < n; ++i) {
+        for (Py_ssize_t i = 0; i < n; ++i) {  // a session's refused tokens fail only it
             PyObject* a = PySequence_Fast_ITEMS(as)[i];
-            if (a != Py_None) {
-                if (read_tokens(a, scratch.tokens_in, "accepted")) {
-                    session_extend(st[i], scratch.tokens_in);
-                } else {  // the wrapper says why
-                    PyErr_Clear();
-                    status[i] = ERR_TOKENS;
-                }
+            if (a == Py_None) continue;
+            if (read_tokens(a, scratch.tokens_in, "accepted")) {
+                session_extend(st[i], scratch.tokens_in, true);
+            } else {  // the wrapper says why
+                PyErr_Clear();
+                status[i] = ERR_TOKENS;
             }
-            PyObject* store = st[i]->store;
-            closed[i] = store != nullptr &&
-                        reader_closed(reinterpret_cast<StoreObject*>(store)->reader);
         }
-        std::vector<double> expected(n, 0.0);
-        std::vector<uint8_t> used(n, 0);
-        auto draft = [&](Py_ssize_t i, Scratch& sc) {
-            SessionState* s = st[i];
-            if (status[i] == 0) status[i] = session_propose(s, budget[i], sc, closed[i]);
-            if (status[i]) {
-                s->out.clear();
-                s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
-            } else if (chain > 0) {
-                best_chain(s->out, chain, sc);
-            }
-            expected[i] = expected_accepted(s->out, sc);
-            for (uint8_t bit : s->out.bits) used[i] |= bit;
-        };
-        int nt = static_cast<int>(std::max<Py_ssize_t>(1, std::min<Py_ssize_t>(threads, n)));
-        // The drafting reads only the sessions, the mapped arrays and the learned index (under
-        // its lock): other Python threads run meanwhile (a server's event loop, say).
-        Py_BEGIN_ALLOW_THREADS
-        if (nt == 1) {
-            for (Py_ssize_t i = 0; i < n; ++i) draft(i, scratch);
-        } else {
-            static std::mutex one_batch_at_a_time;  // the workers serve one batch at a time
-            std::lock_guard<std::mutex> lock(one_batch_at_a_time);
-            workers().run(nt, [&](int t) {
-                Scratch& sc = step_scratch();
-                for (Py_ssize_t i = t; i < n; i += nt) draft(i, sc);
-            });
-        }
-        Py_END_ALLOW_THREADS
-        std::vector<int32_t> counts(n, 0);
-        std::vector<int64_t> mls(3 * n, 0);
-        auto& b = scratch.batch;  // the trees, concatenated
-        b.clear();
-        for (Py_ssize_t i = 0; i < n; ++i) {
-            const Tree& t = st[i]->out;
-            counts[i] = static_cast<int32_t>(t.size());
-            b.tokens.insert(b.tokens.end(), t.tokens.begin(), t.tokens.end());
-            b.parents.insert(b.parents.end(), t.parents.begin(), t.parents.end());
-            b.probs.insert(b.probs.end(), t.probs.begin(), t.probs.end());
-            b.bits.insert(b.bits.end(), t.bits.begin(), t.bits.end());
-            mls[3 * i] = st[i]->rest_match_len;
-            mls[3 * i + 1] = st[i]->pld_match_len;
-            mls[3 * i + 2] = st[i]->learned_match_len;
-        }
-        size_t m = b.size();
-        result = Py_BuildValue(
-            "(NNNNNNNNN)", bytes_of(status.data(), n * 4), bytes_of(counts.data(), n * 4),
-            bytes_of(b.tokens.data(), m * 4), bytes_of(b.parents.data(), m * 4),
-            bytes_of(b.probs.data(), m * 8), bytes_of(b.bits.data(), m),
-            bytes_of(mls.data(), 3 * n * 8), bytes_of(expected.data(), n * 8),
-            bytes_of(used.data(), n));
+        draft_batch(st, budget, status, threads, chain, scratch);
+        result = batch_result(st, status, scratch, false);
     }
     Py_DECREF(ss);
     Py_DECREF(as);
@@ -2676,13 +3009,13 @@ struct FlatView {
     }
 };
 
-// step_flat(sessions, accepted, counts, budgets, threads=1, chain=0) -> (status, counts,
-// tokens, parents, probs, bits, match_lens, expected, used, context_lens), all as bytes:
-// step_batch's step over flat arrays, for the service's packed steps (no Python object per
-// sequence's tokens). `accepted`: uint32 tokens of every session concatenated, counts[i]
-// (uint32) of them session i's; `budgets`: uint32 per session (0: the session's own) or
-// None. Token ids are not checked against a vocabulary here (the caller did). Probs come as
-// float32 (what the wire carries); context_lens as uint64, after the step.
+// step_flat(sessions, accepted, counts, budgets, threads=1, chain=0) -> step_batch's arrays
+// with probs as float32 (what the wire carries) and then each session's context length
+// (uint64, after the step), all as bytes: step_batch's step over flat arrays, for the
+// service's packed steps (no Python object per sequence's tokens). `accepted`: uint32
+// tokens of every session concatenated, counts[i] (uint32) of them session i's; `budgets`:
+// uint32 per session (0: the session's own) or None. Token ids are not checked against a
+// vocabulary here (the caller did).
 PyObject* step_flat(PyObject*, PyObject* args) {
     PyObject *sessions, *accepted, *counts_in, *budgets;
     int threads = 1;
@@ -2700,117 +3033,31 @@ PyObject* step_flat(PyObject*, PyObject* args) {
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; ok && i < n; ++i) total += cnt[i];
     ok = ok && av.get(accepted, 4, total, "accepted");
-    std::vector<SessionState*> st(n);
-    std::vector<int64_t> budget(n);
-    for (Py_ssize_t i = 0; i < n && ok; ++i) {
-        PyObject* o = PySequence_Fast_ITEMS(ss)[i];
-        if (!PyObject_TypeCheck(o, &SessionType)) {
-            PyErr_SetString(PyExc_TypeError, "sessions must be Session objects");
-            ok = false;
-            break;
-        }
-        st[i] = reinterpret_cast<SessionObject*>(o)->s;
-        uint32_t b = budgets == Py_None ? 0 : static_cast<const uint32_t*>(bv.view.buf)[i];
-        budget[i] = b ? static_cast<int64_t>(b) : st[i]->budget;
-    }
+    std::vector<SessionState*> st;
+    ok = ok && batch_sessions(ss, st);
+    PyObject* result = nullptr;
     if (ok) {
-        std::vector<SessionState*> sorted(st);
-        std::sort(sorted.begin(), sorted.end());
-        if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-            PyErr_SetString(PyExc_ValueError, "a session appears twice in one batch");
-            ok = false;
+        std::vector<int64_t> budget(n);
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            uint32_t b = budgets == Py_None ? 0 : static_cast<const uint32_t*>(bv.view.buf)[i];
+            budget[i] = b ? static_cast<int64_t>(b) : st[i]->budget;
         }
-    }
-    if (!ok) {
-        Py_DECREF(ss);
-        return nullptr;
-    }
-    // Ask each Reader once whether it was closed (sessions of one snapshot share it): that
-    // needs the GIL. The extends do not (the learned index has its own lock), so a big step
-    // (BIG_TOKENS or more) lets other Python threads run while it is indexed.
-    Scratch& scratch = step_scratch();
-    std::vector<int32_t> status(n, 0), closed(n, 0);
-    PyObject* last_store = nullptr;
-    int last_closed = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* store = st[i]->store;
-        if (store != nullptr && store != last_store) {
-            last_store = store;
-            last_closed = reader_closed(reinterpret_cast<StoreObject*>(store)->reader);
-        }
-        closed[i] = store != nullptr && last_closed;
-    }
-    const uint32_t* tok = static_cast<const uint32_t*>(av.view.buf);
-    PyThreadState* save = static_cast<size_t>(total) >= BIG_TOKENS ? PyEval_SaveThread() : nullptr;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        if (cnt[i]) {
+        // Extending only appends (learning and indexing wait for draft_batch, without the
+        // GIL): a long step costs a copy here.
+        Scratch& scratch = step_scratch();
+        const uint32_t* tok = static_cast<const uint32_t*>(av.view.buf);
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            if (cnt[i] == 0) continue;
             scratch.tokens_in.assign(tok, tok + cnt[i]);
             tok += cnt[i];
-            session_extend(st[i], scratch.tokens_in);
+            session_extend(st[i], scratch.tokens_in, true);
         }
-    }
-    if (save != nullptr) PyEval_RestoreThread(save);
-    std::vector<double> expected(n, 0.0);
-    std::vector<uint8_t> used(n, 0);
-    auto draft = [&](Py_ssize_t i, Scratch& sc) {
-        SessionState* s = st[i];
-        status[i] = session_propose(s, budget[i], sc, closed[i]);
-        if (status[i]) {
-            s->out.clear();
-            s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
-        } else if (chain > 0) {
-            best_chain(s->out, chain, sc);
-        }
-        expected[i] = expected_accepted(s->out, sc);
-        for (uint8_t bit : s->out.bits) used[i] |= bit;
-    };
-    int nt = static_cast<int>(std::max<Py_ssize_t>(1, std::min<Py_ssize_t>(threads, n)));
-    Py_BEGIN_ALLOW_THREADS
-    if (nt == 1) {
-        for (Py_ssize_t i = 0; i < n; ++i) draft(i, scratch);
-    } else {
-        // Threads of its own (step_batch's serve one batch at a time under step_batch's lock),
-        // serving one flat step at a time.
-        static Workers* flat_workers = new Workers();  // never destroyed, as workers()
-        static std::mutex one_flat_batch_at_a_time;
-        std::lock_guard<std::mutex> lock(one_flat_batch_at_a_time);
-        flat_workers->run(nt, [&](int t) {
-            Scratch& sc = step_scratch();
-            for (Py_ssize_t i = t; i < n; i += nt) draft(i, sc);
-        });
-    }
-    Py_END_ALLOW_THREADS
-    std::vector<int32_t> counts(n, 0);
-    std::vector<int64_t> mls(3 * n, 0);
-    std::vector<uint64_t> lens(n, 0);
-    size_t m = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) m += st[i]->out.size();
-    std::vector<uint32_t> tokens(m);
-    std::vector<int32_t> parents(m);
-    std::vector<float> probs(m);
-    std::vector<uint8_t> bits(m);
-    size_t at = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        const Tree& t = st[i]->out;
-        size_t k = t.size();
-        counts[i] = static_cast<int32_t>(k);
-        std::copy(t.tokens.begin(), t.tokens.end(), tokens.begin() + at);
-        std::copy(t.parents.begin(), t.parents.end(), parents.begin() + at);
-        for (size_t j = 0; j < k; ++j) probs[at + j] = static_cast<float>(t.probs[j]);
-        std::copy(t.bits.begin(), t.bits.end(), bits.begin() + at);
-        at += k;
-        mls[3 * i] = st[i]->rest_match_len;
-        mls[3 * i + 1] = st[i]->pld_match_len;
-        mls[3 * i + 2] = st[i]->learned_match_len;
-        lens[i] = st[i]->context.size();
+        std::vector<int32_t> status(n, 0);
+        draft_batch(st, budget, status, threads, chain, scratch);
+        result = batch_result(st, status, scratch, true);
     }
     Py_DECREF(ss);
-    return Py_BuildValue("(NNNNNNNNNN)", bytes_of(status.data(), n * 4),
-                         bytes_of(counts.data(), n * 4), bytes_of(tokens.data(), m * 4),
-                         bytes_of(parents.data(), m * 4), bytes_of(probs.data(), m * 4),
-                         bytes_of(bits.data(), m), bytes_of(mls.data(), 3 * n * 8),
-                         bytes_of(expected.data(), n * 8), bytes_of(used.data(), n),
-                         bytes_of(lens.data(), n * 8));
+    return result;
 }
 
 // set_labels([label of bits 0..7]): the source strings trees carry as lists
@@ -2901,6 +3148,14 @@ bool ready(PyTypeObject& t, const char* name, size_t size, newfunc tp_new, initp
 }  // namespace
 
 PyMODINIT_FUNC PyInit__core(void) {
+    static bool fork_handler = false;  // once per process, however often the module loads
+    if (!fork_handler) {
+        if (pthread_atfork(nullptr, nullptr, fresh_workers_after_fork) != 0) {
+            PyErr_SetString(PyExc_RuntimeError, "cannot register the fork handler");
+            return nullptr;
+        }
+        fork_handler = true;
+    }
     StoreType.tp_weaklistoffset = offsetof(StoreObject, weakrefs);
     if (!ready(StoreType, "redraft.datastore.drafting.native._core.Store", sizeof(StoreObject),
                Store_new, reinterpret_cast<initproc>(Store_init),

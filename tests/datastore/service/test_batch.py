@@ -538,9 +538,8 @@ def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
             same_tree(r.tree(0), s.step(big))
 
 
-def test_long_prompts_open_on_a_thread_and_draft_what_a_session_drafts(store, servers):
-    """Opens of prompts past what the server indexes on its event loop (16,384 tokens) are
-    indexed on a thread: beside short opens and steps of the same call they draft the
+def test_long_prompts_draft_what_a_session_drafts(store, servers):
+    """Opens of long prompts, beside short opens and steps of the same call, draft the
     Session's trees, and a bad long prompt fails alone with its open's status."""
     srv = servers.start(store, "--port", "0", "--max-context", "40000")
     rng = random.Random(50)

@@ -107,8 +107,6 @@ def test_threads_work_in_a_forked_child(narrow_store, same):
     """A server forks its workers: a child has none of its parent's drafting threads and
     must start its own (not wait for the parent's)."""
     import os
-    import signal
-    import time
 
     s = DraftSettings(sources=ALL)
     with Reader(narrow_store.path) as reader:
@@ -124,17 +122,66 @@ def test_threads_work_in_a_forked_child(narrow_store, same):
                                 for i, r in enumerate(refs)) else 2
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + 60
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError("the forked child's batched step hung")
-            time.sleep(0.05)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert_child_succeeds(pid)
+
+
+def assert_child_succeeds(pid: int) -> None:
+    """Waits (a minute at most) for a forked child, which must exit 0 (not hang)."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child's batched step hung")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_a_child_forked_during_a_batch_drafts_on_threads(narrow_store):
+    """A fork while another thread runs a batch on threads: the child inherits the batch's
+    lock held and the threads' state mid-step, and must start afresh (not wait forever)."""
+    import os
+    import threading
+    import warnings
+
+    s = DraftSettings(sources=ALL)
+    docs = narrow_store.docs
+    with Reader(narrow_store.path) as reader:
+        busy = [NativeSessionDrafter(d[:12], s, reader) for d in docs[:16]]
+        natives = [NativeSessionDrafter(d[:12], s, reader) for d in docs[16:24]]
+        refs = [SessionDrafter(d[:12], s, reader) for d in docs[16:24]]
+        stop = threading.Event()
+
+        def batches() -> None:
+            while not stop.is_set():
+                step_batch(busy, [None] * 16, threads=2)
+
+        worker = threading.Thread(target=batches)
+        worker.start()
+        try:
+            for _ in range(5):
+                with warnings.catch_warnings():  # forking a threaded process is the point
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    pid = os.fork()
+                if pid == 0:  # the child: exit 0 only if the batch completes and matches
+                    code = 1
+                    try:
+                        out = step_batch(natives, [None] * 8, threads=2)
+                        code = 0 if all(out.tree(i).tokens == r.propose().tokens
+                                        for i, r in enumerate(refs)) else 2
+                    finally:
+                        os._exit(code)
+                assert_child_succeeds(pid)
+        finally:
+            stop.set()
+            worker.join()
 
 
 @pytest.mark.parametrize("chain", [1, 3, 16])
