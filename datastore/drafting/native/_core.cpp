@@ -2859,7 +2859,7 @@ PyObject* step_batch(PyObject*, PyObject* args) {
             if (err == 0 && (err = propose_own(st[i], budget[i], sc, closed[i])) != 0)
                 status[i] = err;
         };
-        auto draft_rest = [&](Py_ssize_t i, Scratch& sc) {
+        auto draft_finish = [&](Py_ssize_t i, Scratch& sc) {
             SessionState* s = st[i];
             if (status[i]) {
                 s->out.clear();
@@ -2880,7 +2880,7 @@ PyObject* step_batch(PyObject*, PyObject* args) {
             for (Py_ssize_t i = 0; i < n; ++i) learn_unlearned(st[i]);
             for (Py_ssize_t i = 0; i < n; ++i) {
                 draft_own(i, scratch);
-                draft_rest(i, scratch);
+                draft_finish(i, scratch);
             }
         } else {
             std::lock_guard<std::mutex> lock(*g_batch_lock);
@@ -2902,13 +2902,13 @@ PyObject* step_batch(PyObject*, PyObject* args) {
                 for (Py_ssize_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
                     draft_own(i, sc);
                     if (learned.load(std::memory_order_acquire))
-                        draft_rest(i, sc);
+                        draft_finish(i, sc);
                     else
                         later.push_back(i);
                 }
                 while (!later.empty() && !learned.load(std::memory_order_acquire))
                     std::this_thread::yield();
-                for (Py_ssize_t i : later) draft_rest(i, sc);
+                for (Py_ssize_t i : later) draft_finish(i, sc);
             });
         }
         Py_END_ALLOW_THREADS
