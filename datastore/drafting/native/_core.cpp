@@ -250,7 +250,7 @@ struct Scratch {
     Array<uint8_t> m_bits;
     // retrieval
     std::vector<uint8_t> key;
-    Array<uint32_t> W;
+    Array<uint32_t> W, seps;  // sampled columns (D rows each), separators in each
     std::vector<int64_t> wt;
     std::vector<int32_t> cols, lcp, vlen, pd, tparent, sel, sdepth, scol, anchor, chain_out;
     std::vector<int64_t> mass, cur;
@@ -1575,23 +1575,33 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         __builtin_prefetch(sh.tokens + std::min(at, sh.length - 1) * w);
         __builtin_prefetch(sh.tokens + std::min(at + D - 1, sh.length - 1) * w);
     }
+    // While a column is read, its separators are counted (most columns hold none, and are
+    // then all valid rows: see vlen below).
+    const uint32_t sep = st.sep;
     auto& W = s.W;
     W.resize(static_cast<size_t>(D * k));
+    auto& seps = s.seps;
+    seps.resize(k);
     for (int64_t c = 0; c < k; ++c) {
         bool first = c < k1;
         const Shard& sh = st.shards[first ? sh1[c] : sh2[c - k1]];
         int64_t at = (first ? L : L2) + (first ? pos1[c] : pos2[c - k1]);
         uint32_t* col = W.data() + c * D;
         int64_t last = sh.length - 1;
-        if (at + D - 1 <= last) {
+        uint32_t n_sep = 0;
+        if (at + D - 1 <= last && w == 2) {
             const uint8_t* b = sh.tokens + at * w;
-            if (w == 2)
-                for (int64_t d = 0; d < D; ++d) col[d] = (uint32_t(b[2 * d]) << 8) | b[2 * d + 1];
-            else
-                for (int64_t d = 0; d < D; ++d) col[d] = st.token(sh, at + d);
+            for (int64_t d = 0; d < D; ++d) {
+                col[d] = (uint32_t(b[2 * d]) << 8) | b[2 * d + 1];
+                n_sep += col[d] == sep;
+            }
         } else {
-            for (int64_t d = 0; d < D; ++d) col[d] = st.token(sh, std::min(at + d, last));
+            for (int64_t d = 0; d < D; ++d) {
+                col[d] = st.token(sh, std::min(at + d, last));
+                n_sep += col[d] == sep;
+            }
         }
+        seps[c] = n_sep;
     }
     // Column order and weights: one SA range sampled in order is already sorted (unit
     // weights); otherwise columns sorted as np.lexsort(W[::-1]) sorts them, weighted.
@@ -1632,7 +1642,6 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     // through it. The nodes column c opens below pd[c] = max(lcp[c], lcp[c + 1]) are
     // shared with a neighbour (built here: there are few); those from pd[c] on are c's
     // alone, a chain of mass wt[c] (enumerated only as far as the budget reaches).
-    const uint32_t sep = st.sep;
     auto& lcp = s.lcp;
     auto& vlen = s.vlen;
     auto& pd = s.pd;
@@ -1641,11 +1650,8 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     pd.resize(k);
     for (int64_t c = 0; c < k; ++c) {
         const uint32_t* col = W.data() + static_cast<int64_t>(cols[c]) * D;
-        // Most columns hold no separator: a branch-free test of the whole column first.
-        uint32_t seps = 0;
-        for (int64_t d = 0; d < D; ++d) seps += col[d] == sep;
         int32_t v = static_cast<int32_t>(D);
-        if (seps)
+        if (seps[cols[c]])
             for (v = 0; col[v] != sep;) ++v;
         vlen[c] = v;
         if (c > 0) {
@@ -2821,7 +2827,7 @@ void draft_batch(const std::vector<SessionState*>& st, const std::vector<int64_t
         if (err == 0 && (err = propose_own(st[i], budget[i], sc, closed[i])) != 0)
             status[i] = err;
     };
-    auto draft_rest = [&](Py_ssize_t i, Scratch& sc) {
+    auto draft_finish = [&](Py_ssize_t i, Scratch& sc) {
         SessionState* s = st[i];
         if (status[i]) {
             s->out.clear();
@@ -2842,7 +2848,7 @@ void draft_batch(const std::vector<SessionState*>& st, const std::vector<int64_t
         for (Py_ssize_t i = 0; i < n; ++i) learn_unlearned(st[i]);
         for (Py_ssize_t i = 0; i < n; ++i) {
             draft_own(i, scratch);
-            draft_rest(i, scratch);
+            draft_finish(i, scratch);
         }
     } else {
         std::lock_guard<std::mutex> lock(*g_batch_lock);
@@ -2864,13 +2870,13 @@ void draft_batch(const std::vector<SessionState*>& st, const std::vector<int64_t
             for (Py_ssize_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
                 draft_own(i, sc);
                 if (learned.load(std::memory_order_acquire))
-                    draft_rest(i, sc);
+                    draft_finish(i, sc);
                 else
                     later.push_back(i);
             }
             while (!later.empty() && !learned.load(std::memory_order_acquire))
                 std::this_thread::yield();
-            for (Py_ssize_t i : later) draft_rest(i, sc);
+            for (Py_ssize_t i : later) draft_finish(i, sc);
         });
     }
     Py_END_ALLOW_THREADS
