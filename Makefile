@@ -41,9 +41,9 @@ proto: install
 # The standard-library code datastore: every .py file of the running Python's stdlib
 # (third-party site-packages left out; the few test files that are not UTF-8 skipped).
 STDLIB_DS := data/stdlib
-stdlib-datastore: $(STDLIB_DS)/datastore.lmdb
+stdlib-datastore: $(STDLIB_DS)/manifest.json
 
-$(STDLIB_DS)/datastore.lmdb: | $(STAMP)
+$(STDLIB_DS)/manifest.json: | $(STAMP)
 	STDLIB="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" && \
 	$(VENV)/bin/redraft index --tokenizer smollm2-135m --out $(STDLIB_DS) --corpus stdlib \
 		--exclude '*/site-packages/*' --exclude '*/dist-packages/*' --skip-bad \
@@ -53,7 +53,7 @@ $(STDLIB_DS)/datastore.lmdb: | $(STAMP)
 # prompts with the default model (PLD + retrieval from the service), print each answer and
 # the measured speed-up over plain decoding, and stop the service whatever happens.
 DEMO_PORT ?= 50151
-demo: install $(STDLIB_DS)/datastore.lmdb
+demo: install $(STDLIB_DS)/manifest.json
 	@set -e; \
 	$(VENV)/bin/redraft serve --datastore $(STDLIB_DS) --port $(DEMO_PORT) \
 		--learn-persist-seconds 0 & SERVE=$$!; \
@@ -72,9 +72,9 @@ demo: install $(STDLIB_DS)/datastore.lmdb
 # prompts: tools/corpora/, made by tools/make_selfdistill_corpus.py).
 DEFAULT_DS := data/default
 CHAT_CORPORA := $(wildcard tools/corpora/*.jsonl)
-default-datastore: $(DEFAULT_DS)/datastore.lmdb
+default-datastore: $(DEFAULT_DS)/manifest.json
 
-$(DEFAULT_DS)/datastore.lmdb: $(CHAT_CORPORA) | $(STAMP)
+$(DEFAULT_DS)/manifest.json: $(CHAT_CORPORA) | $(STAMP)
 	STDLIB="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" && \
 	$(VENV)/bin/redraft index --tokenizer smollm2-135m --out $(DEFAULT_DS) --corpus code \
 		--exclude '*/site-packages/*' --exclude '*/dist-packages/*' --skip-bad --quiet \
@@ -91,13 +91,13 @@ heads: install
 
 # Spec-Bench side by side with Hugging Face (about an hour on 2 CPU cores).
 SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl
-bench: install $(DEFAULT_DS)/datastore.lmdb
+bench: install $(DEFAULT_DS)/manifest.json
 	$(VENV)/bin/redraft bench --questions $(SPEC_BENCH) --datastore $(DEFAULT_DS) \
 		--per-category 10 --max-new-tokens 128 --threads 1 --out bench-out/spec_bench
 
 # Repeated sampling (best-of-N): Spec-Bench's math and coding questions, each answered 8 times
 # at temperature 0.8, the default drafters with and without learned drafts, interleaved.
-bench-samples: install $(DEFAULT_DS)/datastore.lmdb
+bench-samples: install $(DEFAULT_DS)/manifest.json
 	$(VENV)/bin/redraft bench --questions $(SPEC_BENCH) --datastore $(DEFAULT_DS) \
 		--samples 8 --temperature 0.8 --per-category 10 --max-new-tokens 128 --threads 1 \
 		--out bench-out/samples
