@@ -38,7 +38,7 @@ import numpy as np
 from redraft.datastore.drafting import BatchStep, step_flat
 from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
-from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.config import THREADS_MIN_SEQUENCES, ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2
@@ -294,7 +294,7 @@ class BatchDrafting:
         drafters = [seq.drafter for seq in seqs]
         for d in drafters:
             d.use_reader(reader)  # the newest snapshot, between two steps
-        threads = self.config.batch_threads
+        threads = self.config.batch_threads if len(seqs) >= THREADS_MIN_SEQUENCES else 1
         new = len(tokens) + sum(x.seq.length for x in drafting if x.accepted is None)  # opens
         big = len(seqs) >= self.config.batch_offload_min or new > OFFLOAD_TOKENS
         if not big or not all(d.__class__ is NativeSessionDrafter for d in drafters):

@@ -63,6 +63,10 @@ class ServiceConfig:
 
 
 MAX_AUTO_BATCH_THREADS = 8  # more threads than this gain little on an engine's batch
+# A call of fewer sequences drafts on one thread (about 0.4 ms of drafting): waking another
+# costs about what it would save, and lengthened the tail (8 sequences on two threads: p99
+# 1.2 -> 3.5-5 ms on the 2-core development machine).
+THREADS_MIN_SEQUENCES = 32
 
 
 def auto_batch_threads(workers: int = 1) -> int:

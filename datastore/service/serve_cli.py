@@ -34,6 +34,7 @@ from redraft.datastore.service.config import (
     DRAFTING_CHOICES,
     LEARN_MODES,
     MAX_AUTO_BATCH_THREADS,
+    THREADS_MIN_SEQUENCES,
     ServiceConfig,
     auto_batch_threads,
 )
@@ -123,7 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="threads drafting one batched call's sequences, without the GIL "
                    "(default: the cores this process may use divided by --workers, at least 1, "
                    f"at most {MAX_AUTO_BATCH_THREADS}; here {auto_batch_threads()} with one "
-                   "worker)")
+                   f"worker); calls of fewer than {THREADS_MIN_SEQUENCES} sequences draft on one "
+                   "thread")
     p.add_argument("--batch-offload", type=int, default=d.batch_offload_min, metavar="N",
                    help="a batched call of at least N sequences drafts on a thread, so the "
                    f"server answers other calls meanwhile (default {d.batch_offload_min})")
