@@ -106,31 +106,34 @@ def test_a_failing_sequence_fails_alone(narrow_store, same):
 def test_threads_work_in_a_forked_child(narrow_store, same):
     """A server forks its workers: a child has none of its parent's drafting threads and
     must start its own (not wait for the parent's)."""
-    import os
-
     s = DraftSettings(sources=ALL)
     with Reader(narrow_store.path) as reader:
         natives = [NativeSessionDrafter(d[:12], s, reader) for d in narrow_store.docs[:8]]
         step_batch(natives, [[1]] * 8, threads=3)  # the parent's threads exist now
-        pid = os.fork()
-        if pid == 0:  # the child: exit 0 only if the batch completes and matches
-            code = 1
-            try:
-                refs = [SessionDrafter(d[:12] + [1], s, reader) for d in narrow_store.docs[:8]]
-                out = step_batch(natives, [None] * 8, threads=3)
-                code = 0 if all(out.tree(i).tokens == r.propose().tokens
-                                for i, r in enumerate(refs)) else 2
-            finally:
-                os._exit(code)
-        assert_child_succeeds(pid)
+        refs = [SessionDrafter(d[:12] + [1], s, reader) for d in narrow_store.docs[:8]]
+        step_in_a_child(natives, refs, threads=3)
 
 
-def assert_child_succeeds(pid: int) -> None:
-    """Waits (a minute at most) for a forked child, which must exit 0 (not hang)."""
+def step_in_a_child(natives: list, refs: list, threads: int) -> None:
+    """Forks a child that steps `natives` on `threads` threads and exits 0 only if the batch
+    completes and drafts the references' trees; waits (a minute at most) for it, which must
+    exit 0 (not hang)."""
     import os
     import signal
     import time
+    import warnings
 
+    with warnings.catch_warnings():  # forking a threaded process is the point
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            out = step_batch(natives, [None] * len(natives), threads=threads)
+            code = 0 if all(out.tree(i).tokens == r.propose().tokens
+                            for i, r in enumerate(refs)) else 2
+        finally:
+            os._exit(code)
     deadline = time.monotonic() + 60
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -147,9 +150,7 @@ def assert_child_succeeds(pid: int) -> None:
 def test_a_child_forked_during_a_batch_drafts_on_threads(narrow_store):
     """A fork while another thread runs a batch on threads: the child inherits the batch's
     lock held and the threads' state mid-step, and must start afresh (not wait forever)."""
-    import os
     import threading
-    import warnings
 
     s = DraftSettings(sources=ALL)
     docs = narrow_store.docs
@@ -167,18 +168,7 @@ def test_a_child_forked_during_a_batch_drafts_on_threads(narrow_store):
         worker.start()
         try:
             for _ in range(5):
-                with warnings.catch_warnings():  # forking a threaded process is the point
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    pid = os.fork()
-                if pid == 0:  # the child: exit 0 only if the batch completes and matches
-                    code = 1
-                    try:
-                        out = step_batch(natives, [None] * 8, threads=2)
-                        code = 0 if all(out.tree(i).tokens == r.propose().tokens
-                                        for i, r in enumerate(refs)) else 2
-                    finally:
-                        os._exit(code)
-                assert_child_succeeds(pid)
+                step_in_a_child(natives, refs, threads=2)
         finally:
             stop.set()
             worker.join()
