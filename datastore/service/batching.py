@@ -448,17 +448,17 @@ class _PackedSteps:
         if budgets is not None and len(budgets) and int(budgets.max()) > max_budget:
             for i in np.flatnonzero(budgets > max_budget).tolist():
                 if i not in errors:
-                    errors[i] = bad(f"step.budget {int(budgets[i])} exceeds the server's "
-                                    f"max_budget {max_budget}")
-                    ended.append(i)
+                    try:
+                        checks.check_budget(int(budgets[i]), "step.budget")  # raises
+                    except Refusal as exc:
+                        errors[i] = exc
+                        ended.append(i)
         max_context = batching.config.max_context_len
         reach = np.array(lens, np.int64) + counts
         if n and int(reach.max()) > max_context:
             for i in np.flatnonzero(reach > max_context).tolist():
                 if i not in errors:
-                    errors[i] = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"sequence context would reach {int(reach[i])} tokens, "
-                                        f"over max_context_len {max_context}")
+                    errors[i] = _over_context(int(reach[i]), max_context)
                     ended.append(i)
         for i in ended:
             batching.table.end(seqs[i])
@@ -509,6 +509,12 @@ class _PackedSteps:
         return len(errors)
 
 
+def _over_context(n: int, max_context: int) -> Refusal:
+    """What a step gets that would take its sequence's context past max_context_len."""
+    return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"sequence context would reach {n} "
+                   f"tokens, over max_context_len {max_context}")
+
+
 def _scattered(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     """`values` (one per row of `rows`) at those rows of n zeros."""
     out = np.zeros((n, *values.shape[1:]), values.dtype)
@@ -542,9 +548,7 @@ class _StepChecks:
             self.checks.check_budget(budget, "step.budget")  # raises
         n = len(seq.drafter) + len(accepted)
         if n > self.max_context:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"sequence context would reach {n} tokens, over max_context_len "
-                          f"{self.max_context}")
+            raise _over_context(n, self.max_context)
         entry.accepted = accepted
         entry.budget = budget or None
         entry.drafts = True
