@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import accumulate
 from typing import Protocol
 
 from redraft.datastore.drafting.prompt_lookup import continuation_tree
@@ -122,24 +123,10 @@ class JournaledOutput:
     def record_flat(journaled: Sequence[JournaledOutput | None], tokens: list[int],
                     counts: list[int]) -> None:
         """record_all() with the tokens concatenated: outputs[i] (None: not journaled) got
-        the next counts[i] of `tokens`. One pass, no pair per output made on the way (a
-        batched step's packed tokens)."""
-        pairs: list = []
-        journal = None  # the one journal of the outputs already begun (a server has one)
-        end = 0
-        for j, c in zip(journaled, counts):
-            end += c
-            if j is None or not c:
-                continue
-            output = j.output
-            if output is not None and (j.journal is journal or (
-                    journal is None and hasattr(j.journal, "append_all"))):
-                journal = j.journal
-                pairs.append((output, tokens[end - c:end]))
-            else:
-                j.record(tokens[end - c:end])
-        if pairs:
-            journal.append_all(pairs)
+        the next counts[i] of `tokens` (a batched step's packed tokens)."""
+        JournaledOutput.record_all(
+            (j, tokens[end - c:end]) for j, c, end in zip(journaled, counts, accumulate(counts))
+            if j is not None and c)
 
     def end(self) -> None:
         output, self.output = self.output, None
