@@ -26,7 +26,9 @@ SIGNATURE = 16  # leading tokens a sequence is looked up by
 
 @dataclass
 class _Known:
-    context: np.ndarray  # the row's tokens when last seen (a copy)
+    context: bytes  # the row's tokens when last seen, as bytes of `dtype`: compared at
+    dtype: np.dtype  # memcmp speed (an engine step compares every row's whole context)
+    n: int  # how many tokens
     signature: bytes  # its first tokens (up to SIGNATURE) when first seen
     signature_len: int
     missing: int = 0  # steps since a row last continued it
@@ -88,11 +90,15 @@ class RowIdentity:
     # ---- internals ---------------------------------------------------------------------
     def _continues(self, key: int, row: np.ndarray, grown: Sequence[int] | None,
                    i: int) -> bool:
-        ctx = self._known[key].context
-        n = len(ctx)
+        known = self._known[key]
+        n = known.n
         if grown is not None and len(row) != n + grown[i]:
             return False
-        return len(row) >= n and np.array_equal(row[:n], ctx)
+        if len(row) < n:
+            return False
+        if row.dtype == known.dtype:
+            return row[:n].tobytes() == known.context
+        return np.array_equal(row[:n], np.frombuffer(known.context, known.dtype))
 
     def _find(self, row: np.ndarray, grown: Sequence[int] | None, i: int,
               taken: set[int]) -> int:
@@ -109,12 +115,12 @@ class RowIdentity:
     def _remember(self, key: int, row: np.ndarray) -> None:
         known = self._known.get(key)
         if known is not None:
-            known.context = np.array(row, copy=True)
+            known.context, known.dtype, known.n = row.tobytes(), row.dtype, len(row)
             known.missing = 0
             return
         length = min(SIGNATURE, len(row))
         signature = _signature(row, length)
-        self._known[key] = _Known(np.array(row, copy=True), signature, length)
+        self._known[key] = _Known(row.tobytes(), row.dtype, len(row), signature, length)
         self._by_signature.setdefault(signature, set()).add(key)
         self._lengths[length] = self._lengths.get(length, 0) + 1
 

@@ -87,28 +87,28 @@ class RedraftProposer:
 
     def _propose(self, sampled: Sequence[Sequence[int]], lengths: np.ndarray,
                  token_ids: np.ndarray, n_rows: int) -> list[list[int]]:
-        ns = [int(n) for n in lengths[:n_rows]]
-        rows = [token_ids[i, :ns[i]] for i in range(n_rows)]
+        ns = np.asarray(lengths[:n_rows]).tolist()
+        rows = [token_ids[i, :n] for i, n in enumerate(ns)]
         keys, ended = self.rows.assign(rows, [len(s) for s in sampled])
         self.keys = keys
-        room = [self._room(n) for n in ns]
-        wanted = {keys[i]: rows[i] for i in range(n_rows) if len(sampled[i]) and room[i] > 0}
-        drafts = self.drafts.step(wanted, ended)
+        # drafts a row may take: k, fewer near max_model_len
+        limit = self.max_model_len
+        room = [self.k] * n_rows if limit is None else [max(0, min(self.k, limit - n))
+                                                          for n in ns]
+        wanted = {keys[i]: rows[i] for i in range(n_rows) if room[i] and len(sampled[i])}
+        chains = self.drafts.step_chains(wanted, ended)
         out: list[list[int]] = []
-        for i in range(n_rows):
-            tree = drafts.get(keys[i]) if keys[i] in wanted else None
-            chain = [int(t) for t in tree.tokens[:room[i]]] if tree is not None else []
+        drafted_rows = drafted_tokens = 0
+        for key, r in zip(keys, room):
+            chain = chains.get(key) if key in wanted else None
             if chain:
-                self.stats["drafted_rows"] += 1
-                self.stats["drafted_tokens"] += len(chain)
-            out.append(chain)
+                chain = chain[:r]
+                drafted_rows += 1
+                drafted_tokens += len(chain)
+            out.append(chain or [])
+        self.stats["drafted_rows"] += drafted_rows
+        self.stats["drafted_tokens"] += drafted_tokens
         return out
-
-    def _room(self, n: int) -> int:
-        """Drafts row of length n may take: k, fewer near max_model_len."""
-        if self.max_model_len is None:
-            return self.k
-        return max(0, min(self.k, self.max_model_len - n))
 
     def close(self) -> None:
         """End every sequence on the service (their outputs become final)."""
