@@ -3,11 +3,16 @@
 - `handlers`: the Drafter servicer, each RPC from the wire to drafting and back;
 - `validation`, `refusals`: what a request may ask for, and how a bad one is refused;
 - `sessions`: streaming sessions within their limit, the idle sweeper;
-- `learning`: the learned outputs all sessions share, reloaded and persisted;
-- `verification`: the datastore's checksums, checked in the background;
+- `batching`: the batched RPC, an engine's sequences held between calls;
+- `tenants`: the keys learned outputs are kept, logged and persisted under;
+- `learning`: the learned outputs all sessions share; `sharing`: with the other processes
+  serving the datastore; `persisting`: into the datastore, exactly once;
+- `reload`: following the datastore's new commits; `verification`: its checksums, in the
+  background;
 - `config`: the server's limits; `server`: its assembly (TLS, health, shutdown, threads);
-- `client`: what a decoder uses; `stats`: counters shared by worker processes;
-- `serve_cli`: `redraft serve`.
+  `stats`: counters shared by worker processes; `serve_cli`: `redraft serve`;
+- `client` (streaming sessions) and `batch_client` (an engine's batched calls): what a
+  decoder or an engine uses.
 
 Drafting itself lives outside this package, in `redraft.datastore.drafting`, so that the
 service and the decoder's in-process drafting run the same code.
