@@ -14,6 +14,7 @@ from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.persisting import PersistBusy, load_persisted, persist_outputs
 from redraft.datastore.service.sharing import LogFollower, OutputJournal
 from redraft.datastore.service.stats import ServiceStats
+from redraft.datastore.service.tenants import shareable
 from redraft.datastore.service.verification import BackgroundVerification
 from redraft.proto.errors import RedraftError
 
@@ -52,12 +53,20 @@ class LearnedOutputs:
                 log.warning("redraft serve: learned outputs stay in this process: %s", exc)
             else:
                 self.index.journal = self.journal
-                self.follower = LogFollower(str(self.path), self.index, self.journal.names)
+                self.follower = LogFollower(str(self.path), self.index, self.journal.names,
+                                            vocab_size=int(reader.vocab_size),
+                                            admit=self.admits)
         self._loaded = False
         self._tasks: list[asyncio.Future] = []
         self._in_flight: asyncio.Future | None = None  # a persist running on a thread
         self._loading: asyncio.Future | None = None
         self._syncing: asyncio.Future | None = None  # a sync running on a thread
+
+    def admits(self, key: str) -> bool:
+        """Whether an output of `key` (persisted, or logged by another process) may enter
+        the index: always per tenant, and with `--learn global` (one pool) only when no
+        session could draft it without presenting its token (`tenants.shareable`)."""
+        return self.config.learn != "global" or shareable(key, self.token_keys)
 
     def start(self) -> None:
         """Reload persisted outputs, share with the other processes, persist periodically;
@@ -98,8 +107,9 @@ class LearnedOutputs:
             log.error("redraft serve: could not reload learned outputs: %s", exc)
         else:
             self.follower.skip = snapshot.skip
-            for i in range(0, len(snapshot.documents), 64):
-                self.index.load(snapshot.documents[i:i + 64])
+            documents = [d for d in snapshot.documents if self.admits(d[0])]
+            for i in range(0, len(documents), 64):
+                self.index.load(documents[i:i + 64])
             self.publish()
         self._loaded = True
 
@@ -144,6 +154,9 @@ class LearnedOutputs:
         else:
             if done.outputs:
                 self.stats.add(learned_persisted=done.outputs)
+            for name, (n, first) in done.rejected.items():
+                log.error("redraft serve: learned-output log %s: %d output(s) quarantined, "
+                          "neither persisted nor drafted (%s)", name, n, first)
 
     async def finish(self) -> None:
         """After the server stopped (every session ended): write the last outputs, give up

@@ -23,7 +23,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redraft.datastore.build import learned_marks, persist_learned
 from redraft.datastore.drafting import LEARNED_CORPUS
@@ -35,6 +35,7 @@ from redraft.datastore.learned_log import (
     remove_stale_new_logs,
 )
 from redraft.datastore.reader import Reader
+from redraft.datastore.service.records import record_problem
 from redraft.datastore.service.tenants import persisted_key
 from redraft.proto.errors import DatastoreError
 
@@ -82,6 +83,9 @@ class Persisted:
     outputs: int = 0  # outputs persisted by this call
     tokens: int = 0
     removed_logs: int = 0
+    # outputs quarantined by this call, per log: (how many, why the first one was):
+    # marked as done without persisting them, so no persist reads them again
+    rejected: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 def log_marks(marks: dict) -> dict[str, Ranges]:
@@ -102,6 +106,9 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
         remove_stale_new_logs(datastore)
         committed = learned_marks(datastore)
         done = log_marks(committed)
+        with Reader(datastore) as now:  # the ids the commit will accept
+            vocab_size = now.vocab_size
+        result = Persisted()
         documents: list[tuple[str, list[int]]] = []
         marks: dict[str, list[list[int]]] = {}
         finished = []  # logs of gone owners, removable once all is persisted
@@ -115,15 +122,19 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
                 out = outputs[number]
                 if number in ranges or not (out.final or not live):
                     continue
-                if out.tokens:
+                problem = record_problem(out.tenant, out.tokens, vocab_size)
+                if problem is not None:
+                    n, first = result.rejected.get(path.name, (0, f"output {number}: "
+                                                                 f"{problem}"))
+                    result.rejected[path.name] = (n + 1, first)
+                elif out.tokens:
                     documents.append((out.tenant, out.tokens))
                 ranges.add(number)
             if ranges.starts:
                 marks[path.name] = ranges.to_json()
             if not live and all(n in ranges for n in outputs):
                 finished.append(path)
-        result = Persisted()
-        if documents:  # the commit: the documents and their marks, both or neither
+        if documents or result.rejected:  # the commit: documents and marks, both or neither
             persist_learned(datastore, documents, {MARKS_KEY: marks}, fingerprint=fingerprint,
                             wait_s=max(0.0, deadline - time.monotonic()), expect=committed)
             result.outputs = len(documents)

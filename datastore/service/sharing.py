@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from redraft.datastore.drafting import LearnedIndex
 from redraft.datastore.drafting.learned import LearnedWriter
 from redraft.datastore.learned_log import LogTail, OwnedLog, Record, list_logs
+from redraft.datastore.service.records import record_problem
 
 log = logging.getLogger("redraft.serve")
 ROTATE_BYTES = 4 << 20  # a log this long is retired; its open outputs end in it
@@ -154,18 +155,27 @@ class LogFollower:
     """Replays the other processes' logs into this process's learned index.
 
     `skip(name, number)`: whether output `number` of log `name` was persisted by the time
-    this process loaded the persisted outputs (so it is in the index already).
+    this process loaded the persisted outputs (so it is in the index already). `admit(key)`:
+    whether outputs of tenant key `key` may enter this process's index at all. An output
+    with a record `records.record_problem` refuses (ids past `vocab_size`, a tenant key no
+    session could have) is dropped from there on, with one line per log.
     """
 
     def __init__(self, datastore: str, index: LearnedIndex, own: set[str],
-                 skip: Callable[[str, int], bool] = lambda name, number: False) -> None:
+                 skip: Callable[[str, int], bool] = lambda name, number: False, *,
+                 vocab_size: int = 1 << 32,
+                 admit: Callable[[str], bool] = lambda key: True) -> None:
         self.datastore = datastore
         self.index = index
         self.own = own
         self.skip = skip
+        self.vocab_size = vocab_size
+        self.admit = admit
         self._tails: dict[str, LogTail] = {}
         self._writers: dict[tuple[str, int], LearnedWriter] = {}
+        self._dropped: set[tuple[str, int]] = set()  # outputs not replayed (any more)
         self._reported: set[str] = set()  # damaged logs already logged once
+        self._quarantined: set[str] = set()  # logs whose refused outputs were logged once
         self.replayed = 0  # records applied so far
 
     def counters(self) -> dict:
@@ -203,9 +213,15 @@ class LogFollower:
     def _apply(self, name: str, records: list[Record]) -> int:
         for r in records:
             key = (name, r.output)
+            if key in self._dropped:
+                continue
+            problem = record_problem(r.tenant, r.tokens, self.vocab_size)
+            if problem is not None:
+                self._drop(key, problem)
+                continue
             writer = self._writers.get(key)
             if writer is None:
-                if self.skip(name, r.output):
+                if self.skip(name, r.output) or not self.admit(r.tenant):
                     continue
                 writer = self._writers[key] = self.index.writer(r.tenant, (), journal=False)
             writer.extend(r.tokens)
@@ -214,9 +230,23 @@ class LogFollower:
                 del self._writers[key]
         return len(records)
 
+    def _drop(self, key: tuple[str, int], problem: str) -> None:
+        """Replay no more of an output (what it added before had sane ids and stays)."""
+        self._dropped.add(key)
+        writer = self._writers.pop(key, None)
+        if writer is not None:
+            writer.close()
+        if key[0] not in self._quarantined:
+            self._quarantined.add(key[0])
+            log.error("redraft serve: learned-output log %s: output %d is not drafted (%s); "
+                      "such outputs of it are skipped", self._tails[key[0]].path, key[1],
+                      problem)
+
     def _forget(self, name: str) -> None:
         self._tails.pop(name).close()
         self._reported.discard(name)
+        self._quarantined.discard(name)
+        self._dropped = {k for k in self._dropped if k[0] != name}
         for key in [k for k in self._writers if k[0] == name]:
             self._writers.pop(key).close()
 
