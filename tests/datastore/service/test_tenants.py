@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from redraft.datastore import Reader, append_corpus, build_datastore
@@ -126,3 +127,39 @@ def test_thousands_of_tenants_keep_memory_bounded(tmp_path, servers):
     assert st["sessions_opened"] == 5000 and st["learned_tokens"] <= 1000
     assert st["learned_pools"] == st["learned_docs"] <= 1000 // 26 + 1  # 16 + 10 tokens each
     assert serve.stop() == 0
+
+
+def test_learn_global_shares_a_token_s_outputs_with_no_one_without_it_after_a_restart_or_on_a_replica(  # noqa: E501
+        tmp_path, servers, until):
+    store = make_store(tmp_path)
+    token_file = tmp_path / "tokens"
+    token_file.write_text(TOKEN + "\n")
+    common = ("--port", "0", "--learn", "global")
+    authed = (*common, "--token-file", str(token_file))
+    a = servers.start(store, *authed, "--learn-persist-seconds", "600")
+    replica = servers.start(store, *common)  # no auth, the same datastore and logs
+    with DraftClient(a.address, token=TOKEN) as c:
+        with c.session(PROMPT, DraftParams(budget=4), FP) as s:
+            s.step(SECRETS[0])
+        assert drafted(c, SECRETS[0], "")[:4] == SECRETS[0][8:12]
+    with DraftClient(replica.address) as c:
+        until(lambda: c.stats()["learned_records_replayed"] > 0)  # it read the log
+        with c.session(PROMPT, DraftParams(budget=4), FP) as s:  # its own: shared
+            s.step(SECRETS[1])
+        time.sleep(0.6)  # syncs enough for anything replayed to be in the index
+        for tenant in ("", "x", token_key(TOKEN)):
+            assert drafted(c, SECRETS[0], tenant) == [], tenant
+            assert drafted(c, SECRETS[1], tenant)[:4] == SECRETS[1][8:12]
+    assert a.stop() == 0 and replica.stop() == 0  # both persisted
+    with Reader(store) as r:
+        assert sorted(name for _, name, _ in r.documents("learned")) == [token_key(TOKEN), "t:"]
+    b = servers.start(store, *common)  # restarted without auth
+    with DraftClient(b.address) as c:
+        until(lambda: drafted(c, SECRETS[1], "")[:4] == SECRETS[1][8:12])  # loaded
+        for tenant in ("", "x", f"token-{LEGACY_HEX}", token_key(TOKEN)):
+            assert drafted(c, SECRETS[0], tenant) == [], tenant
+    assert b.stop() == 0
+    c2 = servers.start(store, *authed)  # the token's holder shares it again
+    with DraftClient(c2.address, token=TOKEN) as c:
+        until(lambda: drafted(c, SECRETS[0], "")[:4] == SECRETS[0][8:12])
+    assert c2.stop() == 0
