@@ -120,7 +120,8 @@ class LearnedOutputs:
             self._syncing = asyncio.ensure_future(run_in_thread(self._sync))
             try:
                 await asyncio.shield(self._syncing)
-            except OSError as exc:  # the next sync tries again
+            except (OSError, RedraftError) as exc:  # e.g. a full disk: the next sync
+                # writes what this one could not (the journal keeps it)
                 log.error("redraft serve: could not share learned outputs: %s", exc)
 
     def _sync(self) -> None:
@@ -167,7 +168,10 @@ class LearnedOutputs:
             task.cancel()
         pending = [f for f in (self._loading, self._syncing, self._in_flight) if f is not None]
         await asyncio.gather(*pending, return_exceptions=True)
-        await run_in_thread(self.journal.close)
+        try:
+            await run_in_thread(self.journal.close)
+        except OSError as exc:  # what is in the logs is still persisted below
+            log.error("redraft serve: could not write the last learned outputs: %s", exc)
         self.follower.close()
         if self.config.learn_persist_s > 0:
             await self._persist(set())

@@ -103,22 +103,44 @@ class OutputJournal:
 
     # ---- the sync's side --------------------------------------------------------------
     def flush(self) -> None:
-        """Write what sessions added since the last flush, one write per log."""
+        """Write what sessions added since the last flush, one write per log. A write that
+        fails (a full disk) raises once every log was tried; what it carried goes back to
+        the outputs, ahead of what they gained since, for the next flush."""
         with self._write_lock:
             with self._lock:
                 dirty, self._dirty = self._dirty, []
-                batches: dict[int, tuple[_Log, list[Record]]] = {}
+                batches: dict[int, tuple[_Log, list[_Output], list[Record]]] = {}
                 for out in dirty:
                     out.dirty = False
                     rec = Record(out.number, out.tenant, out.pending, out.final)
                     out.pending = []
-                    batches.setdefault(id(out.log), (out.log, []))[1].append(rec)
-            for log_, records in batches.values():
-                log_.file.append(records)
+                    batch = batches.setdefault(id(out.log), (out.log, [], []))
+                    batch[1].append(out)
+                    batch[2].append(rec)
+            failed: OSError | None = None
+            written = []
+            for log_, outs, records in batches.values():
+                try:
+                    log_.file.append(records)
+                except OSError as exc:
+                    failed = failed or exc
+                    self._restore(outs, records)
+                else:
+                    written.append((log_, records))
             with self._lock:
-                for log_, records in batches.values():
+                for log_, records in written:
                     log_.open -= sum(r.final for r in records)
                 self._rotate()
+            if failed is not None:
+                raise failed
+
+    def _restore(self, outs: list[_Output], records: list[Record]) -> None:
+        with self._lock:
+            for out, rec in zip(outs, records):
+                out.pending[:0] = rec.tokens
+                if not out.dirty:
+                    out.dirty = True
+                    self._dirty.append(out)
 
     def _rotate(self) -> None:
         if self._current.file.size >= self.rotate_bytes:
@@ -141,14 +163,16 @@ class OutputJournal:
         """At shutdown, once every session ended: write everything, give the logs up (an
         output still open then reads as ended by a dead owner), or remove them with
         `keep=False`."""
-        self.flush()
-        with self._write_lock, self._lock:
-            for g in (self._current, *self._retired):
-                if self.keep:
-                    g.file.release()
-                else:
-                    g.file.remove()
-            self._retired = []
+        try:
+            self.flush()  # a failure (a full disk) is raised once the logs are given up
+        finally:
+            with self._write_lock, self._lock:
+                for g in (self._current, *self._retired):
+                    if self.keep:
+                        g.file.release()
+                    else:
+                        g.file.remove()
+                self._retired = []
 
 
 class LogFollower:
