@@ -11,7 +11,12 @@ import os
 
 from redraft.datastore.drafting import new_learned_index
 from redraft.datastore.service.config import ServiceConfig
-from redraft.datastore.service.persisting import PersistBusy, load_persisted, persist_outputs
+from redraft.datastore.service.persisting import (
+    MarksDamaged,
+    PersistBusy,
+    load_persisted,
+    persist_outputs,
+)
 from redraft.datastore.service.sharing import LogFollower, OutputJournal
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.tenants import shareable
@@ -57,6 +62,7 @@ class LearnedOutputs:
                                             vocab_size=int(reader.vocab_size),
                                             admit=self.admits)
         self._loaded = False
+        self._marks_damage_said = False  # damaged learned marks are logged once
         self._tasks: list[asyncio.Future] = []
         self._in_flight: asyncio.Future | None = None  # a persist running on a thread
         self._loading: asyncio.Future | None = None
@@ -106,6 +112,8 @@ class LearnedOutputs:
         except (RedraftError, OSError) as exc:
             log.error("redraft serve: could not reload learned outputs: %s", exc)
         else:
+            if snapshot.damaged is not None:
+                self._say_marks_damaged(snapshot.damaged)
             self.follower.skip = snapshot.skip
             documents = [d for d in snapshot.documents if self.admits(d[0])]
             for i in range(0, len(documents), 64):
@@ -146,6 +154,8 @@ class LearnedOutputs:
             self.config.learn_persist_wait_s)))
         try:
             done = await asyncio.shield(self._in_flight)
+        except MarksDamaged as exc:  # the same every persist until repaired: said once
+            self._say_marks_damaged(str(exc))
         except PersistBusy as exc:
             log.warning("redraft serve: learned outputs not persisted yet (%s); "
                         "the next persist retries", exc)
@@ -158,6 +168,11 @@ class LearnedOutputs:
             for name, (n, first) in done.rejected.items():
                 log.error("redraft serve: learned-output log %s: %d output(s) quarantined, "
                           "neither persisted nor drafted (%s)", name, n, first)
+
+    def _say_marks_damaged(self, message: str) -> None:
+        if not self._marks_damage_said:
+            self._marks_damage_said = True
+            log.error("redraft serve: learned marks damaged, nothing persists: %s", message)
 
     async def finish(self) -> None:
         """After the server stopped (every session ended): write the last outputs, give up

@@ -88,9 +88,39 @@ class Persisted:
     rejected: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
+class MarksDamaged(DatastoreError):
+    """The commit's learned marks are not of the shape persisting writes: no persist can
+    tell which logged outputs are persisted, so none persists (they wait in their logs)."""
+
+
 def log_marks(marks: dict) -> dict[str, Ranges]:
+    """The marks' ranges per log; MarksDamaged unless they are what `persist_outputs`
+    writes: {"logs": {log name: [[start, end), ...] ascending and disjoint}}."""
     logs = marks.get(MARKS_KEY) if isinstance(marks, dict) else None
-    return {name: Ranges(r) for name, r in (logs or {}).items()}
+    if logs is None:
+        return {}
+    if not isinstance(logs, dict):
+        raise MarksDamaged(f"the learned marks' {MARKS_KEY!r} are a {type(logs).__name__}, "
+                           f"not a dict of logs")
+    out = {}
+    for name, ranges in logs.items():
+        if not _ranges_ok(ranges):
+            raise MarksDamaged(f"the learned marks of log {name[:80]!r} are not ascending "
+                               f"disjoint [start, end) ranges: {str(ranges)[:80]}")
+        out[name] = Ranges(ranges)
+    return out
+
+
+def _ranges_ok(ranges) -> bool:
+    if not isinstance(ranges, list):
+        return False
+    last = 0
+    for r in ranges:
+        if not (isinstance(r, list) and len(r) == 2
+                and all(type(x) is int for x in r) and last <= r[0] < r[1]):
+            return False
+        last = r[1]
+    return True
 
 
 def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
@@ -105,7 +135,11 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
                               f"for more than {wait_s:g} s")
         remove_stale_new_logs(datastore)
         committed = learned_marks(datastore)
-        done = log_marks(committed)
+        try:
+            done = log_marks(committed)
+        except MarksDamaged as exc:
+            raise MarksDamaged(f"{datastore}: {exc}; learned outputs stay in their logs "
+                               f"until the marks are repaired") from None
         with Reader(datastore) as now:  # the ids the commit will accept
             vocab_size = now.vocab_size
         result = Persisted()
@@ -153,6 +187,7 @@ class Snapshot:
 
     documents: list[tuple[str, list[int]]]
     persisted: dict[str, Ranges]
+    damaged: str | None = None  # why the marks are unusable (every logged output replays)
 
     def skip(self, name: str, number: int) -> bool:
         ranges = self.persisted.get(name)
@@ -167,7 +202,11 @@ def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
         newest: list[tuple[str, list[int]]] = []
         total = 0
         with Reader(datastore) as reader:
-            marks = log_marks(reader.manifest.get("learned") or {})  # this very commit's
+            damaged = None
+            try:
+                marks = log_marks(reader.manifest.get("learned") or {})  # this commit's
+            except MarksDamaged as exc:
+                marks, damaged = {}, f"{datastore}: {exc}"
             if LEARNED_CORPUS in (reader.corpora or {}):
                 for _, name, tokens in reader.documents(LEARNED_CORPUS, newest_first=True):
                     key = persisted_key(name, token_keys)
@@ -179,4 +218,4 @@ def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
                     total += len(tokens)
         opened()
     newest.reverse()
-    return Snapshot(newest, marks)
+    return Snapshot(newest, marks, damaged)
