@@ -12,7 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from redraft.datastore import Reader, append_corpus, build_datastore
 from redraft.datastore.service.client import DraftClient, DraftParams
-from redraft.datastore.service.tenants import persisted_key, session_key, token_key
+from redraft.datastore.service.tenants import (
+    is_key,
+    persisted_key,
+    session_key,
+    shareable,
+    token_key,
+)
 
 FP = "sha256:tenants-test"
 VOCAB = 3000
@@ -53,6 +59,11 @@ def test_keys_never_collide_and_legacy_names_map_safely():
     assert persisted_key("learned:bob", [key]) == "t:bob"
     assert persisted_key("learned:", []) == "t:"
     assert persisted_key("some-file.txt", [key]) is None
+    assert all(is_key(k) for k in (key, f"{key}/x", "t:", "t:bob", "t:" + "x" * 200))
+    assert not any(is_key(k) for k in ("", "bob", "k:", "k:" + "AB" * 32, key + "0",
+                                       f"{key}/\n", "t:\x00", "t:" + "x" * 201))
+    assert shareable("t:bob", []) and shareable(f"{key}/x", [key])
+    assert not shareable(key, []) and not shareable(f"{key}/x", [token_key("other")])
 
 
 def test_outputs_learned_under_a_token_stay_its_own_after_a_restart_without_auth(
