@@ -237,15 +237,15 @@ class LogFollower:
     def _apply(self, name: str, records: list[Record]) -> int:
         for r in records:
             key = (name, r.output)
-            if key in self._dropped:
-                continue
+            writer = self._writers.get(key)
+            if key in self._dropped or (writer is None and self.skip(name, r.output)):
+                continue  # refused before, or persisted (or quarantined) by the load
             problem = record_problem(r.tenant, r.tokens, self.vocab_size)
             if problem is not None:
                 self._drop(key, problem)
                 continue
-            writer = self._writers.get(key)
             if writer is None:
-                if self.skip(name, r.output) or not self.admit(r.tenant):
+                if not self.admit(r.tenant):
                     continue
                 writer = self._writers[key] = self.index.writer(r.tenant, (), journal=False)
             writer.extend(r.tokens)
