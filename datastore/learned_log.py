@@ -15,8 +15,9 @@ where it stopped (`LogTail`). A log is the magic, then records:
 
 An output is its records' tokens in order (the first record starts with the prompt tail).
 A log is written by one process with one write per batch of records, so a reader sees
-whole records, and at worst an incomplete last one (it waits for the rest); a record whose
-checksum fails ends what is read of that log (`damaged`).
+whole records, and at worst an incomplete last one (it waits for the rest; a write that
+fails is truncated back to the last whole record); a record whose checksum fails ends what
+is read of that log (`damaged`).
 """
 
 from __future__ import annotations
@@ -186,11 +187,18 @@ class OwnedLog:
         return self._fd is not None
 
     def append(self, records: Sequence[Record]) -> None:
-        """Write records at the end, in one write (others read whole records)."""
+        """Write records at the end, in one write (others read whole records). A write
+        that fails (a full disk) is cut back to the last whole record before the error is
+        raised: a partial record would hide every record written after it."""
         if not records or self._fd is None:
             return
         data = encode(records)
-        _write_all(self._fd, data)
+        try:
+            _write_all(self._fd, data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.size)
+            raise
         self.size += len(data)
 
     def release(self) -> None:

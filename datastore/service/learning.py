@@ -11,9 +11,15 @@ import os
 
 from redraft.datastore.drafting import new_learned_index
 from redraft.datastore.service.config import ServiceConfig
-from redraft.datastore.service.persisting import PersistBusy, load_persisted, persist_outputs
+from redraft.datastore.service.persisting import (
+    MarksDamaged,
+    PersistBusy,
+    load_persisted,
+    persist_outputs,
+)
 from redraft.datastore.service.sharing import LogFollower, OutputJournal
 from redraft.datastore.service.stats import ServiceStats
+from redraft.datastore.service.tenants import shareable
 from redraft.datastore.service.verification import BackgroundVerification
 from redraft.proto.errors import RedraftError
 
@@ -52,12 +58,21 @@ class LearnedOutputs:
                 log.warning("redraft serve: learned outputs stay in this process: %s", exc)
             else:
                 self.index.journal = self.journal
-                self.follower = LogFollower(str(self.path), self.index, self.journal.names)
+                self.follower = LogFollower(str(self.path), self.index, self.journal.names,
+                                            vocab_size=int(reader.vocab_size),
+                                            admit=self.admits)
         self._loaded = False
+        self._marks_damage_said = False  # damaged learned marks are logged once
         self._tasks: list[asyncio.Future] = []
         self._in_flight: asyncio.Future | None = None  # a persist running on a thread
         self._loading: asyncio.Future | None = None
         self._syncing: asyncio.Future | None = None  # a sync running on a thread
+
+    def admits(self, key: str) -> bool:
+        """Whether an output of `key` (persisted, or logged by another process) may enter
+        the index: always per tenant, and with `--learn global` (one pool) only when no
+        session could draft it without presenting its token (`tenants.shareable`)."""
+        return self.config.learn != "global" or shareable(key, self.token_keys)
 
     def start(self) -> None:
         """Reload persisted outputs, share with the other processes, persist periodically;
@@ -97,9 +112,12 @@ class LearnedOutputs:
         except (RedraftError, OSError) as exc:
             log.error("redraft serve: could not reload learned outputs: %s", exc)
         else:
+            if snapshot.damaged is not None:
+                self._say_marks_damaged(snapshot.damaged)
             self.follower.skip = snapshot.skip
-            for i in range(0, len(snapshot.documents), 64):
-                self.index.load(snapshot.documents[i:i + 64])
+            documents = [d for d in snapshot.documents if self.admits(d[0])]
+            for i in range(0, len(documents), 64):
+                self.index.load(documents[i:i + 64])
             self.publish()
         self._loaded = True
 
@@ -110,7 +128,8 @@ class LearnedOutputs:
             self._syncing = asyncio.ensure_future(run_in_thread(self._sync))
             try:
                 await asyncio.shield(self._syncing)
-            except OSError as exc:  # the next sync tries again
+            except (OSError, RedraftError) as exc:  # e.g. a full disk: the next sync
+                # writes what this one could not (the journal keeps it)
                 log.error("redraft serve: could not share learned outputs: %s", exc)
 
     def _sync(self) -> None:
@@ -135,6 +154,8 @@ class LearnedOutputs:
             self.config.learn_persist_wait_s)))
         try:
             done = await asyncio.shield(self._in_flight)
+        except MarksDamaged as exc:  # the same every persist until repaired: said once
+            self._say_marks_damaged(str(exc))
         except PersistBusy as exc:
             log.warning("redraft serve: learned outputs not persisted yet (%s); "
                         "the next persist retries", exc)
@@ -144,6 +165,14 @@ class LearnedOutputs:
         else:
             if done.outputs:
                 self.stats.add(learned_persisted=done.outputs)
+            for name, (n, first) in done.rejected.items():
+                log.error("redraft serve: learned-output log %s: %d output(s) quarantined, "
+                          "neither persisted nor drafted (%s)", name, n, first)
+
+    def _say_marks_damaged(self, message: str) -> None:
+        if not self._marks_damage_said:
+            self._marks_damage_said = True
+            log.error("redraft serve: learned marks damaged, nothing persists: %s", message)
 
     async def finish(self) -> None:
         """After the server stopped (every session ended): write the last outputs, give up
@@ -154,7 +183,10 @@ class LearnedOutputs:
             task.cancel()
         pending = [f for f in (self._loading, self._syncing, self._in_flight) if f is not None]
         await asyncio.gather(*pending, return_exceptions=True)
-        await run_in_thread(self.journal.close)
+        try:
+            await run_in_thread(self.journal.close)
+        except OSError as exc:  # what is in the logs is still persisted below
+            log.error("redraft serve: could not write the last learned outputs: %s", exc)
         self.follower.close()
         if self.config.learn_persist_s > 0:
             await self._persist(set())

@@ -23,7 +23,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redraft.datastore.build import learned_marks, persist_learned
 from redraft.datastore.drafting import LEARNED_CORPUS
@@ -35,6 +35,7 @@ from redraft.datastore.learned_log import (
     remove_stale_new_logs,
 )
 from redraft.datastore.reader import Reader
+from redraft.datastore.service.records import record_problem
 from redraft.datastore.service.tenants import persisted_key
 from redraft.proto.errors import DatastoreError
 
@@ -82,11 +83,44 @@ class Persisted:
     outputs: int = 0  # outputs persisted by this call
     tokens: int = 0
     removed_logs: int = 0
+    # outputs quarantined by this call, per log: (how many, why the first one was):
+    # marked as done without persisting them, so no persist reads them again
+    rejected: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+class MarksDamaged(DatastoreError):
+    """The commit's learned marks are not of the shape persisting writes: no persist can
+    tell which logged outputs are persisted, so none persists (they wait in their logs)."""
 
 
 def log_marks(marks: dict) -> dict[str, Ranges]:
+    """The marks' ranges per log; MarksDamaged unless they are what `persist_outputs`
+    writes: {"logs": {log name: [[start, end), ...] ascending and disjoint}}."""
     logs = marks.get(MARKS_KEY) if isinstance(marks, dict) else None
-    return {name: Ranges(r) for name, r in (logs or {}).items()}
+    if logs is None:
+        return {}
+    if not isinstance(logs, dict):
+        raise MarksDamaged(f"the learned marks' {MARKS_KEY!r} are a {type(logs).__name__}, "
+                           f"not a dict of logs")
+    out = {}
+    for name, ranges in logs.items():
+        if not _ranges_ok(ranges):
+            raise MarksDamaged(f"the learned marks of log {name[:80]!r} are not ascending "
+                               f"disjoint [start, end) ranges: {str(ranges)[:80]}")
+        out[name] = Ranges(ranges)
+    return out
+
+
+def _ranges_ok(ranges) -> bool:
+    if not isinstance(ranges, list):
+        return False
+    last = 0
+    for r in ranges:
+        if not (isinstance(r, list) and len(r) == 2
+                and all(type(x) is int for x in r) and last <= r[0] < r[1]):
+            return False
+        last = r[1]
+    return True
 
 
 def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
@@ -101,7 +135,14 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
                               f"for more than {wait_s:g} s")
         remove_stale_new_logs(datastore)
         committed = learned_marks(datastore)
-        done = log_marks(committed)
+        try:
+            done = log_marks(committed)
+        except MarksDamaged as exc:
+            raise MarksDamaged(f"{datastore}: {exc}; learned outputs stay in their logs "
+                               f"until the marks are repaired") from None
+        with Reader(datastore) as now:  # the ids the commit will accept
+            vocab_size = now.vocab_size
+        result = Persisted()
         documents: list[tuple[str, list[int]]] = []
         marks: dict[str, list[list[int]]] = {}
         finished = []  # logs of gone owners, removable once all is persisted
@@ -115,15 +156,19 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
                 out = outputs[number]
                 if number in ranges or not (out.final or not live):
                     continue
-                if out.tokens:
+                problem = record_problem(out.tenant, out.tokens, vocab_size)
+                if problem is not None:
+                    n, first = result.rejected.get(path.name, (0, f"output {number}: "
+                                                                 f"{problem}"))
+                    result.rejected[path.name] = (n + 1, first)
+                elif out.tokens:
                     documents.append((out.tenant, out.tokens))
                 ranges.add(number)
             if ranges.starts:
                 marks[path.name] = ranges.to_json()
             if not live and all(n in ranges for n in outputs):
                 finished.append(path)
-        result = Persisted()
-        if documents:  # the commit: the documents and their marks, both or neither
+        if documents or result.rejected:  # the commit: documents and marks, both or neither
             persist_learned(datastore, documents, {MARKS_KEY: marks}, fingerprint=fingerprint,
                             wait_s=max(0.0, deadline - time.monotonic()), expect=committed)
             result.outputs = len(documents)
@@ -142,6 +187,7 @@ class Snapshot:
 
     documents: list[tuple[str, list[int]]]
     persisted: dict[str, Ranges]
+    damaged: str | None = None  # why the marks are unusable (every logged output replays)
 
     def skip(self, name: str, number: int) -> bool:
         ranges = self.persisted.get(name)
@@ -156,7 +202,11 @@ def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
         newest: list[tuple[str, list[int]]] = []
         total = 0
         with Reader(datastore) as reader:
-            marks = log_marks(reader.manifest.get("learned") or {})  # this very commit's
+            damaged = None
+            try:
+                marks = log_marks(reader.manifest.get("learned") or {})  # this commit's
+            except MarksDamaged as exc:
+                marks, damaged = {}, f"{datastore}: {exc}"
             if LEARNED_CORPUS in (reader.corpora or {}):
                 for _, name, tokens in reader.documents(LEARNED_CORPUS, newest_first=True):
                     key = persisted_key(name, token_keys)
@@ -168,4 +218,4 @@ def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
                     total += len(tokens)
         opened()
     newest.reverse()
-    return Snapshot(newest, marks)
+    return Snapshot(newest, marks, damaged)

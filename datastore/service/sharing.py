@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from redraft.datastore.drafting import LearnedIndex
 from redraft.datastore.drafting.learned import LearnedWriter
 from redraft.datastore.learned_log import LogTail, OwnedLog, Record, list_logs
+from redraft.datastore.service.records import record_problem
 
 log = logging.getLogger("redraft.serve")
 ROTATE_BYTES = 4 << 20  # a log this long is retired; its open outputs end in it
@@ -102,22 +103,44 @@ class OutputJournal:
 
     # ---- the sync's side --------------------------------------------------------------
     def flush(self) -> None:
-        """Write what sessions added since the last flush, one write per log."""
+        """Write what sessions added since the last flush, one write per log. A write that
+        fails (a full disk) raises once every log was tried; what it carried goes back to
+        the outputs, ahead of what they gained since, for the next flush."""
         with self._write_lock:
             with self._lock:
                 dirty, self._dirty = self._dirty, []
-                batches: dict[int, tuple[_Log, list[Record]]] = {}
+                batches: dict[int, tuple[_Log, list[_Output], list[Record]]] = {}
                 for out in dirty:
                     out.dirty = False
                     rec = Record(out.number, out.tenant, out.pending, out.final)
                     out.pending = []
-                    batches.setdefault(id(out.log), (out.log, []))[1].append(rec)
-            for log_, records in batches.values():
-                log_.file.append(records)
+                    batch = batches.setdefault(id(out.log), (out.log, [], []))
+                    batch[1].append(out)
+                    batch[2].append(rec)
+            failed: OSError | None = None
+            written = []
+            for log_, outs, records in batches.values():
+                try:
+                    log_.file.append(records)
+                except OSError as exc:
+                    failed = failed or exc
+                    self._restore(outs, records)
+                else:
+                    written.append((log_, records))
             with self._lock:
-                for log_, records in batches.values():
+                for log_, records in written:
                     log_.open -= sum(r.final for r in records)
                 self._rotate()
+            if failed is not None:
+                raise failed
+
+    def _restore(self, outs: list[_Output], records: list[Record]) -> None:
+        with self._lock:
+            for out, rec in zip(outs, records):
+                out.pending[:0] = rec.tokens
+                if not out.dirty:
+                    out.dirty = True
+                    self._dirty.append(out)
 
     def _rotate(self) -> None:
         if self._current.file.size >= self.rotate_bytes:
@@ -140,32 +163,43 @@ class OutputJournal:
         """At shutdown, once every session ended: write everything, give the logs up (an
         output still open then reads as ended by a dead owner), or remove them with
         `keep=False`."""
-        self.flush()
-        with self._write_lock, self._lock:
-            for g in (self._current, *self._retired):
-                if self.keep:
-                    g.file.release()
-                else:
-                    g.file.remove()
-            self._retired = []
+        try:
+            self.flush()  # a failure (a full disk) is raised once the logs are given up
+        finally:
+            with self._write_lock, self._lock:
+                for g in (self._current, *self._retired):
+                    if self.keep:
+                        g.file.release()
+                    else:
+                        g.file.remove()
+                self._retired = []
 
 
 class LogFollower:
     """Replays the other processes' logs into this process's learned index.
 
     `skip(name, number)`: whether output `number` of log `name` was persisted by the time
-    this process loaded the persisted outputs (so it is in the index already).
+    this process loaded the persisted outputs (so it is in the index already). `admit(key)`:
+    whether outputs of tenant key `key` may enter this process's index at all. An output
+    with a record `records.record_problem` refuses (ids past `vocab_size`, a tenant key no
+    session could have) is dropped from there on, with one line per log.
     """
 
     def __init__(self, datastore: str, index: LearnedIndex, own: set[str],
-                 skip: Callable[[str, int], bool] = lambda name, number: False) -> None:
+                 skip: Callable[[str, int], bool] = lambda name, number: False, *,
+                 vocab_size: int = 1 << 32,
+                 admit: Callable[[str], bool] = lambda key: True) -> None:
         self.datastore = datastore
         self.index = index
         self.own = own
         self.skip = skip
+        self.vocab_size = vocab_size
+        self.admit = admit
         self._tails: dict[str, LogTail] = {}
         self._writers: dict[tuple[str, int], LearnedWriter] = {}
+        self._dropped: set[tuple[str, int]] = set()  # outputs not replayed (any more)
         self._reported: set[str] = set()  # damaged logs already logged once
+        self._quarantined: set[str] = set()  # logs whose refused outputs were logged once
         self.replayed = 0  # records applied so far
 
     def counters(self) -> dict:
@@ -204,8 +238,14 @@ class LogFollower:
         for r in records:
             key = (name, r.output)
             writer = self._writers.get(key)
+            if key in self._dropped or (writer is None and self.skip(name, r.output)):
+                continue  # refused before, or persisted (or quarantined) by the load
+            problem = record_problem(r.tenant, r.tokens, self.vocab_size)
+            if problem is not None:
+                self._drop(key, problem)
+                continue
             if writer is None:
-                if self.skip(name, r.output):
+                if not self.admit(r.tenant):
                     continue
                 writer = self._writers[key] = self.index.writer(r.tenant, (), journal=False)
             writer.extend(r.tokens)
@@ -214,9 +254,23 @@ class LogFollower:
                 del self._writers[key]
         return len(records)
 
+    def _drop(self, key: tuple[str, int], problem: str) -> None:
+        """Replay no more of an output (what it added before had sane ids and stays)."""
+        self._dropped.add(key)
+        writer = self._writers.pop(key, None)
+        if writer is not None:
+            writer.close()
+        if key[0] not in self._quarantined:
+            self._quarantined.add(key[0])
+            log.error("redraft serve: learned-output log %s: output %d is not drafted (%s); "
+                      "such outputs of it are skipped", self._tails[key[0]].path, key[1],
+                      problem)
+
     def _forget(self, name: str) -> None:
         self._tails.pop(name).close()
         self._reported.discard(name)
+        self._quarantined.discard(name)
+        self._dropped = {k for k in self._dropped if k[0] != name}
         for key in [k for k in self._writers if k[0] == name]:
             self._writers.pop(key).close()
 

@@ -22,6 +22,8 @@ TOKEN_PREFIX = "k:"
 DECLARED_PREFIX = "t:"
 LEGACY_PREFIX = "learned:"
 _LEGACY_TOKEN = re.compile(r"token-([0-9a-f]{16})(/.*)?", re.DOTALL)
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+MAX_DECLARED = 200  # the longest tenant a session may declare (printable characters)
 
 
 def token_key(token: str) -> str:
@@ -53,3 +55,32 @@ def persisted_key(name: str, token_keys: Iterable[str]) -> str | None:
         if key[len(TOKEN_PREFIX):].startswith(m.group(1)):
             return key + (m.group(2) or "")
     return None
+
+
+def _declared_ok(name: str) -> bool:
+    return len(name) <= MAX_DECLARED and name.isprintable()
+
+
+def is_key(key: str) -> bool:
+    """Whether `key` is a tenant key some session could have had (`t:<declared>`,
+    `k:<digest>`, `k:<digest>/<declared>`): anything else read from a log is damage."""
+    if key.startswith(DECLARED_PREFIX):
+        return _declared_ok(key[len(DECLARED_PREFIX):])
+    if not key.startswith(TOKEN_PREFIX):
+        return False
+    digest, slash, declared = key[len(TOKEN_PREFIX):].partition("/")
+    return _DIGEST.fullmatch(digest) is not None and (not slash or _declared_ok(declared))
+
+
+def token_of(key: str) -> str:
+    """The token part of a key (`k:<digest>`), "" for a declared tenant's."""
+    return key.partition("/")[0] if key.startswith(TOKEN_PREFIX) else ""
+
+
+def shareable(key: str, token_keys: Iterable[str]) -> bool:
+    """Whether `--learn global` may draft an output of `key` for every session of a server
+    configured with `token_keys`: a declared tenant's, or a token's configured now (whose
+    holders may share). An output learned under any other token drafts for no session that
+    did not present that token, after a restart without auth or on a replica either."""
+    token = token_of(key)
+    return not token or token in set(token_keys)

@@ -15,11 +15,11 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from redraft.datastore import Reader, build_datastore
+from redraft.datastore import Reader, build_datastore, persist_learned
 from redraft.datastore.format import WRITE_LOCK
-from redraft.datastore.learned_log import list_logs
+from redraft.datastore.learned_log import OwnedLog, Record, list_logs, read_log
 from redraft.datastore.service.client import DraftClient, DraftParams
-from redraft.datastore.service.persisting import Ranges
+from redraft.datastore.service.persisting import MarksDamaged, Ranges, log_marks
 
 FP = "sha256:persisting-test"
 VOCAB = 30000
@@ -176,3 +176,74 @@ def test_a_writer_holding_the_lock_delays_persists_and_loses_nothing(store, serv
         ["held-0", "held-1", "held-2", "late-0", "late-1"]), timeout=10)
     assert b.stop() == 0
     assert list_logs(store) == []
+
+
+def dead_owner_log(store: str, records) -> str:
+    """A log as a process that died wrote it: whole records (the project's own encoder,
+    checksums right), its lock free."""
+    log = OwnedLog(store)
+    log.append(records)
+    log.release()
+    return log.name
+
+
+def test_a_logged_token_id_past_the_vocabulary_is_quarantined_and_the_rest_persisted(
+        store, servers, until):
+    # as a replica still serving an old snapshot after a rebuild with another tokenizer
+    # writes: right length and checksum, ids the datastore does not have
+    good = [Record(0, "t:logged-0", PROMPT[-16:] + output_of("logged-0", 24), True),
+            Record(2, "t:logged-2", PROMPT[-16:] + output_of("logged-2", 24), True)]
+    bad = [Record(1, "t:bad", PROMPT[-16:] + [5, 6, VOCAB + 7, 8], True),
+           Record(3, "not a key", PROMPT[-16:] + [9, 10], True)]
+    name = dead_owner_log(store, [good[0], bad[0], bad[1], good[1]])
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
+    with DraftClient(a.address) as c:
+        until(lambda: c.stats()["learned_docs"] == 2)  # the good ones are replayed
+        ids = c.propose(PROMPT + [5, 6], DraftParams(budget=16, max_depth=8,
+                                                     sources=("learned",)), tenant="bad")
+        assert all(t < VOCAB for t in ids.tokens)  # never drafted
+    learn(a.address, ["new-0", "new-1", "new-2"])
+    until(lambda: persisted(store) == Counter(["logged-0", "logged-2", "new-0", "new-1",
+                                               "new-2"]), timeout=10)
+    assert a.stop() == 0
+    assert persisted(store) == Counter(["logged-0", "logged-2", "new-0", "new-1", "new-2"])
+    assert list_logs(store) == []  # the quarantined outputs are not read again
+    said = [line for line in a.stderr.splitlines() if name in line]
+    assert len(said) == 2 and "past the vocabulary" in said[0] and "Traceback" not in a.stderr
+
+
+BAD_MARKS = [{"logs": "nonsense"}, {"logs": [[0, 1]]}, {"logs": {"a.log": [[5, 2]]}},
+             {"logs": {"a.log": [[0, "x"]]}}, {"logs": {"a.log": [[0, 3], [2, 5]]}},
+             {"logs": {"a.log": 7}}, {"logs": {"a.log": [[0, True]]}}]
+
+
+def test_marks_of_another_shape_are_damage():
+    for marks in BAD_MARKS:
+        with pytest.raises(MarksDamaged, match="learned marks"):
+            log_marks(marks)
+    assert log_marks({}) == {} and log_marks({"logs": {}}) == {}
+    assert log_marks({"logs": {"a.log": [[0, 3], [3, 5]]}})["a.log"].to_json() == [[0, 3],
+                                                                                     [3, 5]]
+
+
+@pytest.mark.parametrize("marks", BAD_MARKS[:3])
+def test_a_server_over_marks_of_another_shape_says_so_once_and_keeps_serving(
+        store, servers, until, marks):
+    persist_learned(store, [("t:before", PROMPT[-16:] + output_of("before", 24))], marks,
+                    fingerprint=FP)
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.2")
+    with DraftClient(a.address) as c:
+        until(lambda: c.stats()["learned_docs"] == 1)  # what was persisted still loads
+    learn(a.address, ["kept-0", "kept-1"])
+    until(lambda: "learned marks" in a.stderr, timeout=10)
+    with DraftClient(a.address) as c:  # persists came and went: it still serves
+        with c.session(PROMPT, DraftParams(budget=4), FP, tenant="after") as s:
+            s.step(output_of("after", 10))
+    assert a.stop() == 0
+    assert "Traceback" not in a.stderr, a.stderr
+    said = [line for line in a.stderr.splitlines() if "learned marks" in line]
+    assert len(said) == 1, a.stderr  # one line, not one per persist
+    assert persisted(store) == Counter(["before"])  # nothing doubled on bad marks
+    (log,) = list_logs(store)  # and nothing lost: the outputs wait in their log
+    assert sorted(o.tenant for o in read_log(log)[0].values()) == ["t:after", "t:kept-0",
+                                                                   "t:kept-1"]

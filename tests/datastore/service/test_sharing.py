@@ -4,13 +4,16 @@ second drafts (source `learned`) what the first is learning, within the default 
 
 from __future__ import annotations
 
+import errno
 import random
+import subprocess
+import sys
 import time
 
 import pytest
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore.drafting import LearnedIndex
-from redraft.datastore.learned_log import list_logs
+from redraft.datastore.learned_log import list_logs, read_log
 from redraft.datastore.service.client import DraftClient, DraftParams
 from redraft.datastore.service.persisting import persist_outputs
 from redraft.datastore.service.sharing import LogFollower, OutputJournal
@@ -149,3 +152,49 @@ def test_a_process_rotates_its_log_and_a_retired_log_goes_once_persisted(store):
     with Reader(store) as r:
         found = sorted((name, tokens) for _, name, tokens in r.documents("learned"))
     assert found == sorted(outputs.items())
+
+
+FULL_DISK = """
+import os, resource, signal, sys
+from redraft.datastore.learned_log import list_logs, read_log
+from redraft.datastore.service.sharing import OutputJournal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+journal = OutputJournal(sys.argv[1])
+path = list_logs(sys.argv[1])[0]
+
+def output(tenant, tokens):
+    out = journal.begin(tenant)
+    journal.append(out, tokens)
+    journal.end(out)
+
+output("t:a", list(range(1, 50)))
+journal.flush()
+size = os.path.getsize(path)
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 100, hard))  # the disk is full
+output("t:b", list(range(100, 400)))  # ~1.2 KB: part of it fits, then the write fails
+try:
+    journal.flush()
+except OSError as exc:
+    print("failed", exc.errno, os.path.getsize(path) == size, flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # space again
+output("t:c", [7, 8, 9])
+journal.flush()
+journal.close()
+"""
+
+
+def test_a_log_write_failing_on_a_full_disk_keeps_its_outputs_for_the_next_write(store):
+    """A real process whose file size limit stands for a full disk: the failed write leaves
+    no partial record behind (it would hide every later one), and the outputs it carried
+    are written by the next flush."""
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, store], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["failed", str(errno.EFBIG), "True"]
+    (path,) = list_logs(store)
+    outputs, damaged = read_log(path)
+    assert not damaged
+    assert {o.tenant: (o.tokens, o.final) for o in outputs.values()} == {
+        "t:a": (list(range(1, 50)), True), "t:b": (list(range(100, 400)), True),
+        "t:c": ([7, 8, 9], True)}

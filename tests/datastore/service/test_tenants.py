@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from redraft.datastore import Reader, append_corpus, build_datastore
 from redraft.datastore.service.client import DraftClient, DraftParams
-from redraft.datastore.service.tenants import persisted_key, session_key, token_key
+from redraft.datastore.service.tenants import (
+    is_key,
+    persisted_key,
+    session_key,
+    shareable,
+    token_key,
+)
 
 FP = "sha256:tenants-test"
 VOCAB = 3000
@@ -52,6 +59,11 @@ def test_keys_never_collide_and_legacy_names_map_safely():
     assert persisted_key("learned:bob", [key]) == "t:bob"
     assert persisted_key("learned:", []) == "t:"
     assert persisted_key("some-file.txt", [key]) is None
+    assert all(is_key(k) for k in (key, f"{key}/x", "t:", "t:bob", "t:" + "x" * 200))
+    assert not any(is_key(k) for k in ("", "bob", "k:", "k:" + "AB" * 32, key + "0",
+                                       f"{key}/\n", "t:\x00", "t:" + "x" * 201))
+    assert shareable("t:bob", []) and shareable(f"{key}/x", [key])
+    assert not shareable(key, []) and not shareable(f"{key}/x", [token_key("other")])
 
 
 def test_outputs_learned_under_a_token_stay_its_own_after_a_restart_without_auth(
@@ -126,3 +138,39 @@ def test_thousands_of_tenants_keep_memory_bounded(tmp_path, servers):
     assert st["sessions_opened"] == 5000 and st["learned_tokens"] <= 1000
     assert st["learned_pools"] == st["learned_docs"] <= 1000 // 26 + 1  # 16 + 10 tokens each
     assert serve.stop() == 0
+
+
+def test_learn_global_shares_a_token_s_outputs_with_no_one_without_it_after_a_restart_or_on_a_replica(  # noqa: E501
+        tmp_path, servers, until):
+    store = make_store(tmp_path)
+    token_file = tmp_path / "tokens"
+    token_file.write_text(TOKEN + "\n")
+    common = ("--port", "0", "--learn", "global")
+    authed = (*common, "--token-file", str(token_file))
+    a = servers.start(store, *authed, "--learn-persist-seconds", "600")
+    replica = servers.start(store, *common)  # no auth, the same datastore and logs
+    with DraftClient(a.address, token=TOKEN) as c:
+        with c.session(PROMPT, DraftParams(budget=4), FP) as s:
+            s.step(SECRETS[0])
+        assert drafted(c, SECRETS[0], "")[:4] == SECRETS[0][8:12]
+    with DraftClient(replica.address) as c:
+        until(lambda: c.stats()["learned_records_replayed"] > 0)  # it read the log
+        with c.session(PROMPT, DraftParams(budget=4), FP) as s:  # its own: shared
+            s.step(SECRETS[1])
+        time.sleep(0.6)  # syncs enough for anything replayed to be in the index
+        for tenant in ("", "x", token_key(TOKEN)):
+            assert drafted(c, SECRETS[0], tenant) == [], tenant
+            assert drafted(c, SECRETS[1], tenant)[:4] == SECRETS[1][8:12]
+    assert a.stop() == 0 and replica.stop() == 0  # both persisted
+    with Reader(store) as r:
+        assert sorted(name for _, name, _ in r.documents("learned")) == [token_key(TOKEN), "t:"]
+    b = servers.start(store, *common)  # restarted without auth
+    with DraftClient(b.address) as c:
+        until(lambda: drafted(c, SECRETS[1], "")[:4] == SECRETS[1][8:12])  # loaded
+        for tenant in ("", "x", f"token-{LEGACY_HEX}", token_key(TOKEN)):
+            assert drafted(c, SECRETS[0], tenant) == [], tenant
+    assert b.stop() == 0
+    c2 = servers.start(store, *authed)  # the token's holder shares it again
+    with DraftClient(c2.address, token=TOKEN) as c:
+        until(lambda: drafted(c, SECRETS[0], "")[:4] == SECRETS[0][8:12])
+    assert c2.stop() == 0
