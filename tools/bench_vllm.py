@@ -71,7 +71,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams  # vLLM's environment only
 
     engines = {m: LLM(model=args.model, dtype="float32", max_model_len=2048,
-                      enforce_eager=True, gpu_memory_utilization=0.12, seed=0,
+                      enforce_eager=True, gpu_memory_utilization=0.2, seed=0,
                       speculative_config=speculative_config(m, args.k)) for m in methods}
     tokenizer = engines[methods[0]].get_tokenizer()
     questions = load_prompts(args.questions, args.per_category)
