@@ -75,9 +75,9 @@ def main() -> None:
                       speculative_config=speculative_config(m, args.k)) for m in methods}
     tokenizer = engines[methods[0]].get_tokenizer()
     questions = load_prompts(args.questions, args.per_category)
-    prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)}
-        for q in questions]
+    prompts = [{"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)} for q in questions]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     levels = [int(c) for c in args.concurrency.split(",")]
     rates: dict[tuple[int, str], list[float]] = {}
