@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from redraft.decoder.acceptance import Acceptance, SamplingParams, accept, top_candidates
 from redraft.decoder.budget import CostModel
-from redraft.decoder.calibration import Calibrator, calibration_path
 from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
+from redraft.decoder.policy import Calibrator, calibration_path
 from redraft.decoder.text import IncrementalText, StopStrings, chat_ids, unencodable
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.errors import RedraftError
