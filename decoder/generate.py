@@ -259,7 +259,7 @@ class Generator:
         # each drafter's guesses are accepted, the drafter's own state) instead of from a
         # prior; `save_state` keeps it at the end of every generation.
         self.state_dir: Path | None = None
-        if persist_state is not False and drafter is not None:
+        if persist_state and drafter is not None:
             self.state_dir = cache_root() if persist_state is True else Path(persist_state)
             self.load_state()
         self.verifier = TreeVerifier(model, packed_kernels, choose_kernels)
