@@ -1,7 +1,8 @@
 """The decoder side: lossless speculative decoding over Hugging Face causal LMs.
 
-The loop lives at the top of this package (generate, verify, acceptance, budget,
-calibration, text, kernels, and the `drafter` interface it talks to); `models/` loads and
+The loop lives at the top of this package (generate, verify, acceptance, budget, text,
+kernels, and the `drafter` interface it talks to); `policy` holds the torch-free rules it
+shares with `engines/` (calibration and the budget's choice); `models/` loads and
 quantizes models, `drafters/` holds one module per drafter and the registry, `heads/` the
 Medusa heads, `bench/` the benchmark and `cli/` the `redraft` command.
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from redraft.decoder.policy import best_prefix
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.files import cache_root, write_cache
 from redraft.proto.tree import Tree
@@ -113,15 +114,8 @@ class CostModel:
         limit = max(0, min(len(tree), cap))
         order = tree.best_nodes()[:limit]
         pp = tree.path_probs()
-        plain = self.cost(1 + fixed) + overhead
-        best_k, best_rate, expected = 0, 1.0 / plain, 0.0
-        for k, node in enumerate(order, start=1):
-            expected += pp[node]
-            rate = (1.0 + expected) / (self.cost(1 + fixed + k) + overhead)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_rate * plain < 1.0 + self.min_gain:
-            return []
+        best_k, _ = best_prefix((pp[node] for node in order), self.cost, self.min_gain,
+                                overhead, fixed)
         return sorted(order[:best_k])
 
     def choose(self, tree: Tree, max_nodes: int | None = None, overhead: float = 0.0,

@@ -14,12 +14,17 @@ A drafter may also put rows of its own into the verification forward (`side_rows
 off the root beside the draft tree, neither sees the other, they are never accepted, the
 budget always keeps them (and counts their cost when it sizes the tree), and `observe_side`
 then gets the target's top-k after each of them. Lookahead's Jacobi window is such rows.
+
+A drafter that learns something worth keeping across processes (token recycling's table)
+persists it through `load_state` / `save_state`; composites forward them to their members,
+and the `Generator` calls them (with `persist_state`), so every caller persists alike.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 from redraft.proto.errors import RedraftError
 from redraft.proto.tree import Tree, join, merge
@@ -78,6 +83,16 @@ class Drafter:
 
     def end(self) -> None:
         """The generation is over (release sessions)."""
+
+    def load_state(self, directory: Path, model_name: str, vocab_size: int) -> None:
+        """Start from what earlier processes learned drafting for the target `model_name`
+        (whose vocabulary has `vocab_size` ids), kept under `directory`. Missing, damaged or
+        mismatched state is ignored: it only costs the head start. Drafters that learn
+        nothing worth keeping do nothing."""
+
+    def save_state(self, directory: Path, model_name: str) -> None:
+        """Keep what this drafter learned for the target `model_name` under `directory`, for
+        the next process (`load_state`). A cache that cannot be written is no error."""
 
     def close(self) -> None:
         """Release files and connections for good."""
@@ -171,6 +186,14 @@ class MergedDrafter(Drafter):
                 d.end()
             except Exception as exc:  # ending must not fail a finished generation
                 log.warning("drafter %s failed to end (%s)", d.name, exc)
+
+    def load_state(self, directory: Path, model_name: str, vocab_size: int) -> None:
+        for d in self.drafters:
+            d.load_state(directory, model_name, vocab_size)
+
+    def save_state(self, directory: Path, model_name: str) -> None:
+        for d in self.drafters:
+            d.save_state(directory, model_name)
 
     def close(self) -> None:
         for d in self.drafters:

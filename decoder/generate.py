@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from redraft.decoder.acceptance import Acceptance, SamplingParams, accept, top_candidates
 from redraft.decoder.budget import CostModel
-from redraft.decoder.calibration import Calibrator, calibration_path
 from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
+from redraft.decoder.policy import Calibrator, calibration_path
 from redraft.decoder.text import IncrementalText, StopStrings, chat_ids, unencodable
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.errors import RedraftError
+from redraft.proto.files import cache_root
 from redraft.proto.tree import Tree, join
 
 log = logging.getLogger("redraft.decoder")
@@ -209,7 +212,9 @@ class Generator:
     """A target model + tokenizer + drafter, with lossless `generate` and `stream`.
 
     `drafter=None` is plain decoding through the same loop. The cost curve for tree sizes is
-    measured on first use (and cached on disk) unless one is given.
+    measured on first use (and cached on disk) unless one is given. `persist_state=True`
+    keeps what decoding learns (the calibration, the drafter's state: `save_state`) under the
+    cache root across processes, as `redraft generate` does; a path keeps it in that folder.
 
     Thread-safe by serializing: one Generator runs one generation at a time (its KV cache,
     drafter and calibration belong to that generation). A call from another thread waits
@@ -229,7 +234,7 @@ class Generator:
         cost: CostModel | None = None,
         max_nodes: int | None = None,
         max_depth: int = DEFAULT_MAX_DEPTH,
-        persist_calibration: bool = False,
+        persist_state: bool | str | os.PathLike = False,
         packed_kernels: bool = True,
         choose_kernels: bool = True,
     ) -> None:
@@ -250,17 +255,44 @@ class Generator:
         # Seconds each step spends outside the target's forward (drafting, acceptance, cache
         # compaction), learned online: the budget adds it to the cost curve's forward times.
         self.step_overhead = 0.0
-        # With persistence, a new process starts from what earlier runs learned about how
-        # often each drafter's guesses are accepted, instead of from a prior.
-        self._calibration_file = None
-        if persist_calibration and drafter is not None:
-            self._calibration_file = calibration_path(model_name, drafter.name)
-            self.calibrator.load(self._calibration_file)
+        # With persistence, a new process starts from what earlier runs learned (how often
+        # each drafter's guesses are accepted, the drafter's own state) instead of from a
+        # prior; `save_state` keeps it at the end of every generation.
+        self.state_dir: Path | None = None
+        if persist_state and drafter is not None:
+            self.state_dir = cache_root() if persist_state is True else Path(persist_state)
+            self.load_state()
         self.verifier = TreeVerifier(model, packed_kernels, choose_kernels)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
         self._busy = threading.Lock()  # held for a whole generation (see the class docstring)
         self._holder: int | None = None  # the thread running it
+
+    # -- what is learned across processes ------------------------------------------------
+
+    def load_state(self) -> None:
+        """Read the calibration and the drafter's state (`Drafter.load_state`) from
+        `state_dir`; what is missing or damaged is ignored. Called when the Generator is made
+        with `persist_state`."""
+        if self.state_dir is None or self.drafter is None:
+            return
+        self.calibrator.load(calibration_path(self.model_name, self.drafter.name,
+                                              self.state_dir))
+        self.drafter.load_state(self.state_dir, self.model_name,
+                                int(self.model.config.vocab_size))
+
+    def save_state(self) -> None:
+        """Write the calibration and the drafter's state (`Drafter.save_state`) to
+        `state_dir`. Called at the end of every generation (also one closed or failed
+        early); a drafter that fails to save is logged, never raised: the answer stands."""
+        if self.state_dir is None or self.drafter is None:
+            return
+        self.calibrator.save(calibration_path(self.model_name, self.drafter.name,
+                                              self.state_dir))
+        try:
+            self.drafter.save_state(self.state_dir, self.model_name)
+        except Exception as exc:  # state only buys the next process a head start
+            log.warning("drafter %s failed to save its state (%s)", self.drafter.name, exc)
 
     @property
     def cost(self) -> CostModel:
@@ -361,6 +393,9 @@ class Generator:
                     yield new, run.shown[-1]
                     if run.finish != "length":
                         break
+            except BaseException:  # closed or failed early: what it learned is kept anyway
+                self.save_state()
+                raise
             finally:
                 if run.drafter is not None:
                     self._safe(run.stats, run.drafter.end)
@@ -539,8 +574,7 @@ class Generator:
         stats.seconds = time.perf_counter() - run.started
         stats.new_tokens = len(run.out)
         stats.packed_forwards = self.verifier.packed_forwards - run.packed_before
-        if self._calibration_file is not None:
-            self.calibrator.save(self._calibration_file)
+        self.save_state()
         if run.cost is not None:
             run.cost.save()  # what the timed forwards corrected, for the next process
         run.shown.append(run.stops.feed(run.text.flush()))

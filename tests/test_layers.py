@@ -15,6 +15,9 @@ Layers, and what each may not import:
   imports itself (the datastore's commands included).
 - `engines` (adapters that serving engines load) is a leaf too: nothing of redraft imports it,
   and it imports neither the loop, models, heads, drafters, the benchmark nor the CLI.
+- `policy` (`redraft.decoder.policy`: calibration and the budget's rule, shared by the loop
+  and the engines) imports nothing of the decoder nor of the datastore side; it and the
+  engines import without torch (checked in a process where torch cannot be imported).
 - From the datastore side the decoder imports only its public surfaces: `redraft.datastore`,
   `redraft.datastore.drafting`, `redraft.datastore.service.client` and
   `redraft.datastore.service.batch_client` (and its CLI, the `redraft` entry point's).
@@ -44,7 +47,7 @@ PACKAGES = {"proto": "redraft.proto", "datastore": "redraft.datastore",
 FACADES = {"redraft.decoder"}
 
 DATASTORE = {"storage", "drafting", "service", "datastore-cli"}
-DECODER = {"loop", "models", "drafters", "heads", "bench", "cli", "engines"}
+DECODER = {"loop", "policy", "models", "drafters", "heads", "bench", "cli", "engines"}
 FORBIDDEN: dict[str, set[str]] = {
     "proto": DATASTORE | DECODER,
     "storage": {"drafting", "service", "datastore-cli"} | DECODER,
@@ -58,6 +61,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "bench": {"cli"},
     "cli": set(),
     "engines": {"loop", "models", "drafters", "heads", "bench", "cli"},
+    "policy": (DECODER - {"policy"}) | DATASTORE,
 }
 # Who may import a leaf layer at all.
 LEAVES = {"bench": {"bench", "cli"}, "cli": {"cli"}, "datastore-cli": {"datastore-cli", "cli"},
@@ -141,6 +145,7 @@ def layer(name: str) -> str:
                          ("redraft.decoder.models", "models"), ("redraft.decoder.heads", "heads"),
                          ("redraft.decoder.bench", "bench"), ("redraft.decoder.cli", "cli"),
                          ("redraft.decoder.engines", "engines"),
+                         ("redraft.decoder.policy", "policy"),
                          ("redraft.decoder", "loop")):
         if name == prefix or name.startswith(prefix + "."):
             return kind
@@ -239,6 +244,22 @@ def test_the_shared_base_imports_neither_torch_nor_grpc():
             "import redraft.proto.errors, redraft.proto.files, redraft.proto.models\n"
             "import redraft.proto.tree\n"
             "heavy = sorted({'torch', 'grpc', 'transformers'} & set(sys.modules))\n"
+            "assert not heavy, heavy\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
+def test_the_policy_and_the_engines_import_without_torch():
+    """The serving engines' adapters may run where torch is not installed: they and the policy
+    they share with the loop must import in a process where `import torch` fails."""
+    engines = sorted(name for name, mod in KNOWN.items()
+                     if layer(name) in ("engines", "policy") and mod.path.suffix == ".py")
+    assert "redraft.decoder.policy" in engines and "redraft.decoder.engines.pacing" in engines
+    code = ("import importlib, sys\n"
+            "sys.modules['torch'] = None  # any import of torch now raises ImportError\n"
+            f"for name in {engines!r}:\n"
+            "    importlib.import_module(name)\n"
+            "heavy = sorted({'transformers'} & set(sys.modules))\n"
             "assert not heavy, heavy\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -141,9 +141,11 @@ def run(args: argparse.Namespace) -> int:
                                     token=token, tls=tls,
                                     options=drafter_options(name, options, run_id))
             drafters.append(drafter)
+            # persist_state off: every run starts from the priors, so runs compare
             methods.append(RedraftMethod(name, Generator(
                 model, tokenizer, drafter, model_name=model_name, cost=cost,
-                packed_kernels=not args.stock_kernels, choose_kernels=choose)))
+                persist_state=False, packed_kernels=not args.stock_kernels,
+                choose_kernels=choose)))
         warm_up(methods)
         rounds = args.samples if sampling else args.repeat
         with tqdm(total=len(questions) * len(methods) * rounds, unit="answer", file=sys.stderr,

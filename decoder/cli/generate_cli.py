@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from redraft.datastore.cli import add_client_options
 from redraft.decoder.budget import MAX_TREE_NODES, CostModel
-from redraft.decoder.drafters.recycle import RecycleDrafter, table_path
 from redraft.decoder.drafters.registry import (
     add_options,
     build_drafter,
@@ -182,30 +181,18 @@ def _generate_all(args, prompts: list[list[str]], drafter, model, tokenizer, nam
     packed = not args.stock_kernels
     cost = CostModel.flat(args.tree_nodes) if args.tree_nodes else None
     gen = Generator(model, tokenizer, drafter, model_name=name, cost=cost,
-                    max_nodes=args.max_nodes, persist_calibration=True, packed_kernels=packed)
+                    max_nodes=args.max_nodes, persist_state=True, packed_kernels=packed)
     plain = (Generator(model, tokenizer, None, model_name=name, packed_kernels=packed)
              if args.baseline else None)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, typical=args.typical,
                   chat=not args.raw)
     totals = {"spec": 0.0, "plain": 0.0}
-    recycler = _recycler(drafter)
-    if recycler is not None:  # start from what earlier runs' forwards predicted
-        recycler.table.load(table_path(name), int(model.config.vocab_size))
-    try:
-        _answer_all(args, prompts, gen, plain, kwargs, totals)
-    finally:
-        if recycler is not None:
-            recycler.table.save(table_path(name))
+    _answer_all(args, prompts, gen, plain, kwargs, totals)
     if plain is not None and not args.json and len(prompts) > 1:
         print(f"[overall speed-up over plain decoding: "
               f"{totals['plain'] / max(totals['spec'], 1e-9):.2f}x]", file=sys.stderr)
     return 0
-
-
-def _recycler(drafter):
-    members = getattr(drafter, "drafters", [drafter])
-    return next((d for d in members if isinstance(d, RecycleDrafter)), None)
 
 
 def _answer_all(args, prompts: list[list[str]], gen, plain, kwargs: dict, totals: dict) -> None:

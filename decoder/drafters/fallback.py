@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 from redraft.decoder.drafter import Drafter, MergedDrafter
 from redraft.decoder.drafters import medusa
@@ -130,6 +131,12 @@ class FallbackDrafter(Drafter):
 
     def end(self) -> None:
         self._members.end()
+
+    def load_state(self, directory: Path, model_name: str, vocab_size: int) -> None:
+        self._members.load_state(directory, model_name, vocab_size)
+
+    def save_state(self, directory: Path, model_name: str) -> None:
+        self._members.save_state(directory, model_name)
 
     def close(self) -> None:
         self._members.close()

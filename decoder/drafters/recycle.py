@@ -66,10 +66,13 @@ class CandidateTable:
         except (OSError, ValueError, KeyError, EOFError):
             return False
         ok = (ids.shape == probs.shape and ids.ndim == 2 and ids.shape[1] == self.k
-              and ids.shape[0] <= vocab_size and ids.dtype == np.int32
-              and probs.dtype == np.float32 and bool(((ids >= 0) & (ids < vocab_size)).all()))
+              and ids.dtype == np.int32 and probs.dtype == np.float32
+              and bool(((ids >= 0) & (ids < vocab_size)).all())
+              # rows grow by doubling, so a table may have rows past the vocabulary: they
+              # must be ones no prediction was recorded in (they are dropped)
+              and not probs[vocab_size:].any())
         if ok:
-            self.ids, self.probs = ids.copy(), probs.copy()
+            self.ids, self.probs = ids[:vocab_size].copy(), probs[:vocab_size].copy()
         return ok
 
     def draft(self, root: int, budget: int, max_depth: int, min_prob: float = 0.02) -> Tree:
@@ -97,10 +100,11 @@ class CandidateTable:
         return Tree(tokens, parents, node_probs, [SOURCE] * len(tokens))
 
 
-def table_path(model_name: str) -> Path:
-    """Where the recycling table of one model is kept between processes."""
+def table_path(model_name: str, directory: Path | None = None) -> Path:
+    """Where the recycling table of one model is kept between processes (under `directory`,
+    by default the cache root)."""
     key = hashlib.sha256(model_name.encode()).hexdigest()[:16]
-    return cache_root() / "recycle" / f"{key}.npz"
+    return Path(directory or cache_root()) / "recycle" / f"{key}.npz"
 
 
 class RecycleDrafter(Drafter):
@@ -122,6 +126,12 @@ class RecycleDrafter(Drafter):
 
     def observe(self, context: Sequence[int], tree: Tree, ids, probs) -> None:
         self.table.record([int(context[-1]), *tree.tokens], ids, probs)
+
+    def load_state(self, directory: Path, model_name: str, vocab_size: int) -> None:
+        self.table.load(table_path(model_name, directory), vocab_size)
+
+    def save_state(self, directory: Path, model_name: str) -> None:
+        self.table.save(table_path(model_name, directory))
 
 
 def make(ctx) -> RecycleDrafter:

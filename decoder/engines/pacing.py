@@ -12,10 +12,11 @@ engine's per-token work), and how many of the drafts came back accepted. From th
   (recent forwards count most); until forwards of two sizes were seen, a flat cost is assumed,
   so drafting starts, and one plain forward follows the first drafted one to give the slope;
 - calibration: the chance that a node is accepted given its parent was, per source and per
-  bin of the drafter's own estimate, counted from the chains the target verified;
+  bin of the drafter's own estimate, counted from the chains the target verified (the
+  loop's `Calibrator`, from the shared policy module `redraft.decoder.policy`);
 - choice: the chain prefix L that maximises expected tokens per second,
   (1 + sum of the prefix's path probabilities) / cost(1 + L), if it beats plain decoding by
-  `min_gain` (10%); else no drafts;
+  `min_gain` (10%); else no drafts (the loop's budget rule, `policy.best_prefix`);
 - back-off: after `patience` calls in a row whose drafts did not pay (counting the drafter's
   own lookup time), drafting is skipped (the drafter is not even asked) for a number of
   calls that doubles on every idle round, so a machine where drafts never pay runs at plain
@@ -24,8 +25,12 @@ engine's per-token work), and how many of the drafts came back accepted. From th
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from redraft.decoder.policy import Calibrator, best_prefix
 
 
 @dataclass
@@ -73,46 +78,6 @@ class CostFit:
 
 
 @dataclass
-class AcceptanceCalibration:
-    """P(node accepted | parent accepted) per (source, bin of the drafter's estimate)."""
-
-    bins: int = 10
-    prior_weight: float = 2.0
-    _table: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
-
-    def _counts(self, source: str) -> tuple[list[float], list[float]]:
-        t = self._table.get(source)
-        if t is None:  # prior: the drafter's estimate is right, worth `prior_weight` trials
-            centers = [(i + 0.5) / self.bins for i in range(self.bins)]
-            t = ([c * self.prior_weight for c in centers], [self.prior_weight] * self.bins)
-            self._table[source] = t
-        return t
-
-    def _bin(self, p: float) -> int:
-        return min(self.bins - 1, max(0, int(p * self.bins)))
-
-    def apply(self, probs: Sequence[float], sources: Sequence[str]) -> list[float]:
-        out = []
-        for p, src in zip(probs, sources):
-            hits, trials = self._counts(src)
-            b = self._bin(p)
-            out.append(hits[b] / trials[b])
-        return out
-
-    def record(self, probs: Sequence[float], sources: Sequence[str], accepted: int) -> None:
-        """A chain was verified and its first `accepted` nodes were accepted: every node up to
-        the first miss was tried."""
-        for j, (p, src) in enumerate(zip(probs, sources)):
-            if j > accepted:
-                break
-            hits, trials = self._counts(src)
-            b = self._bin(p)
-            trials[b] += 1.0
-            if j < accepted:
-                hits[b] += 1.0
-
-
-@dataclass
 class ChainPacer:
     """Decides how many drafts of a chain to hand to the engine (0: none), and when to stop
     asking the drafter at all. `adaptive=False` always hands out the whole chain."""
@@ -128,7 +93,7 @@ class ChainPacer:
     first_backoff: int = 16
     max_backoff: int = 1024
     cost: CostFit = field(default_factory=CostFit)
-    calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    calibration: Calibrator = field(default_factory=Calibrator)
     lookup_seconds: float = 0.0  # the drafter's own time per call (moving average)
     _idle: int = 0
     _skip: int = 0
@@ -150,19 +115,12 @@ class ChainPacer:
             return n
         if self.cost.slope() is None and self.cost.last_tokens > 1:
             return 0  # only drafted forwards timed so far: time a plain one to get a slope
-        calibrated = self.calibration.apply(probs[:n], sources[:n])
-        plain = self.cost.cost(1)
-        best, best_rate, best_expected, expected, path = 0, 1.0 / plain, 0.0, 0.0, 1.0
-        for k, p in enumerate(calibrated, start=1):
-            path *= p
-            expected += path
-            rate = (1.0 + expected) / self.cost.cost(1 + k)
-            if rate > best_rate:
-                best, best_rate, best_expected = k, rate, expected
-        if best and best_rate * plain < 1.0 + self.min_gain:
-            best = 0
+        path_probs = itertools.accumulate(self.calibration.calibrated(probs[:n], sources[:n]),
+                                          operator.mul)
+        best, best_expected = best_prefix(path_probs, self.cost.cost, self.min_gain)
         # This call's lookup is paid already; whether drafting is worth going on with counts
         # it: a lookup that costs more than its drafts gain is no better than none.
+        plain = self.cost.cost(1)
         worth = (1.0 + best_expected) / (self.cost.cost(1 + best) + self.lookup_seconds)
         self._note_choice(best if best and worth * plain >= 1.0 + self.min_gain else 0)
         return best
@@ -188,6 +146,6 @@ class ChainPacer:
 
     def verified(self, probs: Sequence[float], sources: Sequence[str], accepted: int) -> None:
         """The drafts handed out last time came back with `accepted` of them accepted."""
-        self.calibration.record(probs, sources, accepted)
+        self.calibration.observe_chain(probs, sources, accepted)
         if accepted:
             self._backoff = 0

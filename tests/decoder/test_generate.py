@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 import torch
 from redraft.datastore import Reader
@@ -13,13 +14,16 @@ from redraft.datastore.service.server import ServerThread
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafter import MergedDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
+from redraft.decoder.drafters.recycle import RecycleDrafter, table_path
 from redraft.decoder.drafters.registry import build_drafter
 from redraft.decoder.drafters.rest import DatastoreDrafter, ServiceDrafter
 from redraft.decoder.generate import GenerationError, Generator
 from redraft.decoder.near_tie import is_near_tie
-from redraft.proto.models import tokenizer_fingerprint
+from redraft.decoder.policy import calibration_path
+from redraft.proto.files import cache_root
+from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
-from .conftest import CODE_PROMPTS, CPU_COST
+from .conftest import CODE_PROMPTS, CPU_COST, tiny_model
 
 NEW = 40
 
@@ -316,3 +320,53 @@ def test_max_nodes_zero_drafts_nothing(default_model, plain):
     r = gen.generate(CODE_PROMPTS[0], max_new_tokens=NEW)
     assert r.tokens == plain[CODE_PROMPTS[0]].tokens
     assert r.stats.drafted == 0 and r.stats.steps == NEW and not r.stats.accepted
+
+
+def test_a_generator_keeps_calibration_and_drafter_state_across_processes(tmp_path, caplog):
+    model, tok = tiny_model("llama", vocab=64, init=0.3), load_tokenizer(None)
+    flat, prompt = CostModel.flat(63), [5, 9, 14, 3]  # frozen: the trees depend on state alone
+
+    def generator(state, persist=True):
+        rec = RecycleDrafter()
+        gen = Generator(model, tok, MergedDrafter([PLDDrafter(), rec]), model_name="tiny",
+                        cost=flat, persist_state=state if persist else False)
+        return gen, rec
+
+    first, rec = generator(tmp_path)
+    cold = first.generate(prompt, max_new_tokens=30, eos=False)
+    assert table_path("tiny", tmp_path).is_file()
+    assert calibration_path("tiny", "pld,recycle", tmp_path).is_file()
+    second, back = generator(tmp_path)  # a new process: fresh drafters, the same folder
+    assert back.table.probs.any()
+    assert np.array_equal(back.table.probs, rec.table.probs[:64])  # (rows past the vocabulary
+    assert np.array_equal(back.table.ids, rec.table.ids[:64])  # were never recorded in)
+    assert second.calibrator.to_json() == first.calibrator.to_json()
+    # it then drafts exactly as the first Generator's own next generation does
+    again = first.generate(prompt, max_new_tokens=30, eos=False)
+    warm = second.generate(prompt, max_new_tokens=30, eos=False)
+    assert warm.tokens == again.tokens == cold.tokens
+    assert (warm.stats.steps, warm.stats.tried) == (again.stats.steps, again.stats.tried)
+    assert warm.stats.accepted == again.stats.accepted and warm.stats.accepted["recycle"]
+    # without persist_state nothing is read (it drafts as the first did, cold); True is the
+    # cache root, as `redraft generate` uses
+    fresh, rec = generator(tmp_path, persist=False)
+    assert not rec.table.ids.size
+    plain_again = fresh.generate(prompt, max_new_tokens=30, eos=False).stats.tried
+    assert plain_again == cold.stats.tried != warm.stats.tried
+    assert generator(True)[0].state_dir == cache_root()
+
+    # a generation closed early keeps what it learned too
+    third, rec = generator(tmp_path / "closed")
+    steps = third.iter_steps([7, 2, 11, 6], max_new_tokens=30, eos=False)
+    next(steps)
+    steps.close()
+    assert table_path("tiny", tmp_path / "closed").is_file()
+
+    class CannotSave(RecycleDrafter):
+        def save_state(self, directory, model_name):
+            raise RuntimeError("disk on fire")
+
+    gen = Generator(model, tok, CannotSave(), model_name="tiny", cost=flat,
+                    persist_state=tmp_path / "broken")
+    assert gen.generate(prompt, max_new_tokens=8, eos=False).tokens == cold.tokens[:8]
+    assert "failed to save its state (disk on fire)" in caplog.text

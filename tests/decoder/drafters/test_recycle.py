@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafter import MergedDrafter
+from redraft.decoder.drafters.fallback import FallbackDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
-from redraft.decoder.drafters.recycle import CandidateTable, RecycleDrafter
+from redraft.decoder.drafters.recycle import CandidateTable, RecycleDrafter, table_path
 from redraft.decoder.generate import Generator
 from redraft.proto.models import load_tokenizer
 
@@ -90,3 +91,38 @@ def test_table_survives_a_round_trip_and_bad_files_are_ignored(tmp_path):
     assert not CandidateTable(3).load(tmp_path / "missing.npz", vocab_size=64)
     (tmp_path / "bad.npz").write_bytes(b"not a table")
     assert not CandidateTable(3).load(tmp_path / "bad.npz", vocab_size=64)
+
+
+def test_a_table_grown_past_the_vocabulary_still_loads(tmp_path):
+    # rows double as they grow: a 7-token vocabulary's table has 8 rows once token 6 is seen
+    table = table_with({3: [(4, 0.7), (5, 0.2), (6, 0.1)], 6: [(1, 0.9), (2, 0.1), (0, 0.0)]})
+    assert len(table.ids) == 8
+    table.save(tmp_path / "t.npz")
+    back = CandidateTable(3)
+    assert back.load(tmp_path / "t.npz", vocab_size=7)
+    assert back.draft(6, budget=8, max_depth=1).tokens == [1, 2]
+    assert len(back.ids) == 7  # the never-seen rows past the vocabulary are dropped
+    table.record([7], np.array([[1, 2, 3]], dtype=np.int32),
+                 np.array([[0.5, 0.3, 0.2]], dtype=np.float32))
+    table.save(tmp_path / "t.npz")  # a row recorded for a token this vocabulary lacks
+    assert not CandidateTable(3).load(tmp_path / "t.npz", vocab_size=7)
+
+
+def test_composites_forward_the_state_hooks_to_their_members(tmp_path):
+    def hybrid(rec):  # the shapes `hybrid` and `fallback` build, with the recycler inside
+        return {"merged": MergedDrafter([PLDDrafter(), rec]),
+                "fallback": FallbackDrafter(MergedDrafter([PLDDrafter(), rec]), PLDDrafter())}
+
+    for kind in ("merged", "fallback"):
+        rec = RecycleDrafter(k=3)
+        rec.table = table_with({3: [(4, 0.7), (5, 0.2), (6, 0.1)]})
+        folder = tmp_path / kind
+        hybrid(rec)[kind].save_state(folder, "tiny")
+        assert [p.relative_to(folder) for p in folder.rglob("*.npz")] == \
+            [table_path("tiny", folder).relative_to(folder)]  # where the CLI always kept it
+        back = RecycleDrafter(k=3)
+        hybrid(back)[kind].load_state(folder, "tiny", 64)
+        assert back.propose([1, 3], budget=8).tokens == [4, 5, 6]
+        other = RecycleDrafter(k=3)  # another model's table is another file
+        hybrid(other)[kind].load_state(folder, "another model", 64)
+        assert len(other.propose([1, 3], budget=8)) == 0

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from redraft.decoder.engines.pacing import AcceptanceCalibration, ChainPacer, CostFit
+from redraft.decoder.engines.pacing import ChainPacer, CostFit
+from redraft.decoder.policy import Calibrator
 
 
 def test_cost_fit_recovers_a_line_and_is_flat_until_two_sizes_are_seen():
@@ -21,15 +22,15 @@ def test_cost_fit_recovers_a_line_and_is_flat_until_two_sizes_are_seen():
 
 
 def test_calibration_moves_towards_what_the_target_accepted():
-    cal = AcceptanceCalibration()
-    assert abs(cal.apply([0.85], ["rest"])[0] - 0.85) < 1e-9  # the prior: the estimate
+    cal = Calibrator()  # the loop's, fed the chains an engine verified
+    assert abs(cal.calibrated([0.85], ["rest"])[0] - 0.85) < 1e-9  # the prior: the estimate
     for _ in range(50):  # 0.85-estimates of rest are never accepted
-        cal.record([0.85, 0.85], ["rest", "rest"], accepted=0)
-    assert cal.apply([0.85], ["rest"])[0] < 0.05
-    assert abs(cal.apply([0.85], ["pld"])[0] - 0.85) < 1e-9  # other sources untouched
-    cal.record([0.3, 0.3, 0.3], ["pld"] * 3, accepted=3)  # all three tried and accepted
-    hits, trials = cal._table["pld"]
-    assert trials[3] == 2.0 + 3 and hits[3] == 0.35 * 2 + 3
+        cal.observe_chain([0.85, 0.85], ["rest", "rest"], accepted=0)
+    assert cal.calibrated([0.85], ["rest"])[0] < 0.05
+    assert abs(cal.calibrated([0.85], ["pld"])[0] - 0.85) < 1e-9  # other sources untouched
+    cal.observe_chain([0.3, 0.3, 0.3], ["pld"] * 3, accepted=3)  # all three tried and accepted
+    bins = cal._get("pld")
+    assert bins.trials[3] == 2.0 + 3 and bins.hits[3] == 0.35 * 2 + 3
 
 
 def feed(pacer: ChainPacer, seconds_for, n_calls: int, probs, sources, accept) -> list[int]:
