@@ -8,9 +8,12 @@ Run under vLLM's Python (`make vllm-env`), with a `redraft serve` for redraft's 
         --questions SPEC_BENCH --per-category 2 --concurrency 1,4,16 --out bench-out/vllm
 
 Every method is one engine, all alive at once; each round runs every (concurrency, method)
-pair in a rotated order, so the methods share the machine's state. Reported per concurrency
+same machine's state. Reported per concurrency
 and method: output tokens per second (median over rounds), its ratio to plain vLLM in the
-same rounds, and whether every output was plain vLLM's greedy output token for token.
+same rounds, and whether every output of every round was plain vLLM's greedy output token
+for token. The same prompts are served in every round and at every concurrency: from the
+first pass on, redraft's service drafts them from what it learned (repeated requests);
+a method's first round at the first concurrency is the only cold one (printed per round).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     levels = [int(c) for c in args.concurrency.split(",")]
     rates: dict[tuple[int, str], list[float]] = {}
-    outputs: dict[tuple[int, str], list[list[int]]] = {}
+    outputs: dict[tuple[int, str, int], list[list[int]]] = {}  # every round's, compared
     for r in range(args.rounds):
         for c in levels:
             order = methods[r % len(methods):] + methods[:r % len(methods)]
@@ -93,7 +96,7 @@ def main() -> None:
                     ids += [list(g.outputs[0].token_ids) for g in got]
                 seconds = time.perf_counter() - start
                 rates.setdefault((c, m), []).append(sum(map(len, ids)) / seconds)
-                outputs[(c, m)] = ids
+                outputs[(c, m, r)] = ids
                 print(f"round {r} concurrency {c} {m}: {rates[(c, m)][-1]:.1f} tokens/s",
                       flush=True)
     rows = ["| concurrency | method | tokens/s (median) | vs plain | identical to plain |",
@@ -103,8 +106,8 @@ def main() -> None:
         for m in methods:
             med = statistics.median(rates[(c, m)])
             ratio = f"{med / base:.2f}x" if base else "-"
-            same = ("yes" if outputs[(c, m)] == outputs.get((c, "plain")) else "**no**") \
-                if base else "-"
+            same = ("yes" if all(outputs[(c, m, r)] == outputs[(c, "plain", r)]
+                                 for r in range(args.rounds)) else "**no**") if base else "-"
             rows.append(f"| {c} | {m} | {med:.1f} | {ratio} | {same} |")
     table = "\n".join(rows)
     load = os.getloadavg()
