@@ -8,7 +8,7 @@ Run under vLLM's Python (`make vllm-env`), with a `redraft serve` for redraft's 
         --questions SPEC_BENCH --per-category 2 --concurrency 1,4,16 --out bench-out/vllm
 
 Every method is one engine, all alive at once; each round runs every (concurrency, method)
-same machine's state. Reported per concurrency
+pair in a rotated order, so the methods share the machine's state. Reported per concurrency
 and method: output tokens per second (median over rounds), its ratio to plain vLLM in the
 same rounds, and whether every output of every round was plain vLLM's greedy output token
 for token. The same prompts are served in every round and at every concurrency: from the
