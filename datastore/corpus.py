@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import logging
 import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from redraft.proto.errors import CorpusError
 from redraft.proto.jsonl import parse_record
+
+log = logging.getLogger("redraft.datastore.corpus")
 
 # Files a directory walk leaves out: caches and obvious binaries. Named files are never
 # filtered; a binary file named explicitly is reported as not UTF-8.
@@ -40,12 +44,24 @@ def _is_glob(s: str) -> bool:
 
 
 def _walk(root: Path) -> Iterator[Path]:
+    """Regular files under `root`. Anything else a directory holds (a FIFO, whose read
+    blocks forever; a device such as a link to /dev/zero, whose read never ends; a socket;
+    a dangling link) is skipped with one line."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
         for f in sorted(filenames):
             if f.startswith(".") or Path(f).suffix.lower() in _BINARY_SUFFIXES:
                 continue
-            yield Path(dirpath) / f
+            path = Path(dirpath) / f
+            try:
+                regular = stat.S_ISREG(os.stat(path).st_mode)  # follows links
+            except OSError:
+                regular = False
+            if not regular:
+                log.warning("%s: not a regular file (a FIFO, device, socket or "
+                            "dangling link); skipped", path)
+                continue
+            yield path
 
 
 def expand_inputs(inputs: Sequence[str | os.PathLike], exclude: Sequence[str] = ()) -> list[Path]:

@@ -410,3 +410,28 @@ def test_datastore_commands_import_neither_torch_nor_grpc(tmp_path, corpus):
     p = subprocess.run([sys.executable, "-m", "redraft.decoder.cli", "--help"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "generate" in p.stdout and "bench" in p.stdout
+
+
+def test_index_of_a_directory_skips_fifos_and_devices(tmp_path):
+    """A FIFO in a walked directory would block the read forever, and a symlink to
+    /dev/zero would never end: a walk reads regular files only, saying what it skipped."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("def f():\n    return 1\n")
+    os.mkfifo(src / "pipe.txt")
+    (src / "zero.txt").symlink_to("/dev/zero")
+    p = redraft("index", "--tokenizer", "smollm2-135m", "--out", str(tmp_path / "ds"),
+                "--quiet", str(src))
+    err = p.stderr.decode(errors="replace")
+    assert p.returncode == 0, err
+    assert "Traceback" not in err
+    skipped = [line for line in err.splitlines() if "not a regular file" in line]
+    assert len(skipped) == 2 and any("pipe.txt" in s for s in skipped) \
+        and any("zero.txt" in s for s in skipped), err
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert manifest["n_docs"] == 1, manifest
+    # Named explicitly, a FIFO or a device is refused in one line (no read is tried).
+    for name in ("pipe.txt", "zero.txt"):
+        q = redraft("index", "--tokenizer", "smollm2-135m", "--out",
+                    str(tmp_path / f"ds-{name}"), str(src / name))
+        one_line_error(q, "index", "not a regular file")
