@@ -38,7 +38,7 @@ import numpy as np
 from redraft.datastore.drafting import BatchStep, step_flat
 from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
-from redraft.datastore.service.config import THREADS_MIN_SEQUENCES, ServiceConfig
+from redraft.datastore.service.config import MAX_ID_BYTES, THREADS_MIN_SEQUENCES, ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2
@@ -48,6 +48,12 @@ _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _SWEPT_REMEMBERED = 4096  # ids of swept sequences kept to say why they are gone
 OFFLOAD_TOKENS = 1 << 16  # about 20 ms of indexing in the core
+
+
+def _too_long(name: str) -> bool:
+    """Whether an id is over MAX_ID_BYTES in UTF-8 (a character is at most 4 bytes, so most
+    ids are cleared without encoding them)."""
+    return len(name) * 4 > MAX_ID_BYTES and len(name.encode()) > MAX_ID_BYTES
 
 
 class BatchedSequence:
@@ -171,6 +177,9 @@ class BatchDrafting:
         if request.chain > self.config.max_budget:
             raise bad(f"chain {request.chain} exceeds the server's max_budget "
                       f"{self.config.max_budget}")
+        if _too_long(request.client):
+            raise bad(f"client id of {len(request.client.encode())} bytes; at most "
+                      f"{MAX_ID_BYTES}")
         packed = _PackedSteps(request.steps) if request.HasField("steps") else None
         if request.tokenizer_fingerprint:  # one caller has one tokenizer: checked once
             checks.check_fingerprint(request.tokenizer_fingerprint, required=True)
@@ -183,6 +192,10 @@ class BatchDrafting:
             sequence = e.sequence
             entry = _Entry(sequence)
             entries.append(entry)
+            if _too_long(sequence):
+                entry.error = bad(f"sequence id of {len(sequence.encode())} bytes; at most "
+                                  f"{MAX_ID_BYTES}")
+                continue
             if sequence in seen:
                 entry.error = bad(f"sequence {sequence!r} appears twice in one batch")
                 continue

@@ -62,6 +62,10 @@ class ServiceConfig:
     batch_offload_min: int = 256
 
 
+# The longest client or sequence id a Batch call may name, in UTF-8 bytes: the server keeps
+# every held id, and those of recently swept sequences, so their memory is bounded by it.
+MAX_ID_BYTES = 256
+
 MAX_AUTO_BATCH_THREADS = 8  # more threads than this gain little on an engine's batch
 # A call of fewer sequences drafts on one thread (about 0.4 ms of drafting): waking another
 # costs about what it would save, and lengthened the tail (8 sequences on two threads: p99

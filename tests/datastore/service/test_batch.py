@@ -236,6 +236,23 @@ def test_a_bad_entry_fails_alone_with_a_sessions_status(limited):
         assert r.errors == [None, None] and r.context_lens == [11, 11]
 
 
+def test_ids_are_bounded_in_length(limited):
+    """The server holds every open sequence's id (and recently swept ones'): an id over 256
+    UTF-8 bytes is refused, so what it keeps per sequence is bounded."""
+    good = DOCS[0][:10]
+    with DraftClient(limited.address, token="token-a", timeout=30) as a:
+        r = a.batch([SequenceOpen("s" * 256, good), SequenceOpen("s" * 257, good),
+                     SequenceOpen("\u00e9" * 129, good)], None, FP, client_id="ids")
+        assert r.errors[0] is None
+        for err in r.errors[1:]:
+            assert isinstance(err, InvalidRequest) and "at most 256" in str(err), r.errors
+        assert "sequence id of 257 bytes" in str(r.errors[1])
+        assert "sequence id of 258 bytes" in str(r.errors[2])  # 129 two-byte characters
+        with pytest.raises(InvalidRequest, match="client id of 300 bytes; at most 256"):
+            a.batch([SequenceOpen("x", good)], None, FP, client_id="c" * 300)
+        assert a.batch([SequenceEnd("s" * 256)], client_id="ids").errors == [None]
+
+
 def test_packed_steps_draft_the_entry_forms_trees_with_learning(tmp_path, servers):
     """With learned outputs drafted (so each tree depends on what every sequence of the
     call learned first), packed steps and step entries give the same trees, chains and
