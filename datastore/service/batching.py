@@ -177,6 +177,11 @@ class BatchDrafting:
         if request.chain > self.config.max_budget:
             raise bad(f"chain {request.chain} exceeds the server's max_budget "
                       f"{self.config.max_budget}")
+        size = len(request.entries) + len(request.steps.sequences)
+        if size > self.config.max_batch_entries:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"batch of {size} entries and packed steps exceeds the server's "
+                          f"max_batch_entries {self.config.max_batch_entries}; split it")
         if _too_long(request.client):
             raise bad(f"client id of {len(request.client.encode())} bytes; at most "
                       f"{MAX_ID_BYTES}")

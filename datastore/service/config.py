@@ -60,6 +60,10 @@ class ServiceConfig:
     # loop answers other calls and health checks meanwhile). 64 sequences draft in ~1.2 ms
     # of CPU; handing them to a thread added 0.5-1 ms to that on a loaded 2-core machine.
     batch_offload_min: int = 256
+    # Entries plus packed steps one Batch call may carry, checked before any of them is
+    # looked at: an engine steps a few hundred sequences, and one call of 200k entries held
+    # every other session for seconds, then overflowed the reply.
+    max_batch_entries: int = 4096
 
 
 # The longest client or sequence id a Batch call may name, in UTF-8 bytes: the server keeps

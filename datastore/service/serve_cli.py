@@ -129,6 +129,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-offload", type=int, default=d.batch_offload_min, metavar="N",
                    help="a batched call of at least N sequences drafts on a thread, so the "
                    f"server answers other calls meanwhile (default {d.batch_offload_min})")
+    p.add_argument("--max-batch-entries", type=int, default=d.max_batch_entries, metavar="N",
+                   help="entries plus packed steps one batched call may carry "
+                   f"(default {d.max_batch_entries})")
     p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
                    help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
     p.set_defaults(func=run)
@@ -150,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         "--learn-max-tokens": (args.learn_max_tokens, UINT64),
         "--batch-threads": (args.batch_threads, 256),
         "--batch-offload": (args.batch_offload, UINT32),
+        "--max-batch-entries": (args.max_batch_entries, UINT32),
     }
     for flag, (value, most) in bounded.items():
         if not 0 < value <= most:  # also false for nan
@@ -208,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         drafting=args.drafting,
         batch_threads=args.batch_threads,
         batch_offload_min=args.batch_offload,
+        max_batch_entries=args.max_batch_entries,
     )
 
 

@@ -618,3 +618,53 @@ def test_packed_steps_refuse_what_step_entries_refuse_before_sending(accepted, b
                                                                      message):
     with pytest.raises(InvalidRequest, match=re.escape(message)):
         PackedSteps(["a"], accepted, budgets).to_proto(draft_pb2.PackedSteps())
+
+
+def test_oversized_batch_calls_are_refused_fast_without_stalling_or_memory(store, servers):
+    """A hostile Batch call (200k closes of unknown ids; 2 M packed steps naming one empty
+    id) is refused whole with RESOURCE_EXHAUSTED before any entry is looked at: another
+    caller's steps keep being answered meanwhile, and the server's memory stays small."""
+    import psutil
+
+    srv = servers.start(store, "--port", "0")
+    closes = draft_pb2.BatchRequest(client="e", entries=[
+        draft_pb2.BatchEntry(sequence=str(i), close=draft_pb2.SequenceClose())
+        for i in range(200_000)])
+    n = 2_000_000
+    packed = draft_pb2.BatchRequest(client="e", steps=draft_pb2.PackedSteps(
+        sequences=[""] * n, accepted=b"", counts=bytes(4 * n)))
+    longest = [0.0]
+    stop = threading.Event()
+
+    def other_caller() -> None:
+        with DraftClient(srv.address, timeout=30) as c:
+            c.batch([SequenceOpen("o", DOCS[0][:10])], None, FP, client_id="other")
+            while not stop.is_set():
+                t = time.perf_counter()
+                assert c.batch([SequenceStep("o", [1])], client_id="other").errors == [None]
+                longest[0] = max(longest[0], time.perf_counter() - t)
+                c.batch([SequenceEnd("o")], client_id="other")
+                c.batch([SequenceOpen("o", DOCS[0][:10])], None, FP, client_id="other")
+
+    worker = threading.Thread(target=other_caller)
+    worker.start()
+    try:
+        with grpc.insecure_channel(srv.address, options=[
+                ("grpc.max_send_message_length", 64 << 20)]) as channel:
+            stub = draft_pb2_grpc.DrafterStub(channel)
+            for request, size in ((closes, 200_000), (packed, n)):
+                t = time.perf_counter()
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Batch(request, timeout=60)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert f"batch of {size} entries and packed steps exceeds the server's " \
+                       "max_batch_entries 4096" in info.value.details()
+                assert time.perf_counter() - t < 5
+    finally:
+        stop.set()
+        worker.join(60)
+    assert longest[0] < 2.0, longest  # 5.5 s before the bound
+    rss = psutil.Process(srv.pid).memory_info().rss
+    with open(f"/proc/{srv.pid}/status") as f:  # the peak, on Linux
+        peak = next((int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM")), rss)
+    assert rss < 300 << 20 and peak < 300 << 20, (rss, peak)
