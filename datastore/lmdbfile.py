@@ -8,6 +8,11 @@ and check every page number, node offset, key length and value length against th
 the file before slicing anything. A value comes back as its (offset, length) in the map:
 zero-copy, and never outside the file. Only writers use LMDB, on files they create.
 
+A file truncated while mapped (a served datastore refreshed in place, `cp -r new/. served/`)
+would kill the process with SIGBUS at the first read past its new end. The map comes from
+`_mapping` (compiled beside this module), where such a read gets zeros and marks the map
+`truncated`; the Reader then refuses the data (`Reader.check_maps`, `files_changed`).
+
 The format (LMDB 0.9, 64-bit, little-endian): every page starts with a 16-byte header —
 page number (u64), pad (u16), flags (u16), then the bounds of the page's free space (lower,
 upper: u16 each) or, on the first of a run of overflow pages, the run's length (u32).
@@ -27,6 +32,14 @@ import struct
 from bisect import bisect_left
 
 from redraft.proto.errors import DatastoreCorrupt
+
+try:  # a map whose truncation under the reader reads as zeros instead of killing it (SIGBUS)
+    from redraft.datastore._mapping import Map, faults
+except ImportError:  # not built: plain mmap, and a file truncated while mapped is fatal
+    Map = None
+
+    def faults() -> int:
+        return 0
 
 MDB_MAGIC = 0xBEEFC0DE
 MDB_DATA_VERSION = 1
@@ -54,9 +67,11 @@ class LmdbFile:
             st = os.fstat(fd)
             self.ident = (st.st_dev, st.st_ino)
             self.size = st.st_size
+            self._written = (st.st_size, st.st_mtime_ns)  # what changed() compares
             if self.size < PAGE_HEADER + _META.size:
                 raise self._bad(f"not an LMDB file ({self.size} bytes)")
-            self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # slices of it are bytes
+            # slices of either are bytes
+            self.mm = Map(fd) if Map is not None else mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
         self.view = memoryview(self.mm)  # slices of it are zero-copy views
@@ -251,6 +266,27 @@ class LmdbFile:
         if got != want:
             raise self._bad(f"the meta page counts (branch, leaf, overflow pages, entries) "
                             f"{want}, the tree holds {got}")
+
+    @property
+    def truncated(self) -> bool:
+        """Whether a read of the map met a page past the file's end (the file was truncated
+        after it was mapped): that read, and every later one there, saw zeros."""
+        return bool(getattr(self.mm, "truncated", False))
+
+    def changed(self) -> str | None:
+        """Why the mapped file is no longer the one opened (None: it is): truncated under
+        the map, or rewritten in place (another size or modification time, same inode). A
+        file replaced by rename or unlinked is no change: the map keeps the old inode."""
+        if self.truncated:
+            return f"{self.file}: truncated while mapped (rewritten in place?)"
+        try:
+            st = os.stat(self.file)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino) == self.ident and (st.st_size, st.st_mtime_ns) != \
+                self._written:
+            return f"{self.file}: rewritten in place while mapped"
+        return None
 
     def __enter__(self) -> LmdbFile:
         return self

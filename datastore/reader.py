@@ -35,7 +35,7 @@ import numpy as np
 from pyroaring import BitMap
 from redraft.datastore import format as fmt
 from redraft.datastore import manifest as mf
-from redraft.datastore.lmdbfile import LmdbFile
+from redraft.datastore.lmdbfile import LmdbFile, faults
 from redraft.proto.errors import (
     DatastoreCorrupt,
     DatastoreError,
@@ -126,10 +126,13 @@ def _guarded(verb):
         if reader._closed:
             raise ReaderClosed(f"{reader.path}: the Reader is closed")
         try:
-            return verb(self, *args, **kwargs)
+            out = verb(self, *args, **kwargs)
         except IndexError as exc:
+            reader.check_maps()
             raise DatastoreCorrupt(f"{self.file}: damaged arrays ({exc}); verify it with "
                                    f"`redraft stats`") from exc
+        reader.check_maps()
+        return out
     return run
 
 
@@ -199,6 +202,8 @@ class Reader:
     Reader at once (the draft service does). close() must wait until they are done; after
     it every verb, and `with` on it, raises ReaderClosed.
     """
+
+    _faults_seen = 0  # the process's count of truncated-map reads when last checked
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
         self.path = self.file = os.fspath(path)
@@ -412,6 +417,28 @@ class Reader:
             total += int(self.stamp[3])
         return total
 
+    def check_maps(self) -> None:
+        """DatastoreCorrupt if a read of this snapshot met a segment truncated after it was
+        mapped (that read, and every later one there, saw zeros: lmdbfile); a counter
+        compare while no map in the process ever was, so it runs after every lookup."""
+        seen = faults()
+        if seen == self._faults_seen:
+            return
+        for seg in self._segments:
+            if seg.lm.truncated:
+                raise DatastoreCorrupt(f"{seg.file}: truncated while mapped (a file of the "
+                                       f"datastore was rewritten in place); reopen it")
+        self._faults_seen = seen
+
+    def files_changed(self) -> str | None:
+        """Why a segment file of this snapshot is no longer what it mapped (truncated, or
+        rewritten in place: lmdbfile's `changed`), or None. One stat per segment."""
+        for seg in self._segments:
+            why = seg.lm.changed()
+            if why is not None:
+                return why
+        return None
+
     # ---- lifecycle ----------------------------------------------------------------------
     def _release(self) -> None:
         segments, self._segments = self._segments, []
@@ -457,11 +484,16 @@ class Reader:
         """Check the LMDB structure of every segment and every array, name list and bitmap
         against their crc32 (reads the whole files). `only` / `skip`: segment file names to
         check, or to leave out (segments are immutable: one checked once stays checked)."""
-        for seg in self._segments:
-            if (only is not None and seg.name not in only) or (
-                    seg.name in skip and mf.is_segment_name(seg.name)):
-                continue
-            self._verify_segment(seg)
+        try:
+            for seg in self._segments:
+                if (only is not None and seg.name not in only) or (
+                        seg.name in skip and mf.is_segment_name(seg.name)):
+                    continue
+                self._verify_segment(seg)
+        except DatastoreCorrupt:
+            self.check_maps()  # zeros read from a truncated file: say that instead
+            raise
+        self.check_maps()
 
     def _verify_segment(self, seg: _Segment) -> None:
         seg.lm.check()
@@ -612,6 +644,7 @@ class Reader:
         for sh, i, j in self._ranges(key, int(arr[0]), self._select(corpora)):
             after = np.minimum(sh.sa[i:j].astype(np.int64) + n, sh.length - 1)
             nxt = sh.tokens[after].astype(np.int64)
+            _check_ids(sh, nxt, self.separator)
             vals, cnt = np.unique(nxt[nxt != self.separator], return_counts=True)
             for v, c in zip(vals.tolist(), cnt.tolist()):
                 acc[v] = acc.get(v, 0) + c
@@ -709,8 +742,21 @@ class Reader:
             p = sh.sa[start + local]
             idx = offs + p  # int64 (uint32 positions widen here)
             np.minimum(idx, sh.length - 1, out=idx)
-            cols.append(sh.tokens[idx])
+            col = sh.tokens[idx]
+            _check_ids(sh, col, self.separator)
+            cols.append(col)
         return (cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)).astype(np.int64)
+
+
+def _check_ids(sh: _Shard, tokens: np.ndarray, separator: int) -> None:
+    """DatastoreCorrupt if tokens read from a shard hold an id past the separator (damaged
+    token arrays of a Reader opened without verifying): no such id is ever drafted or
+    counted. The compiled core refuses the same columns."""
+    if tokens.size and int(tokens.max()) > separator:
+        raise DatastoreCorrupt(
+            f"{sh.segment.file}: damaged token arrays (id {int(tokens.max())} in shard "
+            f"{sh.local}, past the vocabulary [0, {separator})); verify it with "
+            f"`redraft stats`")
 
 
 class ShardArrays(NamedTuple):

@@ -42,7 +42,7 @@ from redraft.datastore.service.config import MAX_ID_BYTES, THREADS_MIN_SEQUENCES
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2
-from redraft.proto.errors import DatastoreError
+from redraft.proto.errors import DatastoreCorrupt, DatastoreError
 
 _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -341,8 +341,9 @@ class BatchDrafting:
         if out.errors:
             n_entries = len(drafting)
             for i, err in out.errors.items():
-                refusal = bad(str(err)) if isinstance(err, (DatastoreError, ValueError,
-                                                            TypeError)) else \
+                refusal = self.service.damaged(err, reader) if isinstance(
+                    err, DatastoreCorrupt) else bad(str(err)) if isinstance(
+                    err, (DatastoreError, ValueError, TypeError)) else \
                     Refusal(grpc.StatusCode.INTERNAL, f"drafting failed: {err}")
                 if i < n_entries:
                     drafting[i].error = refusal

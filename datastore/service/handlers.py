@@ -33,7 +33,7 @@ from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.validation import RequestValidator
 from redraft.datastore.service.verification import BackgroundVerification
 from redraft.proto import draft_pb2, draft_pb2_grpc
-from redraft.proto.errors import DatastoreError
+from redraft.proto.errors import DatastoreCorrupt, DatastoreError
 from redraft.proto.tree import source_bits
 
 # Tokens a step adds, or a prompt indexes, before other calls get the event loop again:
@@ -68,18 +68,32 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     def _check_serving(self) -> None:
         if self.stopping:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        self._check_damage()
+
+    def _check_damage(self) -> None:
         damage = self.verification.damage
         if damage is not None:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {damage}")
+
+    def damaged(self, exc: Exception, reader) -> Refusal:
+        """Drafting from `reader` met damaged data (ids past the vocabulary in arrays not
+        verified, a segment truncated under its map): if it is still the snapshot served,
+        it is marked damaged (one logged line, health NOT_SERVING); the call UNAVAILABLE."""
+        if reader is self.reader:
+            self.verification.fail(str(exc))
+        return Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {exc}")
 
     # ---- drafting ----------------------------------------------------------------------
     def _draft(self, drafter, budget: int, out: draft_pb2.DraftReply,
                kind: str | None) -> None:
         """Tree from the session's sources under the budget, count, fill `out`."""
         t0 = time.perf_counter()
+        self._check_damage()  # an open session's step too
         try:
             drafter.use_reader(self.reader)  # the newest snapshot, between two steps
             tree = drafter.propose(budget)
+        except DatastoreCorrupt as exc:
+            raise self.damaged(exc, self.reader) from exc
         except DatastoreError as exc:
             raise bad(str(exc)) from exc
         expected = tree.expected_accepted

@@ -65,8 +65,11 @@ class SnapshotReloader:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                stamp = await loop.run_in_executor(None, commit_stamp, self.path)
-                if stamp in (self.stamp, self.refused):
+                stamp, changed = await loop.run_in_executor(None, self._look,
+                                                            self.service.reader)
+                if changed is not None:
+                    self._changed(changed)  # reopened until a commit opens whole
+                elif stamp in (self.stamp, self.refused):
                     continue
                 reader = await loop.run_in_executor(None, self._open)
             except (RedraftError, OSError) as exc:
@@ -79,6 +82,19 @@ class SnapshotReloader:
                              "to serve it")
                 continue
             self._swap(reader)
+
+    def _look(self, reader) -> tuple[tuple, str | None]:
+        """The commit's stamp, and why the served snapshot's files are no longer what it
+        mapped (None: they are): a stat of manifest.json and one of each segment."""
+        changed = getattr(reader, "files_changed", None)
+        return commit_stamp(self.path), changed() if changed is not None else None
+
+    def _changed(self, why: str) -> None:
+        """A segment served was truncated or rewritten in place (`cp -r` over the served
+        directory): the snapshot is damaged (one line, UNAVAILABLE), and what was verified
+        is verified again (segments are immutable only while nobody rewrites them)."""
+        self.service.verification.fail(f"{why}; reopening the datastore until it opens")
+        self.verified.clear()
 
     def _open(self) -> Reader:
         """The new snapshot, with the drafting core's tables over its new segments built
@@ -118,8 +134,9 @@ class SnapshotReloader:
         turns health back to SERVING."""
         async def watch() -> None:
             await verification.wait()
-            if verification.damage is None and verification.status == "passed":
-                self.verified.update(getattr(reader, "segments", ()))
+            if verification.damage is None and verification.status in ("passed", "skipped"):
+                if verification.status == "passed":
+                    self.verified.update(getattr(reader, "segments", ()))
                 if recovering and self.service.verification is verification and \
                         not self.service.stopping:
                     for name in ("", SERVICE_NAME):

@@ -1,5 +1,7 @@
 """Checking the datastore's checksums in the background once serving (opening stays O(1)): a
-damaged datastore turns health NOT_SERVING, and drafting from it UNAVAILABLE."""
+damaged datastore turns health NOT_SERVING, and drafting from it UNAVAILABLE. Damage found
+by drafting itself (ids past the vocabulary in arrays not verified yet or never, a segment
+truncated or rewritten under its map) does the same, with or without the check."""
 
 from __future__ import annotations
 
@@ -23,19 +25,38 @@ class BackgroundVerification:
         self.skip = skip
         self.damage: str | None = None
         self._verifying: asyncio.Future | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._said: asyncio.Future | None = None  # health turning NOT_SERVING after fail()
 
     def start(self, health_servicer: health.aio.HealthServicer) -> None:
+        self._health = health_servicer
         if self.enabled and self._verifying is None:
             self._verifying = asyncio.ensure_future(self._verify(health_servicer))
 
     @property
     def status(self) -> str:
         """skipped, running, passed, or failed: <why>."""
+        if self.damage is not None:
+            return f"failed: {self.damage}"
         if self._verifying is None:
             return "skipped"
-        if not self._verifying.done():
-            return "running"
-        return "passed" if self.damage is None else f"failed: {self.damage}"
+        return "running" if not self._verifying.done() else "passed"
+
+    def fail(self, why: str) -> bool:
+        """The snapshot is damaged (found while drafting or following the files): logged
+        once, health NOT_SERVING, drafting from it UNAVAILABLE. False if it was known."""
+        if self.damage is not None:
+            return False
+        self.damage = why
+        log.error("redraft serve: %s; health is NOT_SERVING", why)
+        if self._health is not None:
+            self._said = asyncio.ensure_future(self._not_serving(self._health))
+        return True
+
+    @staticmethod
+    async def _not_serving(health_servicer: health.aio.HealthServicer) -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _verify(self, health_servicer: health.aio.HealthServicer) -> None:
         try:
@@ -43,13 +64,15 @@ class BackgroundVerification:
                 else self.reader.verify
             await asyncio.get_running_loop().run_in_executor(None, verify)
         except Exception as exc:  # whatever stops verification, the data is not trusted
-            self.damage = str(exc) or repr(exc)
-            log.error("redraft serve: %s; health is NOT_SERVING", exc)
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            if self.damage is None:
+                self.damage = str(exc) or repr(exc)
+                log.error("redraft serve: %s; health is NOT_SERVING", exc)
+                await self._not_serving(health_servicer)
 
     async def wait(self) -> None:
         """Until a verification still running is done: its thread reads the Reader's map,
         which the caller may close next."""
         if self._verifying is not None:
             await self._verifying
+        if self._said is not None:
+            await self._said

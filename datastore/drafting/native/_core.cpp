@@ -49,7 +49,8 @@ constexpr uint8_t BIT_REST = 1, BIT_PLD = 2, BIT_LEARNED = 4;
 
 // Error codes a step returns instead of a tree; the Python wrapper then asks the reference
 // for the exact exception (the same message, type and precedence as the Python drafter's).
-constexpr int ERR_REST = 1;  // retrieval would raise (bad settings, ids, corpora, closed)
+constexpr int ERR_REST = 1;  // retrieval would raise (bad settings, ids, corpora, closed,
+                              // damaged arrays)
 constexpr int ERR_TOKENS = 2;  // (batched step) the accepted tokens were not token ids
 
 PyObject* g_labels[8] = {nullptr};  // source label of each bit set ("pld+rest" for 3)
@@ -1335,9 +1336,11 @@ class Store {
     bool lower(const Shard& sh, const uint8_t* key, size_t nb, uint32_t t0, int64_t& i,
                int64_t& hi) const {
         int64_t lo = load_le32(sh.bucket + t0);
-        hi = load_le32(sh.bucket + t0 + 1);
-        if (lo == hi) {
-            i = lo;
+        // Checked when the Store was made; bounded again here, as the map may have changed
+        // since (a file rewritten in place, or truncated and read as zeros: _mapping.cpp).
+        hi = std::min<int64_t>(load_le32(sh.bucket + t0 + 1), sh.length);
+        if (lo >= hi) {
+            i = hi;
             return false;
         }
         return lower_in(sh, key, nb, lo, hi, i);
@@ -1519,14 +1522,17 @@ void encode_key(const uint32_t* tail, int64_t n, int w, std::vector<uint8_t>& ke
     }
 }
 
-// Reader.propose (+ _tree, _trie_draft): the REST tree of the context's tail.
-void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32_t* tail,
+// Reader.propose (+ _tree, _trie_draft): the REST tree of the context's tail. False (and an
+// empty tree) where a sampled continuation holds an id past the separator: damaged token
+// arrays of a Reader opened without verifying, which must never reach a draft (the
+// reference's Reader._sample raises DatastoreCorrupt for the same columns).
+bool rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32_t* tail,
                   int64_t n, const RestParams& p, Tree& out, Scratch& s, RestHint& hint,
                   size_t context_len) {
     out.clear();
     if (p.budget == 0 || n < p.min_match) {
         hint.valid = false;
-        return;
+        return true;
     }
     const int w = st.width;
     auto& key = s.key;
@@ -1538,7 +1544,7 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     hint.L = L;
     hint.context_len = context_len;
     hint.ranges.assign(r1.begin(), r1.end());
-    if (L == 0) return;
+    if (L == 0) return true;
     int64_t support = 0;
     for (const auto& r : r1) support += r.hi - r.lo;
     int64_t L2 = 0;
@@ -1564,7 +1570,7 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     int64_t k1 = sample(st, r1, p.max_occurrences, pos1, sh1);
     int64_t k2 = two ? sample(st, r2, p.max_occurrences, pos2, sh2) : 0;
     int64_t k = k1 + k2;
-    if (k == 0) return;
+    if (k == 0) return true;
     // Column c (contiguous, D rows): the tokens at min(L + d + pos, length - 1) of its shard.
     // Every column's cache lines (its first and last token's) are asked for before any is
     // read: the reads overlap.
@@ -1588,20 +1594,26 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         int64_t at = (first ? L : L2) + (first ? pos1[c] : pos2[c - k1]);
         uint32_t* col = W.data() + c * D;
         int64_t last = sh.length - 1;
-        uint32_t n_sep = 0;
+        uint32_t n_sep = 0, top = 0;
         if (at + D - 1 <= last && w == 2) {
             const uint8_t* b = sh.tokens + at * w;
             for (int64_t d = 0; d < D; ++d) {
                 col[d] = (uint32_t(b[2 * d]) << 8) | b[2 * d + 1];
                 n_sep += col[d] == sep;
+                top = std::max(top, col[d]);
             }
         } else {
             for (int64_t d = 0; d < D; ++d) {
                 col[d] = st.token(sh, std::min(at + d, last));
                 n_sep += col[d] == sep;
+                top = std::max(top, col[d]);
             }
         }
         seps[c] = n_sep;
+        if (top > sep) {  // damaged: no id past the vocabulary is ever drafted
+            out.clear();
+            return false;
+        }
     }
     // Column order and weights: one SA range sampled in order is already sorted (unit
     // weights); otherwise columns sorted as np.lexsort(W[::-1]) sorts them, weighted.
@@ -1667,7 +1679,7 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
         nn += vlen[c] - lcp[c];
     }
     out.match_len = L;
-    if (nn == 0) return;
+    if (nn == 0) return true;
     // Shared nodes: mass, depth, opening column, parent (a shared node or -1), token.
     int64_t ns = 0;  // their number (pd[c] >= lcp[c], as lcp[c] <= vlen[c])
     for (int64_t c = 0; c < k; ++c) ns += pd[c] - lcp[c];
@@ -1795,6 +1807,7 @@ void rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
                   BIT_REST);
         }
     }
+    return true;
 }
 
 // merge.merge_drafts: shared prefixes merged (higher prob kept, source bits OR-ed), then
@@ -2409,7 +2422,12 @@ int propose_own(SessionState* s, int64_t budget, Scratch& scratch, int closed = 
         }
         RestParams p = s->rest;
         p.budget = budget;
-        rest_propose(st, s->shards, tail, n, p, s->t_rest, scratch, s->hint, s->context.size());
+        if (!rest_propose(st, s->shards, tail, n, p, s->t_rest, scratch, s->hint,
+                          s->context.size())) {
+            s->hint.valid = false;
+            s->out.clear();
+            return ERR_REST;  // damaged arrays: the reference raises DatastoreCorrupt
+        }
         s->rest_match_len = s->t_rest.match_len;
         if (!(s->scale == 1.0 && s->power == 1.0))
             for (auto& q : s->t_rest.probs)  // pow(1, y) is 1 exactly (most REST probs are 1)

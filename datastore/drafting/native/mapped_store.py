@@ -15,11 +15,15 @@ import threading
 import weakref
 
 import redraft.datastore.drafting.native._core as _core
+from redraft.datastore.lmdbfile import faults
 from redraft.proto.errors import DatastoreCorrupt
 
 _stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Reader -> Store
 _latest: dict[str, weakref.ref] = {}  # datastore directory -> its newest Store
 _lock = threading.Lock()
+# Store -> faults() before its tables were built: a later Store shares them only if no map
+# of the process was truncated since (a truncated map reads zeros: lmdbfile).
+_built_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def store_of(reader) -> _core.Store:
@@ -44,14 +48,20 @@ def store_of(reader) -> _core.Store:
         directory = str(getattr(reader, "directory", reader.path))
         ref = _latest.get(directory)
         earlier = ref() if ref is not None else None
+        seen = faults()
+        if earlier is not None and _built_at.get(earlier) != seen:
+            earlier = None  # a map was truncated since: its tables may hold zeros read then
         try:
             store = _core.Store(reader, reader.token_width, reader.separator,
                                 reader.vocab_size, shards, earlier)
         except ValueError as exc:
+            reader.check_maps()
             raise DatastoreCorrupt(f"{reader.file}: {exc}; verify it with "
                                    f"`redraft stats`") from exc
+        reader.check_maps()  # truncated while its tables were built
         _stores[reader] = store
         _latest[directory] = weakref.ref(store)
+        _built_at[store] = seen
         ref = weakref.ref(reader)
         reader.on_close(lambda: _forget(ref))
         return store

@@ -20,6 +20,7 @@ from redraft.datastore.drafting.native.mapped_store import store_of
 from redraft.datastore.drafting.native.native_learned import NativeLearnedIndex, tenant_bytes
 from redraft.datastore.drafting.retrieval import retrieval_tree
 from redraft.datastore.drafting.session import DraftSettings, retrieval_corpora
+from redraft.datastore.lmdbfile import faults
 from redraft.proto.errors import DatastoreError
 from redraft.proto.tree import LEARNED, PLD, REST, Tree, source_label
 
@@ -116,6 +117,7 @@ class NativeSessionDrafter:
     def propose(self, budget: int | None = None) -> Tree:
         """The merged tree of every source for the context so far, best nodes first."""
         out = self._core.propose(budget)
+        self._check_maps()
         if out.__class__ is int:
             raise self._error(out, budget)
         return Tree(*out, self._core.rest_match_len)
@@ -125,6 +127,7 @@ class NativeSessionDrafter:
         out = self._core.step(accepted, budget)
         if self._journaled is not None:
             self._journaled.record(accepted)
+        self._check_maps()
         if out.__class__ is int:
             raise self._error(out, budget)
         return Tree(*out, self._core.rest_match_len)
@@ -133,11 +136,18 @@ class NativeSessionDrafter:
         """The tree as arrays: tokens (uint32), parents (int32), probs (float64) and source
         bits (uint8, tree.SOURCE_BITS), for callers that never need a Tree."""
         out = self._core.propose(budget, False)
+        self._check_maps()
         if out.__class__ is int:
             raise self._error(out, budget)
         tokens, parents, probs, bits = out
         return (np.frombuffer(tokens, np.uint32), np.frombuffer(parents, np.int32),
                 np.frombuffer(probs, np.float64), np.frombuffer(bits, np.uint8))
+
+    def _check_maps(self) -> None:
+        """DatastoreCorrupt if the step read a segment truncated under its map (it read
+        zeros: Reader.check_maps); a counter compare otherwise."""
+        if self.reader is not None and faults() != self.reader._faults_seen:
+            self.reader.check_maps()
 
     def close(self) -> None:
         """The generation is over: its output is final in the learned index."""
@@ -174,6 +184,7 @@ def native_step(drafters: Sequence[NativeSessionDrafter],
     errors = {i: _batch_error(drafters[i], code, accepted[i],
                               None if budgets is None else budgets[i])
               for i, code in _failed(status)}
+    _truncated_maps(drafters, errors)
     refused = {i for i, f in errors.items() if isinstance(f, _TokensRefused)}
     # what was learned reaches the journal
     JournaledOutput.record_all((d._journaled, acc) for i, (d, acc) in enumerate(
@@ -195,12 +206,43 @@ def native_step_flat(drafters: Sequence[NativeSessionDrafter], tokens: np.ndarra
     errors = {i: drafters[i]._error(code, int(budgets[i]) if budgets is not None
                                     and budgets[i] else None)
               for i, code in _failed(status)}
+    _truncated_maps(drafters, errors, wrap=False)
     if len(tokens):  # what was learned reaches the journal
         journaled = [d._journaled for d in drafters]
         if any(journaled):
             JournaledOutput.record_flat(journaled, tokens.tolist(), counts.tolist())
     return (_offsets(sizes), *_tree_arrays(*trees, np.float32), errors,
             np.frombuffer(lens, np.uint64))
+
+
+def _truncated_maps(drafters: Sequence[NativeSessionDrafter], errors: dict, *,
+                    wrap: bool = True) -> None:
+    """A batched step that read a segment truncated under its map (zeros: check_maps) failed
+    for every sequence of that snapshot: their errors say so. Nothing to do (one counter
+    compare) unless a map of the process was truncated since the last batch found none."""
+    global _clean_at
+    seen = faults()
+    if seen == _clean_at:
+        return
+    why: dict[int, Exception | None] = {}
+    for i, d in enumerate(drafters):
+        reader = d.reader
+        if reader is None:
+            continue
+        if id(reader) not in why:
+            try:
+                reader.check_maps()
+                why[id(reader)] = None
+            except DatastoreError as exc:
+                why[id(reader)] = exc
+        exc = why[id(reader)]
+        if exc is not None and not isinstance(errors.get(i), _TokensRefused):
+            errors[i] = _Failure(exc) if wrap else exc
+    if not any(why.values()):
+        _clean_at = seen
+
+
+_clean_at = 0  # faults() when a batch last found every snapshot it read whole
 
 
 def _failed(status: bytes) -> list[tuple[int, int]]:
