@@ -403,3 +403,45 @@ def test_a_reader_keeps_its_snapshot_when_segments_are_replaced_and_unlinked(mak
         old.verify()
         with Reader(store) as new:
             assert new.count([4, 5]) == 0 and new.count([1, 2]) == 1
+
+
+# ---- damage that only reading meets (a Reader opened without verifying) ----------------------
+VOCAB_7 = 3000
+
+
+def _damage_continuation(store, doc: int, at: int, n: int) -> list[int]:
+    """Overwrite n tokens of document `doc` from offset `at` with 0xFFFF (an id past the
+    vocabulary) in the segment file itself, recomputing nothing; returns the document."""
+    with Reader(store) as r:
+        sh = r._shards[0]
+        start = int(sh.docs[doc])
+        original = r.shard_documents(0)[doc].tolist()
+        seg = sh.segment.file
+        off, _ = sh.segment.where(fmt.shard_key(0, "tokens"))
+    fd = os.open(seg, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xff\xff" * n, off + 2 * (start + at))
+    finally:
+        os.close(fd)
+    return original
+
+
+@pytest.mark.parametrize("choice", ["python", "native"])
+def test_ids_past_the_vocabulary_in_unverified_arrays_are_never_drafted(make_store, choice):
+    from redraft.datastore.drafting import DraftSettings, new_session_drafter
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(1, VOCAB_7, 200).tolist() for _ in range(20)]
+    store = make_store(docs, vocab=VOCAB_7)
+    doc = _damage_continuation(store, 5, 30, 4)
+    settings = DraftSettings(budget=16, sources=("rest",))
+    with Reader(store) as r:  # no verification: opening reads no array
+        d = new_session_drafter(doc[:30], settings, r, choice=choice)
+        with pytest.raises(DatastoreCorrupt, match="damaged token arrays .*65535"):
+            d.propose()
+        with pytest.raises(DatastoreCorrupt, match="damaged token arrays"):
+            r.next_token_counts(doc[:30])
+        # undamaged continuations still draft, and only ids of the vocabulary
+        ok = new_session_drafter(docs[9][:30], settings, r, choice=choice).propose()
+        assert ok.tokens[0] == docs[9][30] and max(ok.tokens) < VOCAB_7
+    with pytest.raises(DatastoreCorrupt, match="checksum mismatch in shard 0 tokens"):
+        Reader(store, verify=True)

@@ -454,3 +454,41 @@ def test_damaged_datastore_turns_health_not_serving(tmp_path, caplog):
         assert c.info().vocab_size == VOCAB  # Info still answers, for tools
     lines = [r.getMessage() for r in caplog.records if r.name == "redraft.serve"]
     assert len(lines) == 1 and "checksum mismatch" in lines[0] and "NOT_SERVING" in lines[0]
+
+
+@pytest.mark.parametrize("drafting", ["native", "python"])
+def test_damaged_token_arrays_served_without_verification_are_unavailable_never_drafted(
+        tmp_path, servers, drafting):
+    """Issue 31.7: ids past the vocabulary in a segment's token array (bytes flipped in the
+    file, nothing recomputed) are never drafted by a server that does not verify them: the
+    call that meets them gets UNAVAILABLE, the server logs one line and turns NOT_SERVING."""
+    from redraft.datastore import format as fmt
+    from redraft.datastore.service.client import SequenceOpen
+
+    rng = random.Random(317)
+    docs = [[rng.randrange(1, VOCAB) for _ in range(100)] for _ in range(30)]
+    path = str(tmp_path / "ds")
+    build_datastore(None, path, documents=docs, fingerprint=FP, vocab_size=VOCAB)
+    with Reader(path) as r:
+        sh = r._shards[0]
+        off, _ = sh.segment.where(fmt.shard_key(0, "tokens"))
+        seg, start = sh.segment.file, int(sh.docs[4])
+    with open(seg, "r+b") as f:  # 65535 where document 4 continues after its 30th token
+        f.seek(off + 2 * (start + 30))
+        f.write(b"\xff\xff" * 5)
+    srv = servers.start(path, "--port", "0", "--no-verify", "--learn", "off",
+                        "--drafting", drafting)
+    rest = DraftParams(budget=16, sources=("rest",))
+    with DraftClient(srv.address, timeout=10) as c:
+        good = c.propose(docs[9][:30], rest, FP)
+        assert good.tokens[0] == docs[9][30] and max(good.tokens) < VOCAB
+        got = c.batch([SequenceOpen("a", docs[4][:30])], rest, FP, client_id="e")
+        assert isinstance(got.errors[0], ServiceUnavailable), got.errors
+        assert "damaged token arrays" in str(got.errors[0]) and not len(got.tokens)
+        with pytest.raises(ServiceUnavailable, match="damaged"):
+            c.propose(docs[9][:30], rest, FP)  # the snapshot is not trusted any more
+        assert c.stats()["checksums"].startswith("failed: ")
+        assert health_status(srv.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert srv.stop() == 0
+    lines = [x for x in srv.stderr.splitlines() if "NOT_SERVING" in x]
+    assert len(lines) == 1 and "65535" in lines[0], srv.stderr
