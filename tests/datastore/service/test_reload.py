@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,3 +160,123 @@ def test_learned_outputs_appearing_in_the_datastore_never_reach_retrieval(store)
                 assert not set(s.step(learned_secret[i:i + 3]).tokens) & set(learned_secret)
         with c.session(learned_secret[:10], REST_ONLY, FP) as fresh:
             assert not set(fresh.draft.tokens) & set(learned_secret)
+
+
+# ---- files rewritten in place under a running server (issue 31.6) -----------------------
+BIG_RNG = random.Random(316)
+BIG_DOCS = [[BIG_RNG.randrange(1, VOCAB) for _ in range(2000)] for _ in range(400)]  # ~4 MB
+
+
+@pytest.fixture(scope="module")
+def big_store(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("big") / "ds")
+    build_datastore(None, path, documents=BIG_DOCS, fingerprint=FP, vocab_size=VOCAB,
+                    corpus="c")
+    return path
+
+
+class Steppers:
+    """Clients on threads opening sessions over random documents' starts and stepping them,
+    until stopped; every draft is checked against the documents (`wrong`), every refusal
+    kept (`refused`)."""
+
+    def __init__(self, address: str, docs: list[list[int]], threads: int = 3) -> None:
+        self.address, self.docs = address, docs
+        self.ok = 0
+        self.wrong: list[str] = []
+        self.refused: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(threads)]
+
+    def _run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with DraftClient(self.address, timeout=10) as c:
+            while not self._stop.is_set():
+                doc = self.docs[rng.randrange(len(self.docs))]
+                at = rng.randrange(20, len(doc) - 40)
+                try:
+                    with c.session(doc[at - 20:at], REST_ONLY, FP) as s:
+                        for k in range(at, at + 30, 3):
+                            tree = s.draft if k == at else s.step(doc[k - 3:k])
+                            if tree.tokens[:1] != doc[k:k + 1]:
+                                self.wrong.append(f"{tree.tokens[:3]} for {doc[k:k + 3]}")
+                            self.ok += 1
+                except Exception as exc:  # noqa: BLE001 - refusals are what is counted
+                    self.refused.append(str(exc))
+                    time.sleep(0.02)
+
+    def __enter__(self) -> Steppers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def test_a_segment_truncated_under_a_server_is_unavailable_then_reopened(big_store, tmp_path):
+    store = str(tmp_path / "ds")
+    shutil.copytree(big_store, store)
+    with Reader(store) as r:
+        (seg,) = (os.path.join(store, name) for name in r.segments)
+    good = open(seg, "rb").read()
+    proc, address = serve(store, "--learn", "off")
+    try:
+        with Steppers(address, BIG_DOCS) as st:
+            wait_until(lambda: st.ok >= 20)
+            os.truncate(seg, 8192)  # what `cp` does first to a file it overwrites
+            wait_until(lambda: any("datastore is damaged" in x for x in st.refused))
+            time.sleep(1.0)
+            assert proc.poll() is None, proc.stderr.read()  # not dead of SIGBUS
+            with open(seg, "r+b") as f:  # rewritten in place, whole again
+                f.write(good)
+            ok = st.ok
+            wait_until(lambda: st.ok > ok + 50, timeout=20)  # reopened: drafting again
+        assert not st.wrong, st.wrong[:5]
+        with DraftClient(address, timeout=10) as c:
+            assert c.session(BIG_DOCS[3][:20], REST_ONLY, FP).__enter__().draft.tokens[:3] \
+                == BIG_DOCS[3][20:23]
+            wait_until(lambda: c.stats()["checksums"] == "passed")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        said = [x for x in proc.stderr.read().splitlines() if "NOT_SERVING" in x]
+        assert len(said) == 1 and "truncated while mapped" in said[0], said
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("cp") is None, reason="needs the cp command")
+def test_cp_r_over_a_served_datastore_while_clients_step(big_store, tmp_path):
+    """The refresh the issue saw kill servers (9/9): a newer copy of the datastore copied
+    over the served directory, its unchanged segments truncated and rewritten in place."""
+    source, served = str(tmp_path / "source"), str(tmp_path / "served")
+    shutil.copytree(big_store, source)
+    shutil.copytree(big_store, served)
+    extra = [RNG.randrange(1, VOCAB) for _ in range(200)]
+    append_corpus(None, source, documents=[extra], fingerprint=FP, corpus="c")
+    with Reader(served) as old, Reader(source) as new:
+        assert set(old.segments) < set(new.segments)  # the served segment is overwritten
+    proc, address = serve(served, "--learn", "off")
+    try:
+        with Steppers(address, BIG_DOCS) as st:
+            wait_until(lambda: st.ok >= 20)
+            for _ in range(5):
+                subprocess.run(["cp", "-r", source + "/.", served], check=True, timeout=60)
+                ok = st.ok
+                wait_until(lambda ok=ok: st.ok > ok + 20 or proc.poll() is not None,
+                           timeout=20)
+                assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert not st.wrong, st.wrong[:5]
+        with DraftClient(address, timeout=10) as c:  # the copy's new document is served
+            wait_until(lambda: c.propose(extra[:20], REST_ONLY, FP).tokens[:3] == extra[20:23])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
