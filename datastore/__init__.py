@@ -1,8 +1,8 @@
 """The datastore side: corpora -> suffix-array datastore (LMDB segments) -> exact lookups.
 
-Storage and exact search live here (format, lmdbfile, segment, manifest, tiers, commit,
-corpus, build, reader); drafting over them in `drafting/`, the gRPC draft service in
-`service/`, the commands in `cli/`.
+Storage and exact search live here (format, lmdbfile and its compiled maps `_mapping`,
+segment, manifest, tiers, commit, corpus, build, reader); drafting over them in
+`drafting/`, the gRPC draft service in `service/`, the commands in `cli/`.
 """
 
 from redraft.datastore.build import (

@@ -6,9 +6,11 @@ checks every page number and length against the file (LMDB itself would follow a
 pointer out of the map). Every array is a numpy view into a map: nothing is copied into RAM,
 and open time grows with the number of segments and shards, not with their size. A Reader
 keeps the snapshot it opened (its maps stay valid when a later commit replaces or unlinks
-the files); a new Reader sees the new commit. After opening no call mutates shared state,
-so one Reader serves many threads. Global document ids are a segment's first_doc plus its
-local ids; every shard carries its global first_doc, so lookups never look at segments.
+the files; a file truncated or rewritten in place under them is refused, never a crash:
+`check_maps`, `files_changed`); a new Reader sees the new commit. After opening no call
+mutates shared state, so one Reader serves many threads. Global document ids are a
+segment's first_doc plus its local ids; every shard carries its global first_doc, so lookups
+never look at segments.
 
 Lookups binary-search the suffix array with `bisect` over the raw big-endian token bytes:
 each comparison is one memcmp of a slice of the map, and a per-shard table of first-token
