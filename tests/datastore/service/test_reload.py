@@ -280,3 +280,31 @@ def test_cp_r_over_a_served_datastore_while_clients_step(big_store, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_documented_refresh_serves_the_copy_without_a_refusal(big_store, tmp_path):
+    """docs/service.md's refresh (each file copied under a temporary name and renamed, the
+    manifest last) while clients step: the copy is served, no call refused, no line logged."""
+    source, served = str(tmp_path / "new"), str(tmp_path / "served")
+    shutil.copytree(big_store, source)
+    shutil.copytree(big_store, served)
+    extra = [RNG.randrange(1, VOCAB) for _ in range(200)]
+    append_corpus(None, source, documents=[extra], fingerprint=FP, corpus="c")
+    proc, address = serve(served, "--learn", "off")
+    try:
+        with Steppers(address, BIG_DOCS) as st, DraftClient(address, timeout=10) as c:
+            wait_until(lambda: st.ok >= 20)
+            subprocess.run(["sh", "-c", 'for f in new/seg-* new/manifest.json; do cp "$f" '
+                            'served/.incoming && mv served/.incoming "served/${f##*/}"; done'],
+                           cwd=str(tmp_path), check=True, timeout=60)
+            wait_until(lambda: c.propose(extra[:20], REST_ONLY, FP).tokens[:3] == extra[20:23])
+            ok = st.ok
+            wait_until(lambda: st.ok > ok + 20)
+        assert not st.wrong and not st.refused, (st.wrong[:3], st.refused[:3])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "NOT_SERVING" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
