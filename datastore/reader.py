@@ -646,7 +646,7 @@ class Reader:
         for sh, i, j in self._ranges(key, int(arr[0]), self._select(corpora)):
             after = np.minimum(sh.sa[i:j].astype(np.int64) + n, sh.length - 1)
             nxt = sh.tokens[after].astype(np.int64)
-            _check_ids(sh, nxt, self.separator)
+            _check_ids(sh, nxt, self.vocab_size)
             vals, cnt = np.unique(nxt[nxt != self.separator], return_counts=True)
             for v, c in zip(vals.tolist(), cnt.tolist()):
                 acc[v] = acc.get(v, 0) + c
@@ -673,7 +673,9 @@ class Reader:
                 if sh.first_doc + i in self.deleted:
                     continue
                 start, end = int(sh.docs[i]), int(sh.docs[i + 1]) - 1  # minus the separator
-                yield sh.first_doc + i, names[i], sh.tokens[start:end].tolist()
+                tokens = sh.tokens[start:end]
+                _check_ids(sh, tokens, self.vocab_size, False)  # e.g. learned outputs reloaded
+                yield sh.first_doc + i, names[i], tokens.tolist()
 
     def _longest(self, arr: np.ndarray, key: bytes, shards: list[_Shard], min_len: int
                  ) -> tuple[int, list[tuple[_Shard, int, int]]]:
@@ -745,19 +747,20 @@ class Reader:
             idx = offs + p  # int64 (uint32 positions widen here)
             np.minimum(idx, sh.length - 1, out=idx)
             col = sh.tokens[idx]
-            _check_ids(sh, col, self.separator)
+            _check_ids(sh, col, self.vocab_size)
             cols.append(col)
         return (cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)).astype(np.int64)
 
 
-def _check_ids(sh: _Shard, tokens: np.ndarray, separator: int) -> None:
-    """DatastoreCorrupt if tokens read from a shard hold an id past the separator (damaged
-    token arrays of a Reader opened without verifying): no such id is ever drafted or
-    counted. The compiled core refuses the same columns."""
-    if tokens.size and int(tokens.max()) > separator:
+def _check_ids(sh: _Shard, tokens: np.ndarray, vocab: int, separators: bool = True) -> None:
+    """DatastoreCorrupt if tokens read from a shard hold an id past the vocabulary (and the
+    separator, where `separators` may be read: damaged token arrays of a Reader opened
+    without verifying): no such id is ever drafted, counted or returned. The compiled core
+    refuses the same columns."""
+    if tokens.size and int(tokens.max()) >= vocab + separators:
         raise DatastoreCorrupt(
             f"{sh.segment.file}: damaged token arrays (id {int(tokens.max())} in shard "
-            f"{sh.local}, past the vocabulary [0, {separator})); verify it with "
+            f"{sh.local}, past the vocabulary [0, {vocab})); verify it with "
             f"`redraft stats`")
 
 

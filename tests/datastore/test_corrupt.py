@@ -440,6 +440,8 @@ def test_ids_past_the_vocabulary_in_unverified_arrays_are_never_drafted(make_sto
             d.propose()
         with pytest.raises(DatastoreCorrupt, match="damaged token arrays"):
             r.next_token_counts(doc[:30])
+        with pytest.raises(DatastoreCorrupt, match="damaged token arrays"):
+            list(r.documents("default"))  # what a server reloads learned outputs with
         # undamaged continuations still draft, and only ids of the vocabulary
         ok = new_session_drafter(docs[9][:30], settings, r, choice=choice).propose()
         assert ok.tokens[0] == docs[9][30] and max(ok.tokens) < VOCAB_7
