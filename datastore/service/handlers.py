@@ -124,6 +124,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         try:
             return new_session_drafter(tokens, params, self.reader, self.learning.index, tenant,
                                        choice=self.config.drafting)
+        except DatastoreCorrupt as exc:  # the core's tables met damaged or truncated arrays
+            raise self.damaged(exc, self.reader) from exc
         except DatastoreError as exc:
             raise bad(str(exc)) from exc
 
