@@ -4,6 +4,7 @@ old files are released; a commit that cannot be served keeps the old snapshot.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from redraft.datastore import Reader, append_corpus, build_datastore, persist_learned
@@ -41,8 +43,10 @@ def secret_in(tree) -> bool:
     return bool(set(tree.tokens) & set(SECRET))
 
 
-def serve(store: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`redraft serve` in a process of its own, once it announced its address."""
+@contextlib.contextmanager
+def serving(store: str, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`redraft serve` in a process of its own, once it announced its address; killed at
+    the end of the block if it is still running (a test stops it itself to check how)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store,
          "--port", "0", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -55,7 +59,12 @@ def serve(store: str, *extra: str) -> tuple[subprocess.Popen, str]:
     except BaseException:
         proc.kill()
         raise
-    return proc, line.split("listening on ")[1].strip()
+    try:
+        yield proc, line.split("listening on ")[1].strip()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def mapped(pid: int, name: str) -> bool:
@@ -65,8 +74,7 @@ def mapped(pid: int, name: str) -> bool:
 
 
 def test_a_delete_stops_drafting_within_2_s_for_open_and_new_sessions(store):
-    proc, address = serve(store, "--learn", "off")
-    try:
+    with serving(store, "--learn", "off") as (proc, address):
         with DraftClient(address, timeout=10) as c:
             s = c.session(SECRET[:30], REST_ONLY, FP).__enter__()
             assert secret_in(s.draft) and s.draft.tokens[0] == SECRET[30]
@@ -99,10 +107,6 @@ def test_a_delete_stops_drafting_within_2_s_for_open_and_new_sessions(store):
             s.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:
@@ -223,8 +227,7 @@ def test_a_segment_truncated_under_a_server_is_unavailable_then_reopened(big_sto
     with Reader(store) as r:
         (seg,) = (os.path.join(store, name) for name in r.segments)
     good = open(seg, "rb").read()
-    proc, address = serve(store, "--learn", "off")
-    try:
+    with serving(store, "--learn", "off") as (proc, address):
         with Steppers(address, BIG_DOCS) as st:
             wait_until(lambda: st.ok >= 20)
             os.truncate(seg, 8192)  # what `cp` does first to a file it overwrites
@@ -244,10 +247,6 @@ def test_a_segment_truncated_under_a_server_is_unavailable_then_reopened(big_sto
         assert proc.wait(30) == 0
         said = [x for x in proc.stderr.read().splitlines() if "NOT_SERVING" in x]
         assert len(said) == 1 and "truncated while mapped" in said[0], said
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.skipif(shutil.which("cp") is None, reason="needs the cp command")
@@ -261,8 +260,7 @@ def test_cp_r_over_a_served_datastore_while_clients_step(big_store, tmp_path):
     append_corpus(None, source, documents=[extra], fingerprint=FP, corpus="c")
     with Reader(served) as old, Reader(source) as new:
         assert set(old.segments) < set(new.segments)  # the served segment is overwritten
-    proc, address = serve(served, "--learn", "off")
-    try:
+    with serving(served, "--learn", "off") as (proc, address):
         with Steppers(address, BIG_DOCS) as st:
             wait_until(lambda: st.ok >= 20)
             for _ in range(5):
@@ -276,10 +274,6 @@ def test_cp_r_over_a_served_datastore_while_clients_step(big_store, tmp_path):
             wait_until(lambda: c.propose(extra[:20], REST_ONLY, FP).tokens[:3] == extra[20:23])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_the_documented_refresh_serves_the_copy_without_a_refusal(big_store, tmp_path):
@@ -290,8 +284,7 @@ def test_the_documented_refresh_serves_the_copy_without_a_refusal(big_store, tmp
     shutil.copytree(big_store, served)
     extra = [RNG.randrange(1, VOCAB) for _ in range(200)]
     append_corpus(None, source, documents=[extra], fingerprint=FP, corpus="c")
-    proc, address = serve(served, "--learn", "off")
-    try:
+    with serving(served, "--learn", "off") as (proc, address):
         with Steppers(address, BIG_DOCS) as st, DraftClient(address, timeout=10) as c:
             wait_until(lambda: st.ok >= 20)
             subprocess.run(["sh", "-c", 'for f in new/seg-* new/manifest.json; do cp "$f" '
@@ -304,7 +297,3 @@ def test_the_documented_refresh_serves_the_copy_without_a_refusal(big_store, tmp
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert "NOT_SERVING" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
