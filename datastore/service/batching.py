@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -40,6 +41,7 @@ from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
 from redraft.datastore.service.config import MAX_ID_BYTES, THREADS_MIN_SEQUENCES, ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
+from redraft.datastore.service.sessions import take_slot
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError
@@ -48,6 +50,7 @@ _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _SWEPT_REMEMBERED = 4096  # ids of swept sequences kept to say why they are gone
 OFFLOAD_TOKENS = 1 << 16  # about 20 ms of indexing in the core
+REPLY_ROW_BYTES = 400  # the most one result takes in a reply, but for its tree's nodes
 
 
 def _too_long(name: str) -> bool:
@@ -73,9 +76,11 @@ class BatchedSequence:
 class SequenceTable:
     """The open sequences of one server process: their slots and the idle sweeper."""
 
-    def __init__(self, config: ServiceConfig, stats: ServiceStats) -> None:
+    def __init__(self, config: ServiceConfig, stats: ServiceStats,
+                 slot: Callable[[str], int]) -> None:
         self.config = config
         self.stats = stats
+        self.slot = slot  # a caller's tenant slot, from its token's key (key[0])
         self.open: dict[tuple, BatchedSequence] = {}
         self.swept: OrderedDict[tuple, float] = OrderedDict()  # recently swept: when
         self._sweeper: asyncio.Future | None = None
@@ -90,11 +95,9 @@ class SequenceTable:
         self.swept.pop(key, None)
         return seq
 
-    def take_slot(self) -> None:
-        if not self.stats.try_open_session(self.config.max_sessions):
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"server has max_sessions={self.config.max_sessions} sessions and "
-                          "sequences open; try later")
+    def take_slot(self, auth: str) -> None:
+        """A slot under max_sessions and the caller's token's share of it (or a Refusal)."""
+        take_slot(self.stats, self.config, self.slot(auth))
 
     def end(self, seq: BatchedSequence) -> None:
         """The sequence is over: its output is final, its slot free."""
@@ -102,7 +105,7 @@ class SequenceTable:
             try:
                 seq.drafter.close()
             finally:
-                self.stats.close_session()
+                self.stats.close_session(self.slot(seq.key[0]))
 
     def missing(self, key: tuple, sequence: str) -> Refusal:
         """NOT_FOUND for a sequence this process does not hold, saying why if it knows."""
@@ -152,7 +155,7 @@ class BatchDrafting:
     def __init__(self, service) -> None:
         self.service = service
         self.config: ServiceConfig = service.config
-        self.table = SequenceTable(service.config, service.stats)
+        self.table = SequenceTable(service.config, service.stats, service.checks.slot)
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight: set[asyncio.Future] = set()
         self._native = uses_native(service.config.drafting)  # the core's drafters
@@ -226,7 +229,7 @@ class BatchDrafting:
         drafting = [x for x in entries if x.drafts]
         out = None
         if drafting or (packed is not None and packed.seqs):
-            out = await self._draft(drafting, packed, request.chain)
+            out = await self._draft(drafting, packed, request.chain, size)
         self.service.learning.publish()
         return self._reply(entries, drafting, packed, out, t0)
 
@@ -269,11 +272,11 @@ class BatchDrafting:
         old = self._held(entry.sequence, key, required=False)
         if old is not None:
             self.table.end(old)  # opened again: the earlier generation is over
-        self.table.take_slot()
+        self.table.take_slot(defaults.auth)
         try:
             drafter = self.service.new_drafter(prompt, settings, tenant)
         except BaseException:
-            self.service.stats.close_session()
+            self.service.stats.close_session(self.table.slot(defaults.auth))
             raise
         entry.seq = self.table.add(key, drafter)
         entry.drafts = True
@@ -288,9 +291,10 @@ class BatchDrafting:
 
     # ---- drafting ----------------------------------------------------------------------
     async def _draft(self, drafting: list[_Entry], packed: _PackedSteps | None,
-                     chain: int) -> BatchStep:
+                     chain: int, rows: int) -> BatchStep:
         """One step of the core for the call: the drafting entries' sequences first, in
-        order, then the packed steps that passed their checks."""
+        order, then the packed steps that passed their checks (`rows`: the reply's results,
+        entries and packed steps)."""
         seqs = [x.seq for x in drafting]
         if drafting:
             counts = np.array([len(x.accepted) if x.accepted is not None else 0
@@ -338,19 +342,33 @@ class BatchDrafting:
         for seq, n in zip(seqs, out.context_lens.tolist()):
             seq.since = now
             seq.length = n
+        _fit_reply(out, self._reply_nodes(rows), self.config)
         if out.errors:
             n_entries = len(drafting)
             for i, err in out.errors.items():
-                refusal = self.service.damaged(err, reader) if isinstance(
-                    err, DatastoreCorrupt) else bad(str(err)) if isinstance(
-                    err, (DatastoreError, ValueError, TypeError)) else \
-                    Refusal(grpc.StatusCode.INTERNAL, f"drafting failed: {err}")
+                refusal = self._refusal(err, reader)
                 if i < n_entries:
                     drafting[i].error = refusal
                 else:
                     packed.failed_drafting(i - n_entries, refusal)
                 self.table.end(seqs[i])
         return out
+
+    def _refusal(self, err: Exception, reader) -> Refusal:
+        """What a sequence whose drafting failed gets."""
+        if isinstance(err, Refusal):
+            return err
+        if isinstance(err, DatastoreCorrupt):
+            return self.service.damaged(err, reader)
+        if isinstance(err, (DatastoreError, ValueError, TypeError)):
+            return bad(str(err))
+        return Refusal(grpc.StatusCode.INTERNAL, f"drafting failed: {err}")
+
+    def _reply_nodes(self, rows: int) -> int:
+        """Tree nodes a reply of `rows` results has room for under max_message_bytes: 13
+        bytes a node (token, parent, prob, source bits), and up to REPLY_ROW_BYTES for
+        each result (its id, figures and a refusal's message)."""
+        return max(0, (self.config.max_message_bytes - REPLY_ROW_BYTES * rows - 4096) // 13)
 
     def _reply(self, entries: list[_Entry], drafting: list[_Entry],
                packed: _PackedSteps | None, out: BatchStep | None,
@@ -526,6 +544,30 @@ class _PackedSteps:
         results.match_lens = mls.tobytes()
         results.expected_accepted = expected.tobytes()
         return len(errors)
+
+
+def _fit_reply(out: BatchStep, room: int, config: ServiceConfig) -> None:
+    """Keep the call's trees within `room` nodes: the rows from the first that would go
+    past it draft nothing and fail with RESOURCE_EXHAUSTED (their sequences end, as any
+    failed entry's does), instead of the whole reply failing gRPC's size limit after
+    every sequence was drafted (the caller then lost all of them, still held here)."""
+    ends = out.offsets[1:]
+    if not len(ends) or int(ends[-1]) <= room:
+        return
+    first = int(np.searchsorted(ends, room, "right"))
+    cut = int(out.offsets[first])
+    out.offsets = out.offsets.copy()
+    out.offsets[first + 1:] = cut
+    out.tokens, out.parents = out.tokens[:cut], out.parents[:cut]
+    out.probs, out.bits = out.probs[:cut], out.bits[:cut]
+    out.expected, out.used = out.expected.copy(), out.used.copy()
+    out.expected[first:], out.used[first:] = 0, 0
+    refusal = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"the call's trees would not fit the server's max_message_bytes "
+                      f"{config.max_message_bytes} reply; ask smaller budgets or fewer "
+                      "sequences per call")
+    for i in range(first, len(ends)):
+        out.errors.setdefault(i, refusal)
 
 
 def _over_context(n: int, max_context: int) -> Refusal:

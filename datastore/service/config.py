@@ -64,6 +64,22 @@ class ServiceConfig:
     # looked at: an engine steps a few hundred sequences, and one call of 200k entries held
     # every other session for seconds, then overflowed the reply.
     max_batch_entries: int = 4096
+    # Sessions and sequences one bearer token may hold at once, all workers; 0 = its fair
+    # share, max_sessions divided by the tokens configured (all of them with one token or
+    # none). One token's engine must not take every slot from the others.
+    tenant_sessions: int = 0
+
+    def tokens(self) -> list[str]:
+        """The bearer tokens configured (none: no auth)."""
+        tokens = self.token if isinstance(self.token, tuple) else (self.token,)
+        return [t for t in tokens if t]
+
+    def tenant_share(self) -> int:
+        """The sessions and sequences one token may hold (see `tenant_sessions`)."""
+        if self.tenant_sessions > 0:
+            return self.tenant_sessions
+        n = len(self.tokens())
+        return max(1, self.max_sessions // n) if n > 1 else self.max_sessions
 
 
 # The longest client or sequence id a Batch call may name, in UTF-8 bytes: the server keeps

@@ -49,6 +49,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.config = config
         self.stats = stats
         self.checks = RequestValidator(reader, config)
+        if stats.tenants < len(self.checks.token_keys):
+            raise ValueError(f"ServiceStats counts {stats.tenants} tenant slots for "
+                             f"{len(self.checks.token_keys)} tokens")
         self.sessions = Sessions(config, stats)
         self.verification = BackgroundVerification(reader, config.verify_checksums)
         self.learning = LearnedOutputs(reader, config, stats, self.verification,
@@ -180,9 +183,14 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         opening = first.open
         self.checks.check_fingerprint(opening.tokenizer_fingerprint, required=True)
         p = self.checks.settings(opening.params)
+        slot = self.checks.slot(tenant)  # the token's share of max_sessions
         tenant = self.checks.tenant(tenant, opening.tenant)
         drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
-        session_id = sessions.open()
+        try:
+            session_id = sessions.open(slot)
+        except Refusal:
+            drafter.close()
+            raise
         try:
             # Headers go out on their own first: gRPC marks them sent only when a write
             # completes, so ending a session whose first write was interrupted (by the
@@ -215,7 +223,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
             drafter.close()
-            sessions.close()
+            sessions.close(slot)
             self.learning.publish()
 
     async def Batch(self, request, context):

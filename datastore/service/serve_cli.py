@@ -74,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"deepest tree a client may ask for (default {d.max_depth})")
     p.add_argument("--max-sessions", type=int, default=d.max_sessions,
                    help=f"open sessions at once, all workers (default {d.max_sessions})")
+    p.add_argument("--tenant-sessions", type=int, default=d.tenant_sessions, metavar="N",
+                   help="sessions and sequences one bearer token may hold at once, all "
+                   "workers (default: --max-sessions divided by the tokens in --token-file)")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, metavar="SECONDS",
                    help=f"close sessions idle this long (default {d.idle_timeout_s:g})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
@@ -164,6 +167,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                         ("--reload-seconds", args.reload_seconds)):
         if not 0 <= value <= UINT32:
             raise RedraftError(f"{flag} must be between 0 and {UINT32} seconds, got {value}")
+    if not 0 <= args.tenant_sessions <= UINT32:
+        raise RedraftError(f"--tenant-sessions must be between 0 (auto) and {UINT32}, got "
+                           f"{args.tenant_sessions}")
     if not 0.01 <= args.learn_sync_seconds <= 60:  # also false for nan
         raise RedraftError("--learn-sync-seconds must be between 0.01 and 60, got "
                            f"{args.learn_sync_seconds}")
@@ -196,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_budget=args.max_budget,
         max_depth=args.max_depth,
         max_sessions=args.max_sessions,
+        tenant_sessions=args.tenant_sessions,
         idle_timeout_s=args.idle_timeout,
         max_message_bytes=args.max_message_bytes,
         default_budget=args.budget,
@@ -277,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         _worker(args.datastore, args.host, args.port, config, None, tls, False)
         return 0
     ctx = mp.get_context("spawn")
-    stats = ServiceStats(ctx, workers=args.workers)
+    stats = ServiceStats(ctx, workers=args.workers, tenants=len(config.tokens()))
     errors = ctx.SimpleQueue()
     procs = [
         ctx.Process(target=_worker, name=f"redraft-serve-{i}",

@@ -1,5 +1,6 @@
-"""Streaming sessions as the server keeps them in bounds: the max_sessions limit, and the
-idle sweeper that ends a session waiting too long for its client.
+"""Streaming sessions as the server keeps them in bounds: the max_sessions limit (each
+token's share of it too), and the idle sweeper that ends a session waiting too long for its
+client.
 
 A session waits either for its client's next request or for its client to read a reply
 (HTTP/2 flow control blocks the write of a client that stops reading). Both count: without
@@ -15,6 +16,22 @@ import grpc
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, check_parsed
 from redraft.datastore.service.stats import ServiceStats
+
+
+def take_slot(stats: ServiceStats, config: ServiceConfig, slot: int) -> None:
+    """Take a slot under max_sessions for a session or sequence of tenant slot `slot`
+    (`RequestValidator.slot`): RESOURCE_EXHAUSTED when the server is full, or when that
+    token already holds its share (so one token's engine cannot lock the others out)."""
+    full = stats.try_open_session(config.max_sessions, slot, config.tenant_share())
+    if full == "server":
+        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"server has max_sessions={config.max_sessions} sessions and sequences "
+                      "open; try later")
+    if full is not None:
+        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"this token holds its share of {config.tenant_share()} sessions and "
+                      "sequences (of max_sessions="
+                      f"{config.max_sessions}); close some or try later")
 
 
 class Waiter:
@@ -54,18 +71,14 @@ class Sessions:
             self._sweeper = asyncio.ensure_future(self._sweep())
         return Waiter(asyncio.current_task())
 
-    def open(self) -> str:
-        """Count a new session against max_sessions; its id (RESOURCE_EXHAUSTED when full)."""
-        if not self.stats.try_open_session(self.config.max_sessions):
-            raise Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server has max_sessions={self.config.max_sessions} sessions open; try later",
-            )
+    def open(self, slot: int = 0) -> str:
+        """Count a new session against max_sessions and its tenant slot's share; its id."""
+        take_slot(self.stats, self.config, slot)
         self._next_id += 1
         return f"{id(self):x}-{self._next_id}"
 
-    def close(self) -> None:
-        self.stats.close_session()
+    def close(self, slot: int = 0) -> None:
+        self.stats.close_session(slot)
 
     async def wait(self, waiter: Waiter, io, writing: bool = False):
         """Await a read or a write of the session's stream, visible to the sweeper meanwhile.

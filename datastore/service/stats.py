@@ -1,11 +1,12 @@
 """Counters of the draft service, in shared memory so several worker processes add up.
 
 Why shared memory: `redraft serve --workers N` runs N processes on one port; `Stats` must
-report the whole server (and `max_sessions` must bound all of them), whichever process
-answers. Latency is a log-bucketed histogram (bucket width ~9%), so percentiles cost O(1)
-memory however long the server runs. Each worker keeps its own learned index, so each
-publishes that index's sizes in slots of its own (`publish_worker`): `Stats` adds them up
-for the whole server and lists them per worker, never one worker's figures as the server's.
+report the whole server (and `max_sessions`, and each token's share of it, must bound all
+of them), whichever process answers. Latency is a log-bucketed histogram (bucket width
+~9%), so percentiles cost O(1) memory however long the server runs. Each worker keeps its
+own learned index, so each publishes that index's sizes in slots of its own
+(`publish_worker`): `Stats` adds them up for the whole server and lists them per worker,
+never one worker's figures as the server's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ FIELDS = (
     "refused_sessions",
     "batch_calls",
     "batch_steps",
+    "refused_tenant_sessions",
 )
 _SLOT = {name: i for i, name in enumerate(FIELDS)}
 _BUCKETS_PER_OCTAVE = 8
@@ -51,10 +53,13 @@ _WORKER0 = _CLAIMED + 1
 class ServiceStats:
     """Process-shared counters and a latency histogram (microseconds)."""
 
-    def __init__(self, ctx: Any = None, workers: int = 1) -> None:
+    def __init__(self, ctx: Any = None, workers: int = 1, tenants: int = 1) -> None:
         """`ctx`: a multiprocessing context to share with `workers` worker processes;
-        None = local (one process)."""
-        size = _WORKER0 + workers * len(WORKER_FIELDS)
+        None = local (one process). `tenants`: how many tenant slots count their open
+        sessions (one per configured token; one for a server without auth)."""
+        self._tenant0 = _WORKER0 + workers * len(WORKER_FIELDS)
+        self.tenants = max(1, tenants)
+        size = self._tenant0 + self.tenants
         if ctx is None:
             self._arr: Any = [0.0] * size
             self._lock: Any = threading.Lock()
@@ -100,19 +105,35 @@ class ServiceStats:
     def get(self, name: str) -> float:
         return self._arr[_SLOT[name]]
 
-    def try_open_session(self, max_sessions: int) -> bool:
-        """Take a session slot atomically across processes; False when the server is full."""
+    def try_open_session(self, max_sessions: int, tenant: int = 0,
+                         tenant_share: int | None = None) -> str | None:
+        """Take a session slot atomically across processes, for tenant slot `tenant`: None
+        when taken, else what is full ("server", or "tenant" when the tenant already holds
+        `tenant_share` sessions)."""
+        a = self._arr
+        at = self._tenant0 + tenant
         with self._lock:
-            if self._arr[_SLOT["sessions_active"]] >= max_sessions:
-                self._arr[_SLOT["refused_sessions"]] += 1
-                return False
-            self._arr[_SLOT["sessions_active"]] += 1
-            self._arr[_SLOT["sessions_opened"]] += 1
-            return True
+            if a[_SLOT["sessions_active"]] >= max_sessions:
+                a[_SLOT["refused_sessions"]] += 1
+                return "server"
+            if tenant_share is not None and a[at] >= tenant_share:
+                a[_SLOT["refused_sessions"]] += 1
+                a[_SLOT["refused_tenant_sessions"]] += 1
+                return "tenant"
+            a[_SLOT["sessions_active"]] += 1
+            a[_SLOT["sessions_opened"]] += 1
+            a[at] += 1
+            return None
 
-    def close_session(self) -> None:
+    def close_session(self, tenant: int = 0) -> None:
         with self._lock:
             self._arr[_SLOT["sessions_active"]] -= 1
+            self._arr[self._tenant0 + tenant] -= 1
+
+    def tenant_sessions(self) -> list[int]:
+        """Sessions and sequences each tenant slot holds now."""
+        with self._lock:
+            return [int(x) for x in self._arr[self._tenant0:self._tenant0 + self.tenants]]
 
     def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str],
                kind: str | None = None) -> None:

@@ -28,11 +28,16 @@ class RequestValidator:
         self.fingerprint = str(reader.tokenizer_fingerprint)
         self.tokenizer_name = getattr(reader, "tokenizer_name", "?")
         self.corpora = set(getattr(reader, "corpora", {}) or {}) - {LEARNED_CORPUS}
-        tokens = config.token if isinstance(config.token, tuple) else (config.token,)
-        tokens = [t for t in tokens if t]
+        tokens = config.tokens()
         self._tokens = [f"Bearer {t}".encode() for t in tokens]
         # a digest, not the secret itself: tenant keys are logged and persisted
         self.token_keys = [token_key(t) for t in tokens]
+        self._slots = {key: i for i, key in enumerate(self.token_keys)}
+
+    def slot(self, authenticated: str) -> int:
+        """The tenant slot whose share of max_sessions a caller's sessions count against:
+        its token's (`auth`'s key), 0 without auth."""
+        return self._slots.get(authenticated, 0)
 
     def auth(self, context: grpc.aio.ServicerContext) -> str:
         """Check the bearer token; returns the tenant key it stands for ("" without auth)."""

@@ -177,7 +177,8 @@ def limited(store, servers, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("token-a\ntoken-b\n")
     return servers.start(store, "--port", "0", "--token-file", str(tokens), "--max-context",
-                         "40", "--max-budget", "100", "--max-sessions", "8")
+                         "40", "--max-budget", "100", "--max-sessions", "8",
+                         "--tenant-sessions", "8")
 
 
 def test_a_bad_entry_fails_alone_with_a_sessions_status(limited):
@@ -411,6 +412,47 @@ def test_sessions_and_sequences_share_max_sessions(limited, until):
         r = a.batch([SequenceEnd("0"), SequenceOpen("7", good), SequenceOpen("8", good)],
                     None, FP, client_id="e")
         assert r.errors == [None, None, None]
+
+
+def test_one_tokens_call_cannot_take_every_slot(store, servers, tmp_path):
+    """Two tokens, max_sessions 8: each may hold its share, 4. One token's single call
+    opening 9 sequences gets 4 (the rest RESOURCE_EXHAUSTED, saying it is the token's
+    share); the other token still opens its 4, and is refused only when the server is full;
+    an ended sequence gives its token the slot back."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-a\ntoken-b\n")
+    srv = servers.start(store, "--port", "0", "--token-file", str(tokens),
+                        "--max-sessions", "8")
+    good = DOCS[1][:12]
+    with DraftClient(srv.address, token="token-a", timeout=30) as a, \
+            DraftClient(srv.address, token="token-b", timeout=30) as b:
+        r = a.batch([SequenceOpen(str(i), good) for i in range(9)], None, FP, client_id="e")
+        assert r.errors[:4] == [None] * 4
+        assert all(isinstance(e, LimitExceeded) for e in r.errors[4:])
+        assert "this token holds its share of 4 sessions and sequences (of " \
+            "max_sessions=8)" in str(r.errors[4])
+        with pytest.raises(LimitExceeded, match="its share of 4"):
+            a.session(good, DraftParams(), FP).open()
+        r = b.batch([SequenceOpen(str(i), good) for i in range(3)], None, FP, client_id="e")
+        assert r.errors == [None] * 3
+        with b.session(good, DraftParams(), FP):  # b's fourth: the server is now full
+            assert b.stats()["sessions_active"] == 8
+            r = b.batch([SequenceOpen("x", good)], None, FP, client_id="e")
+            assert "server has max_sessions=8 sessions and sequences open" in str(r.errors[0])
+        assert b.stats()["refused_tenant_sessions"] == 6
+        r = a.batch([SequenceEnd("0"), SequenceOpen("again", good)], None, FP, client_id="e")
+        assert r.errors == [None, None]
+
+
+def test_tenant_sessions_sets_the_share(store, servers, tmp_path):
+    """--tenant-sessions overrides the fair share; without auth it bounds every caller."""
+    srv = servers.start(store, "--port", "0", "--max-sessions", "8", "--tenant-sessions", "3")
+    good = DOCS[1][:12]
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch([SequenceOpen(str(i), good) for i in range(5)], None, FP, client_id="e")
+        assert r.errors[:3] == [None] * 3
+        assert "its share of 3 sessions and sequences (of max_sessions=8)" in str(r.errors[3])
+        assert c.stats()["sessions_active"] == 3
 
 
 def test_sequence_batch_ends_before_it_opens_so_freed_slots_serve_the_same_call(store, servers):
@@ -668,3 +710,25 @@ def test_oversized_batch_calls_are_refused_fast_without_stalling_or_memory(store
     with open(f"/proc/{srv.pid}/status") as f:  # the peak, on Linux
         peak = next((int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM")), rss)
     assert rss < 300 << 20 and peak < 300 << 20, (rss, peak)
+
+
+def test_a_reply_over_the_message_limit_fails_only_the_entries_past_it(store, servers):
+    """Sequences whose trees would take the reply past --max-message-bytes fail alone with
+    RESOURCE_EXHAUSTED (and are not held), the ones before them get their trees, and the
+    reply is sent: before, the whole call failed gRPC's size limit after every sequence was
+    drafted and left held."""
+    limit = 256 << 10
+    srv = servers.start(store, "--port", "0", "--max-message-bytes", str(limit),
+                        "--max-sessions", "200")
+    opens = [SequenceOpen(str(i), DOCS[i % 40][:30]) for i in range(200)]
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch(opens, DraftParams(budget=1000, max_depth=16), FP, client_id="e")
+        ok = [i for i, e in enumerate(r.errors) if e is None]
+        assert ok and ok == list(range(len(ok))) and len(ok) < len(opens)
+        assert all(isinstance(e, LimitExceeded) and "would not fit the server's "
+                   f"max_message_bytes {limit} reply" in str(e) for e in r.errors[len(ok):])
+        assert len(r.tokens) * 13 > limit // 2, len(r.tokens)  # filled, not emptied
+        assert c.stats()["sessions_active"] == len(ok)
+        again = c.batch([SequenceStep("0", [1]), SequenceStep(str(len(ok)), [1])],
+                        client_id="e")
+        assert again.errors[0] is None and isinstance(again.errors[1], UnknownSequence)

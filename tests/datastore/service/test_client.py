@@ -25,6 +25,7 @@ from redraft.datastore.service.client import (
     DraftParams,
     DraftTimeout,
     InvalidRequest,
+    LimitExceeded,
     ServiceError,
     ServiceUnavailable,
 )
@@ -228,6 +229,40 @@ def test_serve_workers_share_a_port_and_counters(store, servers):
         c.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
+
+
+def test_a_tokens_share_of_max_sessions_holds_across_workers(store, servers, tmp_path):
+    """Two tokens, 40 slots: token a's 20 sessions land on both workers, and its 21st is
+    refused whichever worker takes it; token b still opens sessions."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-a\ntoken-b\n")
+    port = servers.free_port()
+    serve = servers.start(store, "--port", str(port), "--workers", "2", "--token-file",
+                          str(tokens), "--max-sessions", "40")
+    address = serve.addresses[0]
+    clients: list[DraftClient] = []
+    sessions = []  # held: a session dropped is closed
+    pids: set[int] = set()
+    try:
+        for i in range(20):
+            c = DraftClient(address, token="token-a", own_connection=True)
+            clients.append(c)
+            sessions.append(c.session(DOCS[i][:20], None, FP).__enter__())
+            pids.add(c.stats()["pid"])
+        assert len(pids) == 2
+        for _ in range(4):  # fresh connections: either worker refuses
+            with DraftClient(address, token="token-a", own_connection=True) as c:
+                with pytest.raises(LimitExceeded, match="its share of 20"):
+                    c.session(DOCS[0][:20], None, FP).open()
+        with DraftClient(address, token="token-b", own_connection=True) as b:
+            with b.session(DOCS[1][:20], None, FP) as s:
+                s.step([1])
+                assert b.stats()["sessions_active"] == 21
+    finally:
+        for c in clients:
+            c.close()
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.proc.wait(15) == 0
 
 
 def test_workers_exit_when_their_parent_is_killed(store, servers):
