@@ -27,13 +27,13 @@ import time
 import redraft.datastore.service.batching as batching
 from bench_service import held_out_tokens
 from redraft.datastore import Reader
-from redraft.datastore.service.client import (
+from redraft.datastore.service.wire import (
     DraftParams,
     PackedSteps,
     SequenceOpen,
     SequenceStep,
-    _add_entry,
-    _batch_results,
+    add_entry,
+    batch_results,
 )
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.handlers import DrafterService
@@ -82,7 +82,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
                                       [e.accepted for e in stepping])
                 packing.to_proto(req.steps)
             for e in entries:
-                _add_entry(req.entries.add, e)
+                add_entry(req.entries.add, e)
             wire = req.SerializeToString()
             pack.append(time.perf_counter() - t)
             req = draft_pb2.BatchRequest.FromString(wire)
@@ -91,7 +91,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
             run.append(time.perf_counter() - t)
             wire = reply.SerializeToString()
             t = time.perf_counter()
-            results = _batch_results(draft_pb2.BatchReply.FromString(wire), "in-process",
+            results = batch_results(draft_pb2.BatchReply.FromString(wire), "in-process",
                                      packing)
             parse.append(time.perf_counter() - t)
             if any(results.errors):
