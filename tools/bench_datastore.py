@@ -10,7 +10,7 @@ of the datastore):
     random vocabulary permutations (same statistics, no shared matches), so the suffix
     arrays are 10x longer while the hits stay those of the real corpus
 
-Usage: python tools/bench_datastore.py [--out bench-out/datastore] [--lookups 2000]
+Usage: python -m tools.bench_datastore [--out bench-out/datastore] [--lookups 2000]
 Prints a Markdown table and writes results.json under --out.
 """
 

@@ -10,7 +10,7 @@ per target forward, the median per-prompt wall-clock speed-up over plain decodin
 whether the tokens are identical to plain greedy decoding. An empty-datastore run measures
 the overhead when drafts never hit.
 
-    python tools/bench_decoder.py --max-new-tokens 128 --out bench-out/decoder
+    python -m tools.bench_decoder --max-new-tokens 128 --out bench-out/decoder
 """
 
 from __future__ import annotations

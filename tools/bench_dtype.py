@@ -6,7 +6,7 @@ question to question, on one model per dtype loaded side by side (cost curves me
 start, as `redraft generate` would). Reported per dtype: tokens/s on the wall clock (prompt
 included) and per CPU second (steadier on a shared machine), tokens per forward.
 
-    REDRAFT_CACHE=$(mktemp -d) python tools/bench_dtype.py \
+    REDRAFT_CACHE=$(mktemp -d) python -m tools.bench_dtype \
         --questions SPEC_BENCH/question.jsonl --per-category 2 --threads 1
 """
 

@@ -8,7 +8,7 @@ forwards, the prompt's forward left out), tokens/s (new tokens / wall clock of t
 prompt included) and the speed-up over plain. Beside it, llama.cpp's own cost curve: the time
 of an n-token forward (the fastest of several interleaved rounds) relative to a 1-token one.
 
-    python tools/bench_llama_cpp.py --questions SPEC_BENCH/question.jsonl --per-category 3 \
+    python -m tools.bench_llama_cpp --questions SPEC_BENCH/question.jsonl --per-category 3 \
         --code-prompts tools/demo_prompts.jsonl --datastore data/default --threads 1
 
 `--service HOST:PORT` drafts from a running `redraft serve` instead of `--datastore`.

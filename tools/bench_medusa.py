@@ -9,7 +9,7 @@ of the rounds, and the ratios, plus the held-out accuracies recorded in the head
 per head on the first N held-out documents of the training corpus, through the same
 `topk` calls the drafter makes (what int8 costs in accuracy).
 
-    .venv/bin/python tools/bench_medusa.py --threads 1 [--heads FILE] [--rounds 200] \
+    .venv/bin/python -m tools.bench_medusa --threads 1 [--heads FILE] [--rounds 200] \
         [--accuracy-docs 40 --data tools/corpora/self_distill.jsonl]
 """
 

@@ -23,7 +23,7 @@ rests on measurements; it assumes idle machines, which this one is not.
 On the shared 2-core machine 2 nodes cannot show scaling: both "nodes" share the same 2
 cores with everything else running there. /proc/loadavg is recorded around each run.
 
-Usage: python tools/bench_ray_build.py [--out bench-out/ray-build] [--rounds 1]
+Usage: python -m tools.bench_ray_build [--out bench-out/ray-build] [--rounds 1]
        [--shard-tokens 1048576] [--shard-tokens 134217728] [--nodes 1 --nodes 2]
 Prints a Markdown table and writes results.json under --out.
 """

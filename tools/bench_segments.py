@@ -17,7 +17,7 @@ redraft and times the call alone. "Bytes written" are the sizes of the files tha
 after the call (a rewritten file is a new file); "write calls" is the kernel's count of
 bytes the process passed to write(2) (/proc/self/io wchar), a cross-check.
 
-Usage: python tools/bench_segments.py [--out bench-out/segments] [--tokens 100000000]
+Usage: python -m tools.bench_segments [--out bench-out/segments] [--tokens 100000000]
        [--baseline-python OTHER_CHECKOUT/.venv/bin/python] [--skip-large]
 Prints Markdown tables and writes results.json under --out.
 """
