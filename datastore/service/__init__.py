@@ -10,7 +10,8 @@
 - `reload`: following the datastore's new commits; `verification`: its checksums, in the
   background;
 - `config`: the server's limits; `server`: its assembly (TLS, health, shutdown, threads);
-  `stats`: counters shared by worker processes; `serve_cli`: `redraft serve`;
+  `stats`: counters shared by worker processes; `serve_cli`: `redraft serve`; `spawn`:
+  `redraft serve` as a child process, for the tests and the tools;
 - `wire`: the messages to redraft's values and back, both directions, for the client and the
   server alike;
 - `client` (the connection, streaming sessions) and `batch_client` (an engine's batched

@@ -4,7 +4,8 @@ Why a class of our own over the raw stubs: a decoder must never hang or crash be
 draft server is slow or gone. Every call has a deadline, a session step too (a watchdog
 cancels a step that overruns), failures surface as a few typed errors (so the decoder can
 fall back to local drafting), and a session whose server restarted is reopened with the
-context the client kept, once, transparently.
+context the client kept, once, transparently. The messages are built and read by `wire`;
+this module is the connection: channels, deadlines, the sessions' streams.
 
     client = DraftClient("127.0.0.1:50051", token=None, timeout=2.0)
     # or replicas: DraftClient("10.0.0.1:50051,10.0.0.2:50051"), DraftClient("dns:///drafts:50051")
@@ -65,10 +66,7 @@ __all__ = [
     "LimitExceeded", "PackedSteps", "SequenceEnd", "SequenceEntry", "SequenceOpen",
     "SequenceStep", "ServiceError", "ServiceInfo", "ServiceUnavailable", "UnknownSequence",
     "channel_target", "check_token", "client_tls", "client_token", "read_tokens",
-    "tree_from_proto",
 ]
-
-tree_from_proto = wire.tree_value  # the name callers know
 
 
 def channel_target(address: str) -> str:
