@@ -8,21 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from redraft.datastore.service.spawn import ServeProcess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from redraft.datastore.service.spawn import ServeProcess, free_port
 
 # One `redraft serve` process group, started as the tools start theirs (`spawn`).
 Serve = ServeProcess

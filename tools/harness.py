@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from redraft.datastore.service.spawn import ServeFailed, ServeProcess
+from redraft.datastore.service.spawn import ServeFailed, ServeProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,15 +117,6 @@ class Run:
     def print(self, results: dict[str, Any] | list, indent: int = 2) -> None:
         """The result as JSON on stdout (a tool's --json)."""
         print(json.dumps(self.result(results), indent=indent), flush=True)
-
-
-def free_port() -> int:
-    """A loopback port free now (for a server told its port up front)."""
-    import socket  # lazy: most tools never ask
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

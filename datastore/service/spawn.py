@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
+
+
+def free_port() -> int:
+    """A loopback port free now, for a server told its port up front (`--workers` > 1
+    needs one: the workers share it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServeFailed(RuntimeError):
