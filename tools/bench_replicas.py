@@ -31,7 +31,8 @@ from redraft.datastore import Reader
 from redraft.datastore.service.client import DraftClient, DraftParams
 
 from tools import harness
-from tools.bench_service import free_port, held_out_tokens, pct
+from tools.bench_service import held_out_tokens, pct
+from tools.harness import free_port
 
 ROOT = str(harness.ROOT)
 
