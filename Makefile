@@ -132,7 +132,7 @@ bench-samples: install $(DEFAULT_DS)/manifest.json
 
 # The datastore benchmark (builds its own held-out datastores under bench-out/).
 bench-datastore: install
-	$(PY) tools/bench_datastore.py --out bench-out/datastore
+	$(PY) -m tools.bench_datastore --out bench-out/datastore
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info

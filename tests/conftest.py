@@ -7,80 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from redraft.datastore.service.spawn import ServeProcess, free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    """One `redraft serve` process group: its stdout lines as they come, its stderr kept."""
-
-    def __init__(self, store: str, extra: tuple[str, ...], env: dict | None = None) -> None:
-        self.workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store,
-             *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.pid = self.proc.pid
-        self.lines: queue.SimpleQueue = queue.SimpleQueue()
-        self._stderr: list[str] = []
-        threading.Thread(target=self._drain_stdout, daemon=True).start()
-        threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr),
-                         daemon=True).start()
-        self.addresses: list[str] = []
-        while len(self.addresses) < self.workers:
-            try:
-                line = self.lines.get(timeout=30)
-            except queue.Empty:
-                line = ""
-            if not line:
-                self.kill()
-                raise AssertionError(f"serve did not start: {self.stderr}")
-            if "listening on" in line:
-                self.addresses.append(line.split("listening on ")[1].strip())
-        self.address = self.addresses[0]
-
-    def _drain_stdout(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put("")
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self._stderr)
-
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM, and the exit status once it has stopped."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL to the server and any worker it started (they share its group)."""
-        if self.proc.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def rest_of_stdout(self) -> str:
-        out = []
-        while (line := self.lines.get(timeout=10)) != "":
-            out.append(line)
-        return "".join(out)
+# One `redraft serve` process group, started as the tools start theirs (`spawn`).
+Serve = ServeProcess
 
 
 class Servers:

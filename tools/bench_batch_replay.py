@@ -1,4 +1,4 @@
-"""The batched-RPC phase of tools/bench_service.py: engines' sequences replayed through
+"""The batched-RPC phase of `tools.bench_service`: engines' sequences replayed through
 `Drafter.Batch`, N sequences per call.
 
 Each sequence replays held-out code as a greedy decoder verifying the service's trees would:

@@ -2,7 +2,7 @@
 no second process): the server's `BatchDrafting.run` against the core's step it calls
 (`step_flat`), and the client's building of the request and reading of the reply.
 
-    python tools/bench_batch_server.py --datastore data/stdlib --batch 64
+    python -m tools.bench_batch_server --datastore data/stdlib --batch 64
 
 Each call carries --batch sequences replaying held-out code (this project's own sources): a
 128-token prompt, then 1-4 accepted tokens per step; a finished document opens a new
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import random
 import statistics
@@ -25,22 +24,24 @@ import sys
 import time
 
 import redraft.datastore.service.batching as batching
-from bench_service import held_out_tokens
 from redraft.datastore import Reader
-from redraft.datastore.service.client import (
+from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.handlers import DrafterService
+from redraft.datastore.service.stats import ServiceStats
+from redraft.datastore.service.wire import (
     DraftParams,
     PackedSteps,
     SequenceOpen,
     SequenceStep,
-    _add_entry,
-    _batch_results,
+    add_entry,
+    batch_results,
 )
-from redraft.datastore.service.config import ServiceConfig
-from redraft.datastore.service.handlers import DrafterService
-from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools import harness
+from tools.bench_service import held_out_tokens
+
+ROOT = str(harness.ROOT)
 PROMPT_TOKENS = 128
 
 
@@ -82,7 +83,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
                                       [e.accepted for e in stepping])
                 packing.to_proto(req.steps)
             for e in entries:
-                _add_entry(req.entries.add, e)
+                add_entry(req.entries.add, e)
             wire = req.SerializeToString()
             pack.append(time.perf_counter() - t)
             req = draft_pb2.BatchRequest.FromString(wire)
@@ -91,7 +92,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
             run.append(time.perf_counter() - t)
             wire = reply.SerializeToString()
             t = time.perf_counter()
-            results = _batch_results(draft_pb2.BatchReply.FromString(wire), "in-process",
+            results = batch_results(draft_pb2.BatchReply.FromString(wire), "in-process",
                                      packing)
             parse.append(time.perf_counter() - t)
             if any(results.errors):
@@ -129,22 +130,21 @@ def main() -> int:
                     help="every step an entry of its own (the older form) instead of packed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    run = harness.Run()
     reader = Reader(args.datastore)
     docs = held_out_tokens(reader.tokenizer_name)
     service = DrafterService(reader, ServiceConfig(), ServiceStats())
     gc.collect()
     gc.freeze()  # the loaded documents are not the calls' garbage
-    load = os.getloadavg()[0]
     report = asyncio.run(measure(service, docs, args.batch, args.steps,
                                  DraftParams(budget=args.budget, max_depth=args.depth),
                                  args.seed, not args.entries))
-    report["load_average_before"] = round(load, 2)
     reader.close()
     if args.json:
-        print(json.dumps(report))
+        run.print(report, indent=None)
     else:
         print(f"{report['sequences']} sequences per call, {report['calls']} calls (load "
-              f"{report['load_average_before']}): run p50 {report['run_p50_ms']:.3f} ms, of "
+              f"{run.header['load_average'][0]}): run p50 {report['run_p50_ms']:.3f} ms, of "
               f"which step_flat {report['step_flat_p50_ms']:.3f} ms, the rest "
               f"{report['around_core_p50_ms']:.3f} ms; client builds the request in "
               f"{report['client_pack_p50_ms']:.3f} ms, reads the reply in "

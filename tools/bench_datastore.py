@@ -10,7 +10,7 @@ of the datastore):
     random vocabulary permutations (same statistics, no shared matches), so the suffix
     arrays are 10x longer while the hits stay those of the real corpus
 
-Usage: python tools/bench_datastore.py [--out bench-out/datastore] [--lookups 2000]
+Usage: python -m tools.bench_datastore [--out bench-out/datastore] [--lookups 2000]
 Prints a Markdown table and writes results.json under --out.
 """
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import shutil
 import sysconfig
 import time
@@ -32,6 +30,8 @@ from redraft.datastore import Reader, build_datastore
 from redraft.datastore.drafting import retrieval_tree
 from redraft.datastore.sharding import BATCH_CHARS
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, tokenizer_fingerprint, vocab_size
+
+from tools import harness
 
 HOLD_OUT_EVERY = 40
 
@@ -166,7 +166,8 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"cpus": os.cpu_count()}
+    run = harness.Run()  # the machine (cores, load), commit and command, in the file
+    res: dict = {}
 
     tok = load_tokenizer(DEFAULT_MODEL)
     kept, held = stdlib_files()
@@ -220,7 +221,7 @@ def main() -> None:
         res.update({k + "_10x": v for k, v in open_stats(ds10, res["n_tokens_10x"]).items()})
         shutil.rmtree(ds10)
 
-    (out / "results.json").write_text(json.dumps(res, indent=2))
+    run.write(out / "results.json", res, indent=2)
     print(table(res))
 
 

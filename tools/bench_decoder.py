@@ -10,7 +10,7 @@ per target forward, the median per-prompt wall-clock speed-up over plain decodin
 whether the tokens are identical to plain greedy decoding. An empty-datastore run measures
 the overhead when drafts never hit.
 
-    python tools/bench_decoder.py --max-new-tokens 128 --out bench-out/decoder
+    python -m tools.bench_decoder --max-new-tokens 128 --out bench-out/decoder
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tools import harness
 
 HERE = Path(__file__).resolve().parent
 
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods")
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
+    run = harness.Run()
 
     from redraft.decoder.drafters.registry import build_drafter
     from redraft.decoder.generate import Generator
@@ -193,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(
-            {"args": vars(args), "summary": rows, "records": records,
-             "cost_curve": cost.to_json()}, indent=1))
+        run.write(out / "results.json", {"args": vars(args), "summary": rows,
+                                         "records": records, "cost_curve": cost.to_json()})
         (out / "table.md").write_text("\n".join(table) + "\n")
     return 0
 

@@ -5,7 +5,7 @@ verification forward (its own kernels), the int8 draft model run module by modul
 verifier (`quantized_int8`), and the lean int8 decoder the `int8` draft model uses
 (`Int8Decoder`). Reports the median and the fastest round of each, and the ratios.
 
-    .venv/bin/python tools/bench_draft_forward.py --threads 1 [--rounds 100] [--prefix 256]
+    .venv/bin/python -m tools.bench_draft_forward --threads 1 [--rounds 100] [--prefix 256]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ datastore) as a decoder would: a 128-token prompt, then 1-4 accepted tokens per 
 is on as `redraft serve` has it (every sequence's accepted tokens are learned at once and
 drafted back), bounded by --learn-max-tokens.
 
-    python tools/bench_drafting_core.py --datastore data/stdlib
+    python -m tools.bench_drafting_core --datastore data/stdlib
 
 Phase 1 steps one sequence at a time through both drafters in lockstep (Draft objects out,
 as the Python path returns them) and compares every tree. Phase 2 steps --batch sequences in
@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import statistics
 import sys
 import time
 
-from bench_service import held_out_tokens, pct
 from redraft.datastore import Reader
 from redraft.datastore.drafting import (
     SOURCES,
@@ -40,7 +38,10 @@ from redraft.datastore.drafting import (
 )
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools import harness
+from tools.bench_service import held_out_tokens, pct
+
+ROOT = str(harness.ROOT)
 
 
 def same(a, b) -> bool:
@@ -95,6 +96,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    run = harness.Run()
 
     reader = Reader(args.datastore)
     docs = held_out_tokens(reader.tokenizer_name)
@@ -104,7 +106,6 @@ def main() -> int:
     rng = random.Random(args.seed)
     gc.collect()
     gc.freeze()  # the loaded documents are not the drafters' garbage
-    load_before = os.getloadavg()[0]
     checked = mismatches = 0
 
     # ---- phase 1: one sequence at a time, both drafters in lockstep -----------------------
@@ -177,8 +178,6 @@ def main() -> int:
     report = {
         "datastore_tokens": reader.n_tokens, "budget": args.budget, "depth": args.depth,
         "learn_max_tokens": args.learn_max_tokens,
-        "load_average_before": round(load_before, 2),
-        "load_average_after": round(os.getloadavg()[0], 2),
         "one_sequence": {
             "steps": len(native_us), "mean_nodes": nodes / max(1, len(native_us)),
             "python_p50_us": statistics.median(ref_us), "python_p99_us": pct(ref_us, 0.99),
@@ -199,12 +198,13 @@ def main() -> int:
     }
     reader.close()
     if args.json:
-        print(json.dumps(report, indent=2))
+        run.print(report)
     else:
         o, b = report["one_sequence"], report["batch"]
+        rec = run.record()
         print(f"datastore {report['datastore_tokens']:,} tokens, budget {args.budget}, depth "
               f"{args.depth}, learning bound {args.learn_max_tokens:,} tokens; load average "
-              f"{report['load_average_before']} before, {report['load_average_after']} after")
+              f"{rec['load_average'][0]} before, {rec['load_average_end'][0]} after")
         print(f"one sequence: {o['steps']} steps, {o['mean_nodes']:.1f} nodes/tree; Python p50 "
               f"{o['python_p50_us']:.0f} us, p99 {o['python_p99_us']:.0f} us; native p50 "
               f"{o['native_p50_us']:.1f} us, p99 {o['native_p99_us']:.1f} us "

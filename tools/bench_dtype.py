@@ -6,15 +6,13 @@ question to question, on one model per dtype loaded side by side (cost curves me
 start, as `redraft generate` would). Reported per dtype: tokens/s on the wall clock (prompt
 included) and per CPU second (steadier on a shared machine), tokens per forward.
 
-    REDRAFT_CACHE=$(mktemp -d) python tools/bench_dtype.py \
+    REDRAFT_CACHE=$(mktemp -d) python -m tools.bench_dtype \
         --questions SPEC_BENCH/question.jsonl --per-category 2 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
@@ -23,6 +21,8 @@ from redraft.decoder.bench.questions import load_questions
 from redraft.decoder.budget import CostModel
 from redraft.decoder.text import chat_ids
 from redraft.proto.models import DEFAULT_MODEL
+
+from tools import harness
 
 DTYPES = ("float32", "bfloat16")
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         gens[dtype] = Generator(model, tok, drafter, model_name=DEFAULT_MODEL, cost=cost)
     questions = load_questions(args.questions, args.per_category)
     totals = {d: {"tokens": 0, "steps": 0, "seconds": 0.0, "cpu": 0.0} for d in DTYPES}
-    load_start = os.getloadavg()[0]
+    run = harness.Run()  # load at the start; its end when printed
     for i, q in enumerate(questions):
         for dtype in DTYPES[i % 2:] + DTYPES[: i % 2]:
             gen = gens[dtype]
@@ -56,14 +56,13 @@ def main(argv: list[str] | None = None) -> int:
             t["tokens"] += r.stats.new_tokens
             t["steps"] += r.stats.steps
     out = {"questions": len(questions), "threads": args.threads,
-           "load_average": [load_start, os.getloadavg()[0]],
            "verifier": {d: gens[d].verifier.kind for d in DTYPES}}
     for dtype, t in totals.items():
         out[dtype] = {"tokens_per_second": round(t["tokens"] / t["seconds"], 2),
                       "tokens_per_cpu_second": round(t["tokens"] / t["cpu"], 2),
                       "tokens_per_forward": round(t["tokens"] / max(1, t["steps"]), 3),
                       "new_tokens": t["tokens"]}
-    print(json.dumps(out, indent=1))
+    run.print(out, indent=1)
     return 0
 
 

@@ -6,7 +6,7 @@ interleaved rounds over a 128-token cached prefix), alternating the two kinds of
 machine does not land on one kind only. Packed means packed for every forward here (no
 per-size choice).
 
-    python tools/bench_kernels.py --threads 1
+    python -m tools.bench_kernels --threads 1
 """
 
 from __future__ import annotations

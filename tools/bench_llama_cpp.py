@@ -8,7 +8,7 @@ forwards, the prompt's forward left out), tokens/s (new tokens / wall clock of t
 prompt included) and the speed-up over plain. Beside it, llama.cpp's own cost curve: the time
 of an n-token forward (the fastest of several interleaved rounds) relative to a 1-token one.
 
-    python tools/bench_llama_cpp.py --questions SPEC_BENCH/question.jsonl --per-category 3 \
+    python -m tools.bench_llama_cpp --questions SPEC_BENCH/question.jsonl --per-category 3 \
         --code-prompts tools/demo_prompts.jsonl --datastore data/default --threads 1
 
 `--service HOST:PORT` drafts from a running `redraft serve` instead of `--datastore`.
@@ -30,6 +30,8 @@ from redraft.decoder.bench.questions import load_questions
 from redraft.decoder.engines.llama_cpp import Llama, RedraftDraft, model_path
 from redraft.decoder.text import chat_ids
 from redraft.proto.models import load_tokenizer
+
+from tools import harness
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-rounds", type=int, default=20)
     ap.add_argument("--out", default="bench-out/llama_cpp")
     args = ap.parse_args(argv)
+    run = harness.Run()
     if not args.questions and not args.code_prompts:
         ap.error("give --questions and/or --code-prompts")
 
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                             // len(methods)}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    run.write(out / "summary.json", summary)
     with open(out / "turns.jsonl", "w") as f:
         for t in turns:
             f.write(json.dumps(asdict(t)) + "\n")

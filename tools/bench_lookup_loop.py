@@ -6,7 +6,7 @@ opens an existing store (e.g. the `stdlib` store that command leaves in bench-ou
 and times `longest_match` and `propose` over contexts cut from the same held-out standard
 library files, after a warm-up, several passes, mean per call of each pass:
 
-    .venv/bin/python tools/bench_lookup_loop.py bench-out/datastore/stdlib [--passes 3]
+    .venv/bin/python -m tools.bench_lookup_loop bench-out/datastore/stdlib [--passes 3]
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench_datastore import contexts, stdlib_files
 from redraft.datastore import Reader
 from redraft.datastore.drafting import retrieval_tree
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer
+
+from tools.bench_datastore import contexts, stdlib_files
 
 
 def main() -> None:

@@ -9,14 +9,13 @@ of the rounds, and the ratios, plus the held-out accuracies recorded in the head
 per head on the first N held-out documents of the training corpus, through the same
 `topk` calls the drafter makes (what int8 costs in accuracy).
 
-    .venv/bin/python tools/bench_medusa.py --threads 1 [--heads FILE] [--rounds 200] \
+    .venv/bin/python -m tools.bench_medusa --threads 1 [--heads FILE] [--rounds 200] \
         [--accuracy-docs 40 --data tools/corpora/self_distill.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -35,6 +34,8 @@ from redraft.decoder.verify import TreeVerifier
 from redraft.proto.models import load_tokenizer
 from redraft.proto.tree import Tree
 
+from tools import harness
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--held-out", type=float, default=5.0, help="held-out percent, as trained")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    run = harness.Run()
     if args.threads:
         torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)
@@ -91,7 +93,7 @@ def main() -> None:
     if args.accuracy_docs > 0:
         out["top1"] = held_out_top1(model, args, heads, predictors)
     if args.json:
-        print(json.dumps(out, indent=2))
+        run.print(out)
         return
     print(f"threads {out['threads']}, {args.rounds} interleaved rounds, K={heads.num_heads}, "
           f"subset {out['subset']} ids")

@@ -23,7 +23,7 @@ rests on measurements; it assumes idle machines, which this one is not.
 On the shared 2-core machine 2 nodes cannot show scaling: both "nodes" share the same 2
 cores with everything else running there. /proc/loadavg is recorded around each run.
 
-Usage: python tools/bench_ray_build.py [--out bench-out/ray-build] [--rounds 1]
+Usage: python -m tools.bench_ray_build [--out bench-out/ray-build] [--rounds 1]
        [--shard-tokens 1048576] [--shard-tokens 134217728] [--nodes 1 --nodes 2]
 Prints a Markdown table and writes results.json under --out.
 """
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -44,6 +43,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from tools import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCLUDE = ["*/site-packages/*", "*/dist-packages/*"]
@@ -238,12 +239,8 @@ def main() -> None:
     os.environ.update(RAY_TMPDIR=tmp, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     os.environ.pop("RAY_ADDRESS", None)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version(),
-                           "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)},
-               "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short",
-                                         "HEAD"], capture_output=True, text=True).stdout.strip(),
-               "runs": []}
+    header = harness.Run()  # cores, load, commit, Python, platform, the command
+    results = {"memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "runs": []}
     try:
         for rnd in range(args.rounds):
             for shard in shard_sizes:
@@ -266,7 +263,7 @@ def main() -> None:
                     print(json.dumps(run), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    header.write(args.out / "results.json", results)
     print(table(results))
 
 

@@ -4,13 +4,13 @@ to draft on another.
 
 Each configuration starts N `redraft serve` processes on one datastore (separate ports:
 replicas; or `--layout workers`: one server with `--workers N`), then client processes
-replay held-out code as decoders would (as tools/bench_service.py does), their sessions
+replay held-out code as decoders would (as `tools.bench_service` does), their sessions
 spread over the replicas by the client's round_robin policy. While that load runs, the
 main process measures sharing: a session on one process accepts a new output; a session
 of the same tenant on another process steps (every 5 ms) until it drafts the output's
 continuation from learned outputs; the delay is from the writer's step returning.
 
-    python tools/bench_replicas.py --datastore data/stdlib --processes 1,2,4 --sessions 64
+    python -m tools.bench_replicas --datastore data/stdlib --processes 1,2,4 --sessions 64
 
 Learning is on (`--learn tenant`, never persisted here: logs are still shared).
 """
@@ -18,42 +18,38 @@ Learning is on (`--learn tenant`, never persisted here: logs are still shared).
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import multiprocessing as mp
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
-from bench_service import free_port, held_out_tokens, pct
 from redraft.datastore import Reader
 from redraft.datastore.service.client import DraftClient, DraftParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools import harness
+from tools.bench_service import held_out_tokens, pct
+from tools.harness import free_port
+
+ROOT = str(harness.ROOT)
 
 
-def start_servers(args, n: int) -> tuple[list[subprocess.Popen], list[str], str]:
-    """N replicas (or one server of N workers); their processes, addresses, client target."""
+def start_servers(stack: contextlib.ExitStack, args, n: int
+                  ) -> tuple[list[harness.ServeProcess], list[str], str]:
+    """N replicas (or one server of N workers), stopped when `stack` closes whatever
+    happens; their processes, addresses, client target."""
     common = ["--datastore", args.datastore, "--learn", "tenant", "--learn-max-tokens",
               str(args.learn_max_tokens), "--learn-persist-seconds", "0",
               "--max-sessions", str(args.sessions + 64), "--max-budget", "1024"]
-    layout = [(1, n)] if args.layout == "workers" else [(n, 1)]
+    replicas, workers = (1, n) if args.layout == "workers" else (n, 1)
     procs, addresses = [], []
-    for _ in range(layout[0][0]):
+    for _ in range(replicas):
         port = free_port()
-        workers = layout[0][1]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "redraft.decoder.cli", "serve", *common, "--port",
-             str(port), "--workers", str(workers)], stdout=subprocess.PIPE, text=True)
-        for _ in range(workers):
-            if "listening" not in proc.stdout.readline():
-                for p in procs + [proc]:
-                    p.kill()
-                raise SystemExit("server did not start")
-        procs.append(proc)
+        procs.append(stack.enter_context(harness.serving(
+            args.datastore, *common[2:], "--port", str(port), "--workers", str(workers))))
         addresses.append(f"127.0.0.1:{port}")
     return procs, addresses, ",".join(addresses)
 
@@ -144,8 +140,8 @@ def sharing_delays(addresses: list[str], fp: str, vocab: int, trials: int, until
 
 
 def run_config(args, n: int, docs, fp: str, vocab: int) -> dict:
-    procs, addresses, target = start_servers(args, n)
-    try:
+    with contextlib.ExitStack() as stack:
+        procs, addresses, target = start_servers(stack, args, n)
         own = args.layout == "workers"
         params = DraftParams(budget=args.budget, max_depth=args.depth,
                              sources=("rest", "pld", "learned"))
@@ -164,22 +160,21 @@ def run_config(args, n: int, docs, fp: str, vocab: int) -> dict:
                 delays = sharing_delays(addresses, fp, vocab, args.trials, until,
                                         pids=list(range(n)) if own else None)
             results = job.get()
-        load = open("/proc/loadavg").read().split()[:3]
+        load = harness.load_average()
         lat_ms = [x * 1e3 for r in results for x in r["lat"]]
         row = {"processes": n, "layout": args.layout, "sessions": args.sessions,
                "seconds": args.seconds, "steps": len(lat_ms),
                "steps_per_s": len(lat_ms) / args.seconds,
                "p50_ms": statistics.median(lat_ms), "p99_ms": pct(lat_ms, 0.99),
-               "loadavg_after": " ".join(load)}
+               "loadavg_after": " ".join(f"{x:.2f}" for x in load)}
         if delays:
             row.update(sharing_trials=len(delays), sharing_p50_ms=statistics.median(delays) * 1e3,
                        sharing_max_ms=max(delays) * 1e3)
+        for p in procs:  # stopped as before: SIGTERM, each given a minute
+            p.proc.terminate()
+        for p in procs:
+            p.proc.wait(60)
         return row
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(60)
 
 
 def main() -> int:
@@ -197,13 +192,14 @@ def main() -> int:
     ap.add_argument("--learn-max-tokens", type=int, default=100_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    run = harness.Run()
     with Reader(args.datastore) as r:
         name, fp, vocab = r.tokenizer_name, r.tokenizer_fingerprint, r.vocab_size
         n_tokens = r.n_tokens
     docs = held_out_tokens(name)
     rows = [run_config(args, int(n), docs, fp, vocab) for n in args.processes.split(",")]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        run.print(rows)
         return 0
     print(f"datastore {n_tokens:,} tokens; {args.sessions} sessions from {args.client_procs} "
           f"client processes, {args.seconds:g} s per run; layout {args.layout}")

@@ -17,7 +17,7 @@ redraft and times the call alone. "Bytes written" are the sizes of the files tha
 after the call (a rewritten file is a new file); "write calls" is the kernel's count of
 bytes the process passed to write(2) (/proc/self/io wchar), a cross-check.
 
-Usage: python tools/bench_segments.py [--out bench-out/segments] [--tokens 100000000]
+Usage: python -m tools.bench_segments [--out bench-out/segments] [--tokens 100000000]
        [--baseline-python OTHER_CHECKOUT/.venv/bin/python] [--skip-large]
 Prints Markdown tables and writes results.json under --out.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from tools import harness
 
 VOCAB = 49152
 FINGERPRINT = "sha256:synthetic-zipf-bench"
@@ -180,15 +181,14 @@ def main() -> None:
     runs = [("segments", sys.executable)]
     if args.baseline_python:
         runs.insert(0, ("baseline", args.baseline_python))
-    results: dict = {"tokens": args.tokens, "machine": platform.platform(),
-                     "cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    run = harness.Run()  # the machine (cores, load before and after), commit, command
+    results: dict = {"tokens": args.tokens}
     if not args.skip_large:
         synthetic(out / "docs", args.tokens, seed=0)
         synthetic(out / "more", args.tokens // 100, seed=1)
         results["large"] = {label: large(label, py, out, args.tokens) for label, py in runs}
     results["persists"] = {label: persists(label, py, out, args.persists) for label, py in runs}
-    results["load_after"] = os.getloadavg()
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    run.write(out / "results.json", results)
 
     mb = 1e6
     if "large" in results:
@@ -210,8 +210,9 @@ def main() -> None:
               f"{t[0]:.0f} ms | {np.median(t):.0f} ms | {np.median(t[-10:]):.0f} ms | "
               f"{t.max():.0f} ms | {r['open_ms_before']:.2f} ms | {r['open_ms_after']:.2f} ms | "
               f"{r['shards']} | {r['segments']} |")
-    print(f"\nload average before/after: {results['load_before'][0]:.2f} / "
-          f"{results['load_after'][0]:.2f}; {time.strftime('%Y-%m-%d %H:%M')}")
+    rec = run.record()
+    print(f"\nload average before/after: {rec['load_average'][0]:.2f} / "
+          f"{rec['load_average_end'][0]:.2f}; {time.strftime('%Y-%m-%d %H:%M')}")
 
 
 if __name__ == "__main__":

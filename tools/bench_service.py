@@ -5,14 +5,14 @@ The server is a real `redraft serve` subprocess; clients replay held-out code (t
 project's own sources, which are not in the standard-library datastore) as a decoder
 would: open a session with a prompt, then send 1-4 "accepted" tokens per step.
 
-    python tools/bench_service.py --datastore data/stdlib
+    python -m tools.bench_service --datastore data/stdlib
 
 Learning is on as `redraft serve` has it (every session's accepted tokens are learned and
 drafted back, source `learned`), bounded by --learn-max-tokens and never persisted here.
 `--baseline` also starts a server with learning off and alternates the one-session phase's
 steps between the two, so the latency ratio is measured under the same load.
 
-`--batch 1,8,64` measures the batched RPC instead (tools/bench_batch_replay.py): per batch
+`--batch 1,8,64` measures the batched RPC instead (`tools.bench_batch_replay`): per batch
 size, the server's time per call (`batch_step_p50_ms`, `batch_step_p99_ms`, from the reply's
 `server_us`), per sequence-step (`per_sequence_p50_us`), the call over loopback
 (`loopback_p50_ms`; `empty_call_p50_ms`: a call carrying nothing, what gRPC alone costs) and
@@ -21,20 +21,20 @@ SequenceBatch sends them; `--batch-entries`: one entry per step, the older form)
 the same replay on a compiled-core server and a Python-reference server (learning off, so
 neither learns from the other's logs), whose accepted tokens per step must be equal.
 
-    python tools/bench_service.py --datastore data/stdlib --batch 1,8,64 --json
+    python -m tools.bench_service --datastore data/stdlib --batch 1,8,64 --json
+
+The report starts with the run's record (`tools.harness`: machine, load, commit, command).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
-import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -44,10 +44,11 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redraft.datastore.service.client import DraftClient, DraftParams
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_batch_replay import batch_report, empty_call_ms, same_replay  # noqa: E402
+from tools import harness
+from tools.bench_batch_replay import batch_report, empty_call_ms, same_replay
+from tools.harness import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(harness.ROOT)
 
 
 def held_out_tokens(tokenizer_name: str) -> list[list[int]]:
@@ -126,12 +127,6 @@ def _client_proc(args: tuple) -> dict:
     return {"lat": lat, "nodes": sum(r["nodes"] for r in results)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_mib(proc: psutil.Process) -> float:
     """Server memory that is not file-backed: RSS minus shared pages.
 
@@ -153,22 +148,17 @@ def quarters(samples: list) -> list:
     return [samples[min(n - 1, q * n // 4)] for q in range(1, 5)] if n else []
 
 
-def start_server(args, learn: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`redraft serve` on a free port (learned outputs stay in memory: never persisted)."""
+def start_server(stack: contextlib.ExitStack, args, learn: str, *extra: str
+                 ) -> tuple[harness.ServeProcess, str]:
+    """`redraft serve` on a free port (learned outputs stay in memory: never persisted),
+    stopped when `stack` closes whatever happens."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", args.datastore,
-         "--port", str(port), "--workers", str(args.workers), "--max-budget",
-         str(max(1024, args.budget)), "--learn", learn, "--learn-max-tokens",
-         str(args.learn_max_tokens), "--learn-persist-seconds", "0", *extra,
-         *(args.serve_arg or [])],
-        stdout=subprocess.PIPE, text=True,
-    )
-    for _ in range(args.workers):
-        if "listening" not in proc.stdout.readline():
-            proc.kill()
-            raise SystemExit("server did not start")
-    return proc, f"127.0.0.1:{port}"
+    serve = stack.enter_context(harness.serving(
+        args.datastore, "--port", str(port), "--workers", str(args.workers), "--max-budget",
+        str(max(1024, args.budget)), "--learn", learn, "--learn-max-tokens",
+        str(args.learn_max_tokens), "--learn-persist-seconds", "0", *extra,
+        *(args.serve_arg or [])))
+    return serve, f"127.0.0.1:{port}"
 
 
 def main() -> int:
@@ -201,96 +191,19 @@ def main() -> int:
                     "--serve-arg=1)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    run = harness.Run()
     if args.batch:
-        return batch_main(args)
+        return batch_main(args, run)
 
-    servers = [start_server(args, args.learn)]
-    if args.baseline:
-        servers.append(start_server(args, "off"))
-    server, address = servers[0]
-    try:
-        client = DraftClient(address)
-        info = client.info()
-        docs = held_out_tokens(info.tokenizer_name)
-        sources = ("rest", "pld") if args.learn == "off" else ("rest", "pld", "learned")
-        params = DraftParams(budget=args.budget, max_depth=args.depth, sources=sources)
-        ps = psutil.Process(server.pid)
-        report: dict = {"datastore_tokens": info.n_tokens, "workers": args.workers,
-                        "budget": args.budget, "depth": args.depth, "learn": args.learn,
-                        "learn_max_tokens": args.learn_max_tokens,
-                        "held_out_tokens": sum(map(len, docs))}
-
-        # warm-up, then one session stepping as fast as it can (on each server in turn)
-        addresses = [a for _, a in servers]
-        all_params = [params, DraftParams(budget=args.budget, max_depth=args.depth)]
-        run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 0,
-                     time.monotonic() + 2, 300)
-        results = run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 1,
-                               time.monotonic() + 240, args.steps)
-        for name, one in zip(("one_session", "one_session_learning_off"), results):
-            lat_ms = [x * 1e3 for x in one["lat"]]
-            report[name] = {
-                "steps": len(lat_ms), "median_ms": statistics.median(lat_ms),
-                "p90_ms": pct(lat_ms, 0.9), "p99_ms": pct(lat_ms, 0.99),
-                "mean_nodes": one["nodes"] / len(lat_ms), "hit_rate": one["hits"] / len(lat_ms),
-            }
-
-        # many sessions from several client processes; health probed meanwhile
-        rss_before = rss_mib(ps)
-        until = time.monotonic() + args.seconds
-        per = [list(range(100 + i, 100 + args.sessions, args.client_procs))
-               for i in range(args.client_procs)]
-        health_ms: list[float] = []
-        health_fail = 0
-        rss_samples: list[float] = []
-        learned_samples: list[int] = []
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(args.client_procs) as pool:
-            job = pool.map_async(_client_proc, [
-                (address, docs, info.tokenizer_fingerprint, params, seeds, until) for seeds in per
-            ])
-            with grpc.insecure_channel(address) as ch:
-                stub = health_pb2_grpc.HealthStub(ch)
-                while not job.ready():
-                    t0 = time.perf_counter()
-                    try:
-                        r = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                        health_fail += r.status != health_pb2.HealthCheckResponse.SERVING
-                    except grpc.RpcError:
-                        health_fail += 1
-                    health_ms.append((time.perf_counter() - t0) * 1e3)
-                    rss_samples.append(rss_mib(ps))
-                    learned_samples.append(client.stats().get("learned_tokens", 0))
-                    time.sleep(0.2)
-            results = job.get()
-        lat_ms = [x * 1e3 for r in results for x in r["lat"]]
-        st = client.stats()
-        report["concurrent"] = {
-            "sessions": args.sessions, "seconds": args.seconds, "steps": len(lat_ms),
-            "steps_per_s": len(lat_ms) / args.seconds, "median_ms": statistics.median(lat_ms),
-            "p99_ms": pct(lat_ms, 0.99),
-            "health_checks": len(health_ms), "health_failures": health_fail,
-            "health_max_ms": max(health_ms) if health_ms else None,
-            "server_private_mib_before": rss_before,
-            "server_private_mib_max": max(rss_samples) if rss_samples else None,
-            "server_private_mib_after": rss_mib(ps),
-            # RSS at each quarter of the run: flat once every session is open
-            "server_private_mib_quarters": quarters(rss_samples),
-            "learned_tokens_quarters": quarters(learned_samples),
-        }
-        report["server_stats"] = {k: st.get(k) for k in (
-            "requests", "hit_rate", "mean_nodes", "latency_p50_us", "latency_p99_us", "errors",
-            "learned_hits", "learned_tokens")}
-        client.close()
-    finally:
-        codes = []
-        for proc, _ in servers:
-            proc.terminate()
-            codes.append(proc.wait(30))
-        code = max(codes, key=abs)
+    with contextlib.ExitStack() as stack:
+        servers = [start_server(stack, args, args.learn)]
+        if args.baseline:
+            servers.append(start_server(stack, args, "off"))
+        report = sessions_report(args, servers)
+        code = max((serve.stop() for serve, _ in servers), key=abs)
     report["server_exit_code"] = code
     if args.json:
-        print(json.dumps(report, indent=2))
+        run.print(report)
     else:
         o, c = report["one_session"], report["concurrent"]
         print(f"datastore {report['datastore_tokens']:,} tokens, server workers "
@@ -316,12 +229,91 @@ def main() -> int:
     return 0
 
 
-def batch_main(args) -> int:
+def sessions_report(args, servers: list[tuple[harness.ServeProcess, str]]) -> dict:
+    """The sessions phases (module docstring) on running servers."""
+    server, address = servers[0]
+    client = DraftClient(address)
+    info = client.info()
+    docs = held_out_tokens(info.tokenizer_name)
+    sources = ("rest", "pld") if args.learn == "off" else ("rest", "pld", "learned")
+    params = DraftParams(budget=args.budget, max_depth=args.depth, sources=sources)
+    ps = psutil.Process(server.pid)
+    report: dict = {"datastore_tokens": info.n_tokens, "workers": args.workers,
+                    "budget": args.budget, "depth": args.depth, "learn": args.learn,
+                    "learn_max_tokens": args.learn_max_tokens,
+                    "held_out_tokens": sum(map(len, docs))}
+
+    # warm-up, then one session stepping as fast as it can (on each server in turn)
+    addresses = [a for _, a in servers]
+    all_params = [params, DraftParams(budget=args.budget, max_depth=args.depth)]
+    run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 0,
+                 time.monotonic() + 2, 300)
+    results = run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 1,
+                           time.monotonic() + 240, args.steps)
+    for name, one in zip(("one_session", "one_session_learning_off"), results):
+        lat_ms = [x * 1e3 for x in one["lat"]]
+        report[name] = {
+            "steps": len(lat_ms), "median_ms": statistics.median(lat_ms),
+            "p90_ms": pct(lat_ms, 0.9), "p99_ms": pct(lat_ms, 0.99),
+            "mean_nodes": one["nodes"] / len(lat_ms), "hit_rate": one["hits"] / len(lat_ms),
+        }
+
+    # many sessions from several client processes; health probed meanwhile
+    rss_before = rss_mib(ps)
+    until = time.monotonic() + args.seconds
+    per = [list(range(100 + i, 100 + args.sessions, args.client_procs))
+           for i in range(args.client_procs)]
+    health_ms: list[float] = []
+    health_fail = 0
+    rss_samples: list[float] = []
+    learned_samples: list[int] = []
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(args.client_procs) as pool:
+        job = pool.map_async(_client_proc, [
+            (address, docs, info.tokenizer_fingerprint, params, seeds, until) for seeds in per
+        ])
+        with grpc.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while not job.ready():
+                t0 = time.perf_counter()
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    health_fail += r.status != health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    health_fail += 1
+                health_ms.append((time.perf_counter() - t0) * 1e3)
+                rss_samples.append(rss_mib(ps))
+                learned_samples.append(client.stats().get("learned_tokens", 0))
+                time.sleep(0.2)
+        results = job.get()
+    lat_ms = [x * 1e3 for r in results for x in r["lat"]]
+    st = client.stats()
+    report["concurrent"] = {
+        "sessions": args.sessions, "seconds": args.seconds, "steps": len(lat_ms),
+        "steps_per_s": len(lat_ms) / args.seconds, "median_ms": statistics.median(lat_ms),
+        "p99_ms": pct(lat_ms, 0.99),
+        "health_checks": len(health_ms), "health_failures": health_fail,
+        "health_max_ms": max(health_ms) if health_ms else None,
+        "server_private_mib_before": rss_before,
+        "server_private_mib_max": max(rss_samples) if rss_samples else None,
+        "server_private_mib_after": rss_mib(ps),
+        # RSS at each quarter of the run: flat once every session is open
+        "server_private_mib_quarters": quarters(rss_samples),
+        "learned_tokens_quarters": quarters(learned_samples),
+    }
+    report["server_stats"] = {k: st.get(k) for k in (
+        "requests", "hit_rate", "mean_nodes", "latency_p50_us", "latency_p99_us", "errors",
+        "learned_hits", "learned_tokens")}
+    client.close()
+    return report
+
+
+def batch_main(args, run: harness.Run) -> int:
     """The batched RPC (module docstring): one server, each batch size in turn."""
     sizes = [int(x) for x in args.batch.split(",")]
     room = str(max(sizes) * args.workers * 2 + 64)  # sequences open at once, with margin
-    proc, address = start_server(args, args.learn, "--max-sessions", room)
-    try:
+    with contextlib.ExitStack() as stack:
+        serve, address = start_server(stack, args, args.learn, "--max-sessions", room)
         with DraftClient(address) as client:
             info = client.info()
         docs = [d for d in held_out_tokens(info.tokenizer_name) if len(d) > 400]
@@ -335,24 +327,18 @@ def batch_main(args) -> int:
                                                  args.batch_seconds, args.workers,
                                                  not args.batch_entries)
                                     for n in sizes]}
-    finally:
-        proc.terminate()
-        report["server_exit_code"] = proc.wait(30)
+        report["server_exit_code"] = serve.stop()
     if args.reference_calls:
         plain = DraftParams(budget=args.budget, max_depth=args.depth)
-        servers = [start_server(args, "off", "--drafting", kind, "--max-sessions", room)
-                   for kind in ("native", "python")]
-        try:
+        with contextlib.ExitStack() as stack:
+            servers = [start_server(stack, args, "off", "--drafting", kind, "--max-sessions",
+                                    room) for kind in ("native", "python")]
             core, ref = same_replay([a for _, a in servers], docs, fp, plain, max(sizes),
                                     args.reference_calls)
-        finally:
-            for p, _ in servers:
-                p.terminate()
-                p.wait(30)
         report["replay"] = {"batch": max(sizes), "calls": args.reference_calls,
                             "accepted_per_step_core": core, "accepted_per_step_python": ref}
     if args.json:
-        print(json.dumps(report, indent=2))
+        run.print(report)
         return 0
     print(f"datastore {report['datastore_tokens']:,} tokens, server workers {args.workers}, "
           f"budget {args.budget}, depth {args.depth}, learn {args.learn}; a call carrying "

@@ -1,4 +1,5 @@
-"""The Python half of tools/gpu_check.sh: the stages that need more than a command line.
+"""The Python half of tools/gpu_check.sh: the stages that need more than a command line,
+run from the repository root as `python -m tools.gpu_check STAGE ...`:
 
     gpu_check.py cost --out FILE             forward-cost curve of the default model on CUDA
     gpu_check.py vllm --datastore DIR --work DIR --out FILE
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -53,12 +53,10 @@ def vllm(args) -> None:
     if not (model_dir / "config.json").exists():
         save_default_model(model_dir)
     log_path = Path(args.out).with_suffix(".serve.log")
-    with open(log_path, "w") as log:
-        serve = subprocess.Popen([sys.executable, "-m", "redraft.decoder.cli", "serve",
-                                  "--datastore", args.datastore, "--port", "0"],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        address = _wait_for_address(serve, log_path)
+    from tools import harness  # lazy: `report` runs on the standard library alone
+
+    with harness.serving(args.datastore, "--port", "0", timeout=120, log=log_path) as serve:
+        address = serve.address
         runs = {}
         for name in ("plain", "redraft"):
             path = work / f"vllm-{name}.json"
@@ -74,9 +72,6 @@ def vllm(args) -> None:
 
         with DraftClient(address, timeout=10) as client:
             service = client.stats()
-    finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(30)
     plain, spec = runs["plain"]["outputs"], runs["redraft"]["outputs"]
     differ = [i for i, (a, b) in enumerate(zip(plain, spec)) if a != b]
     result = {
@@ -122,18 +117,6 @@ def save_default_model(folder: Path) -> None:
 def _first_difference(a: list[int], b: list[int]) -> int:
     """Index of the first token where two outputs differ (or where the shorter one ends)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _wait_for_address(serve: subprocess.Popen, log_path: Path, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log_path.read_text().splitlines():
-            if "listening on " in line:
-                return line.split("listening on ")[1].strip()
-        if serve.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise SystemExit(f"redraft serve did not start (log: {log_path})")
 
 
 def vllm_run(args) -> None:

@@ -150,7 +150,7 @@ else
         tests/decoder/test_verify.py tests/decoder/engines/test_vllm.py \
         tests/decoder/engines/test_sglang.py
     stage cost 90 "bfloat16 (prefix 128 and 1024) and float32" \
-        "$VPY" tools/gpu_check.py cost --out "$LOGS/cost.json"
+        "$VPY" -m tools.gpu_check cost --out "$LOGS/cost.json"
     stage datastore 90 "$DS" bash -c build_datastore
     QUESTIONS=${SPEC_BENCH:-tools/code_chat_prompts.jsonl}
     PER_CATEGORY=2
@@ -174,12 +174,12 @@ if [[ -n "$VLLM_PID" ]]; then
         record vllm skipped 0 "no datastore"
     else
         stage vllm 240 "k=5, the code prompts, 128 tokens, enforce_eager" \
-            "$VLLM_VENV/bin/python" tools/gpu_check.py vllm --datastore "$DS" \
+            "$VLLM_VENV/bin/python" -m tools.gpu_check vllm --datastore "$DS" \
             --work "$WORK" --out "$LOGS/vllm.json"
     fi
 fi
 
-"$PY" tools/gpu_check.py report --logs "$LOGS" --out "$OUT"
+"$PY" -m tools.gpu_check report --logs "$LOGS" --out "$OUT"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 echo "gpu_check: $(($(date +%s) - START)) s; results in $OUT (results.json, summary.md," \
     "logs.tar.gz)"

@@ -12,7 +12,7 @@ Spec-Bench questions are never used. Output is JSONL, one chat record per prompt
 (`{"id", "source", "messages": [user, assistant]}`), appended as batches finish so an
 interrupted run resumes where it stopped.
 
-    python tools/make_selfdistill_corpus.py --out tools/corpora/self_distill.jsonl \
+    python -m tools.make_selfdistill_corpus --out tools/corpora/self_distill.jsonl \
         --gsm8k ../shared/data/gsm8k/train.jsonl --limit 6000
 
 Batches are generated on the packed CPU kernels (`redraft.decoder.kernels`), about twice as

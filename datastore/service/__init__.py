@@ -10,9 +10,13 @@
 - `reload`: following the datastore's new commits; `verification`: its checksums, in the
   background;
 - `config`: the server's limits; `server`: its assembly (TLS, health, shutdown, threads);
-  `stats`: counters shared by worker processes; `serve_cli`: `redraft serve`;
-- `client` (streaming sessions) and `batch_client` (an engine's batched calls): what a
-  decoder or an engine uses.
+  `stats`: counters shared by worker processes; `serve_cli`: `redraft serve`; `spawn`:
+  `redraft serve` as a child process, for the tests and the tools;
+- `wire`: the messages to redraft's values and back, both directions, for the client and the
+  server alike;
+- `client` (the connection, streaming sessions) and `batch_client` (an engine's batched
+  calls): what a decoder or an engine uses; `client_errors`: their typed errors;
+  `credentials`: the tokens and TLS roots a client presents.
 
 Drafting itself lives outside this package, in `redraft.datastore.drafting`, so that the
 service and the decoder's in-process drafting run the same code.

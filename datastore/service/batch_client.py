@@ -22,17 +22,19 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
-from redraft.datastore.service.client import (
-    BatchResults,
-    DraftClient,
-    DraftParams,
+from redraft.datastore.service.client import DraftClient
+from redraft.datastore.service.client_errors import (
     LimitExceeded,
-    PackedSteps,
-    SequenceEnd,
-    SequenceOpen,
     ServiceError,
     ServiceUnavailable,
     UnknownSequence,
+)
+from redraft.datastore.service.wire import (
+    BatchResults,
+    DraftParams,
+    PackedSteps,
+    SequenceEnd,
+    SequenceOpen,
 )
 from redraft.proto.tree import Tree
 
@@ -276,4 +278,5 @@ def _joined(a: BatchResults, b: BatchResults) -> BatchResults:
         a.match_lens + b.match_lens, a.expected_accepted + b.expected_accepted, offsets,
         np.concatenate([a.tokens, b.tokens]), np.concatenate([a.parents, b.parents]),
         np.concatenate([a.probs, b.probs]), np.concatenate([a.sources, b.sources]),
-        a.server_us + b.server_us)
+        a.server_us + b.server_us, a.pld_match_lens + b.pld_match_lens,
+        a.learned_match_lens + b.learned_match_lens)

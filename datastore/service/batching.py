@@ -39,6 +39,7 @@ import numpy as np
 from redraft.datastore.drafting import BatchStep, step_flat
 from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
+from redraft.datastore.service import wire
 from redraft.datastore.service.config import MAX_ID_BYTES, THREADS_MIN_SEQUENCES, ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.sessions import take_slot
@@ -374,8 +375,8 @@ class BatchDrafting:
                packed: _PackedSteps | None, out: BatchStep | None,
                t0: float) -> draft_pb2.BatchReply:
         reply = draft_pb2.BatchReply()
-        add = reply.results.add
         row = {id(x): i for i, x in enumerate(drafting)}
+        nodes = match_lens = expected = context_lens = ()
         if out is not None:  # plain lists: one conversion, not one per field and row
             sizes = np.diff(out.offsets)
             if drafting:
@@ -384,28 +385,16 @@ class BatchDrafting:
                 match_lens = out.match_lens[:n].tolist()
                 expected = out.expected[:n].tolist()
                 context_lens = out.context_lens[:n].tolist()
-        failed = 0
-        for x in entries:
-            if x.error is not None:
-                failed += 1
-                add(sequence=x.sequence, code=x.error.code.value[0], message=x.error.message)
-                continue
-            i = row.get(id(x))
-            if i is None:  # a close
-                add(sequence=x.sequence)
-                continue
-            rest, pld, learned = match_lens[i]
-            add(sequence=x.sequence, nodes=nodes[i], context_len=context_lens[i],
-                match_len=rest, pld_match_len=pld, learned_match_len=learned,
-                expected_accepted=expected[i])
+        errors = [x.error for x in entries]
+        failed = len(errors) - errors.count(None)
+        wire.put_results(reply, [x.sequence for x in entries], errors,
+                         [row.get(id(x)) for x in entries], nodes, context_lens, match_lens,
+                         expected)
         if packed is not None:
             failed += packed.fill(reply.steps, out, len(drafting))
         if out is not None:
-            t = reply.trees  # a failed row drafted nothing: every row's nodes go as they are
-            t.tokens = out.tokens.astype("<u4", copy=False).tobytes()
-            t.parents = out.parents.astype("<i4", copy=False).tobytes()
-            t.probs = out.probs.astype("<f4", copy=False).tobytes()
-            t.sources = out.bits.tobytes()
+            # a failed row drafted nothing: every row's nodes go as they are
+            wire.put_trees(reply, out.tokens, out.parents, out.probs, out.bits)
             used = out.used
             self.service.stats.record_batch(
                 time.perf_counter() - t0, len(sizes) - len(out.errors), int(out.offsets[-1]),
@@ -425,24 +414,8 @@ class _PackedSteps:
     a check allows."""
 
     def __init__(self, steps: draft_pb2.PackedSteps) -> None:
-        self.ids = list(steps.sequences)
-        n = len(self.ids)
-        for name in ("accepted", "counts", "budgets"):
-            size = len(getattr(steps, name))
-            if size % 4:
-                raise bad(f"steps.{name} holds {size} bytes, not a whole number of uint32")
-        counts = np.frombuffer(steps.counts, "<u4")
-        if len(counts) != n:
-            raise bad(f"steps.counts holds {len(counts)} counts for {n} sequences")
-        tokens = np.frombuffer(steps.accepted, "<u4")
-        total = int(counts.sum(dtype=np.uint64))
-        if total != len(tokens):
-            raise bad(f"steps.counts add up to {total} tokens, steps.accepted holds "
-                      f"{len(tokens)}")
-        budgets = np.frombuffer(steps.budgets, "<u4") if steps.budgets else None
-        if budgets is not None and len(budgets) != n:
-            raise bad(f"steps.budgets holds {len(budgets)} budgets for {n} sequences")
-        self.counts, self.tokens, self.budgets = counts, tokens, budgets
+        u = wire.unpack_steps(steps)  # refuses a packing that does not add up
+        self.ids, self.counts, self.tokens, self.budgets = u.ids, u.counts, u.tokens, u.budgets
         self.errors: dict[int, Refusal] = {}
         self.seqs: list[BatchedSequence] = []  # those that draft, in order
         self.ok = None  # their indexes, when some failed
@@ -531,19 +504,8 @@ class _PackedSteps:
             if self.ok is not None:
                 nodes, lens, mls, expected = (_scattered(a, self.ok, n)
                                               for a in (nodes, lens, mls, expected))
-        errors = self.errors
-        if errors:
-            failed = sorted(errors)
-            lens = lens.copy() if self.ok is None else lens
-            lens[failed] = 0  # a step the core failed has held tokens: 0, as documented
-            results.failed.extend(failed)
-            results.failed_codes.extend(errors[i].code.value[0] for i in failed)
-            results.failed_messages.extend(errors[i].message for i in failed)
-        results.nodes = nodes.tobytes()
-        results.context_lens = lens.tobytes()
-        results.match_lens = mls.tobytes()
-        results.expected_accepted = expected.tobytes()
-        return len(errors)
+        wire.put_step_results(results, nodes, lens, mls, expected, self.errors)
+        return len(self.errors)
 
 
 def _fit_reply(out: BatchStep, room: int, config: ServiceConfig) -> None:

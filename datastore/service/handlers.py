@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health
 from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings, new_session_drafter
+from redraft.datastore.service import wire
 from redraft.datastore.service.batching import BatchDrafting
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
 from redraft.datastore.service.learning import LearnedOutputs, run_in_thread
@@ -32,9 +32,9 @@ from redraft.datastore.service.sessions import Sessions
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.validation import RequestValidator
 from redraft.datastore.service.verification import BackgroundVerification
+from redraft.datastore.service.wire import Drafted, ServiceInfo
 from redraft.proto import draft_pb2, draft_pb2_grpc
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError
-from redraft.proto.tree import source_bits
 
 # Tokens a step adds, or a prompt indexes, before other calls get the event loop again:
 # about 15 ms of indexing on a CPU core (a step of max_context_len tokens takes ~1 s).
@@ -100,15 +100,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         except DatastoreError as exc:
             raise bad(str(exc)) from exc
         expected = tree.expected_accepted
-        t = out.tree
-        t.tokens.extend(tree.tokens)
-        t.parents.extend(tree.parents)
-        t.probs.extend(tree.probs)
-        t.sources.extend([source_bits(s) for s in tree.sources])
-        out.match_len = drafter.rest_match_len
-        out.expected_accepted = expected
-        out.pld_match_len = drafter.pld_match_len
-        out.learned_match_len = drafter.learned_match_len
+        wire.put_draft(out, Drafted(tree, drafter.rest_match_len, drafter.pld_match_len,
+                                    drafter.learned_match_len, expected))
         sources = {name for label in set(tree.sources) for name in label.split("+")}
         self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
 
@@ -177,10 +170,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         first = await sessions.read(context, waiter)
         if first is None:
             return
-        if first.WhichOneof("kind") != "open":
-            raise bad("a session must start with an `open` message (got "
-                      f"`{first.WhichOneof('kind') or 'nothing'}`)")
-        opening = first.open
+        opening = wire.session_open(first)
         self.checks.check_fingerprint(opening.tokenizer_fingerprint, required=True)
         p = self.checks.settings(opening.params)
         slot = self.checks.slot(tenant)  # the token's share of max_sessions
@@ -203,9 +193,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 req = await sessions.read(context, waiter)
                 if req is None:
                     return
-                if req.WhichOneof("kind") != "step":
-                    raise bad(f"session {session_id} is already open: send `step` messages")
-                step = req.step
+                step = wire.session_step(req, session_id)
                 self.checks.check_tokens(step.accepted, "step.accepted")
                 self.checks.check_budget(step.budget, "step.budget")
                 n = len(drafter) + len(step.accepted)
@@ -247,29 +235,21 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         r = self.reader
         manifest = dict(getattr(r, "manifest", {}) or {})
         c = self.config
-        return draft_pb2.InfoReply(
+        return wire.info_message(ServiceInfo(
             tokenizer_fingerprint=self.checks.fingerprint,
             tokenizer_name=str(getattr(r, "tokenizer_name", "") or ""),
             vocab_size=self.checks.vocab_size,
             n_tokens=int(getattr(r, "n_tokens", 0) or 0),
             n_docs=int(getattr(r, "n_docs", 0) or 0),
             n_shards=len(manifest.get("shards", []) or []),
-            corpora=[
-                draft_pb2.Corpus(name=name, n_docs=int(v.get("n_docs", 0)),
-                                 n_tokens=int(v.get("n_tokens", 0)))
-                for name, v in sorted((getattr(r, "corpora", {}) or {}).items())
-            ],
             format_version=int(manifest.get("version", 0) or 0),
-            manifest_json=json.dumps(manifest, default=str, sort_keys=True),
             learn=self.config.learn,
-            limits=draft_pb2.Limits(
-                max_context_len=c.max_context_len,
-                max_budget=c.max_budget,
-                max_sessions=c.max_sessions,
-                idle_timeout_s=int(c.idle_timeout_s),
-                max_message_bytes=c.max_message_bytes,
-            ),
-        )
+            corpora=dict(getattr(r, "corpora", {}) or {}),
+            limits={"max_context_len": c.max_context_len, "max_budget": c.max_budget,
+                    "max_sessions": c.max_sessions, "idle_timeout_s": int(c.idle_timeout_s),
+                    "max_message_bytes": c.max_message_bytes},
+            manifest=manifest,
+        ))
 
     async def Stats(self, request, context):
         try:
@@ -277,22 +257,11 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             check_parsed(request)
         except Refusal as exc:
             await self._fail(context, exc)
-        s = self.stats
         limits = {k: v for k, v in asdict(self.config).items() if k != "token"}
-        return draft_pb2.StatsReply(
-            requests=int(s.get("requests")),
-            sessions_opened=int(s.get("sessions_opened")),
-            sessions_active=int(s.get("sessions_active")),
-            errors=int(s.get("errors")),
-            hits=int(s.get("hits")),
-            latency_p50_us=s.percentile_us(0.5),
-            latency_p99_us=s.percentile_us(0.99),
-            uptime_s=time.time() - s.started,
-            stats_json=s.to_json({
-                "limits": limits, "datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
-                "checksums": self.verification.status, "learn": self.config.learn,
-                **self.learning.counters()}),
-        )
+        return wire.stats_message(self.stats.snapshot({
+            "limits": limits, "datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
+            "checksums": self.verification.status, "learn": self.config.learn,
+            **self.learning.counters()}))
 
     def start_background(self, health_servicer: health.aio.HealthServicer) -> None:
         """Work that must not delay serving: verifying the datastore's checksums, reloading

@@ -99,11 +99,13 @@ async def serve_forever(reader, host: str, port: int, config: ServiceConfig,
     server, service, health_servicer, bound = await start_server(
         reader, host, port, config, stats, tls, reuse_port
     )
-    announce(f"redraft serve: listening on {host}:{bound}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    # Announced once a stop signal is handled: whoever waits for this line may SIGTERM at
+    # once (before, the default action killed it, with nothing persisted).
+    announce(f"redraft serve: listening on {host}:{bound}")
     orphan_watch = None
     if parent_pid is not None:
         orphan_watch = asyncio.ensure_future(_watch_parent(parent_pid, stop))

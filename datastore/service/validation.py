@@ -11,11 +11,10 @@ from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.tenants import session_key, token_key
+from redraft.datastore.service.wire import source_names
 from redraft.proto import draft_pb2
-from redraft.proto.tree import LEARNED, PLD, REST
+from redraft.proto.tree import PLD, REST
 
-_SOURCE_NAMES = {draft_pb2.SOURCE_REST: REST, draft_pb2.SOURCE_PLD: PLD,
-                 draft_pb2.SOURCE_LEARNED: LEARNED}
 _MAX_TENANT_LEN = 200
 
 
@@ -108,13 +107,7 @@ class RequestValidator:
         self.check_budget(p.budget, "budget")
         if p.max_depth > c.max_depth:
             raise bad(f"max_depth {p.max_depth} exceeds the server's limit {c.max_depth}")
-        sources = set()
-        for s in p.sources:
-            if s not in _SOURCE_NAMES:
-                raise bad(f"unknown source {s} (use SOURCE_REST={draft_pb2.SOURCE_REST}, "
-                          f"SOURCE_PLD={draft_pb2.SOURCE_PLD} or "
-                          f"SOURCE_LEARNED={draft_pb2.SOURCE_LEARNED})")
-            sources.add(_SOURCE_NAMES[s])
+        sources = source_names(p.sources)
         if LEARNED_CORPUS in p.corpora:
             raise bad(f"corpus {LEARNED_CORPUS!r} is drafted through SOURCE_LEARNED (which "
                       "keeps tenants apart), not through retrieval")

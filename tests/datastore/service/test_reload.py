@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +19,7 @@ from redraft.datastore import Reader, append_corpus, build_datastore, persist_le
 from redraft.datastore import manifest as mf
 from redraft.datastore.service.client import DraftClient, DraftParams
 from redraft.datastore.service.server import ServerThread
+from redraft.datastore.service.spawn import ServeProcess
 
 FP = "sha256:reload-test"
 VOCAB = 3000
@@ -44,27 +43,14 @@ def secret_in(tree) -> bool:
 
 
 @contextlib.contextmanager
-def serving(store: str, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+def serving(store: str, *extra: str) -> Iterator[tuple[ServeProcess, str]]:
     """`redraft serve` in a process of its own, once it announced its address; killed at
     the end of the block if it is still running (a test stops it itself to check how)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "redraft.decoder.cli", "serve", "--datastore", store,
-         "--port", "0", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")],
-                     daemon=True).start()
+    serve = ServeProcess(store, ("--port", "0", *extra))
     try:
-        while "listening on" not in (line := lines.get(timeout=60)):
-            assert line, proc.stderr.read()
-    except BaseException:
-        proc.kill()
-        raise
-    try:
-        yield proc, line.split("listening on ")[1].strip()
+        yield serve, serve.address
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        serve.kill()
 
 
 def mapped(pid: int, name: str) -> bool:
@@ -74,13 +60,13 @@ def mapped(pid: int, name: str) -> bool:
 
 
 def test_a_delete_stops_drafting_within_2_s_for_open_and_new_sessions(store):
-    with serving(store, "--learn", "off") as (proc, address):
+    with serving(store, "--learn", "off") as (serve, address):
         with DraftClient(address, timeout=10) as c:
             s = c.session(SECRET[:30], REST_ONLY, FP).__enter__()
             assert secret_in(s.draft) and s.draft.tokens[0] == SECRET[30]
             with Reader(store) as r:
                 (old,) = r.segments
-            assert mapped(proc.pid, old)
+            assert mapped(serve.pid, old)
             done = subprocess.run([sys.executable, "-m", "redraft.decoder.cli", "index",
                                    "--out", store, "--delete", str(SECRET_ID)],
                                   capture_output=True, text=True, timeout=120)
@@ -100,13 +86,12 @@ def test_a_delete_stops_drafting_within_2_s_for_open_and_new_sessions(store):
                 assert not secret_in(fresh.draft) and not secret_in(fresh.step(SECRET[30:32]))
             with c.session(DOCS[3][:20], REST_ONLY, FP) as other:  # the rest still drafts
                 assert other.draft.tokens[:3] == DOCS[3][20:23]
-            while mapped(proc.pid, old):  # the old file released: its blocks freed
+            while mapped(serve.pid, old):  # the old file released: its blocks freed
                 assert time.monotonic() - t_deleted < 2.0, "the old segment is still mapped"
                 time.sleep(0.05)
             print(f"deleted secret last drafted {took:.2f} s after the delete")
             s.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert serve.stop() == 0
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:
@@ -227,13 +212,13 @@ def test_a_segment_truncated_under_a_server_is_unavailable_then_reopened(big_sto
     with Reader(store) as r:
         (seg,) = (os.path.join(store, name) for name in r.segments)
     good = open(seg, "rb").read()
-    with serving(store, "--learn", "off") as (proc, address):
+    with serving(store, "--learn", "off") as (serve, address):
         with Steppers(address, BIG_DOCS) as st:
             wait_until(lambda: st.ok >= 20)
             os.truncate(seg, 8192)  # what `cp` does first to a file it overwrites
             wait_until(lambda: any("datastore is damaged" in x for x in st.refused))
             time.sleep(1.0)
-            assert proc.poll() is None, proc.stderr.read()  # not dead of SIGBUS
+            assert serve.proc.poll() is None, serve.stderr  # not dead of SIGBUS
             with open(seg, "r+b") as f:  # rewritten in place, whole again
                 f.write(good)
             ok = st.ok
@@ -243,9 +228,8 @@ def test_a_segment_truncated_under_a_server_is_unavailable_then_reopened(big_sto
             assert c.session(BIG_DOCS[3][:20], REST_ONLY, FP).__enter__().draft.tokens[:3] \
                 == BIG_DOCS[3][20:23]
             wait_until(lambda: c.stats()["checksums"] == "passed")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        said = [x for x in proc.stderr.read().splitlines() if "NOT_SERVING" in x]
+        assert serve.stop() == 0
+        said = [x for x in serve.stderr.splitlines() if "NOT_SERVING" in x]
         assert len(said) == 1 and "truncated while mapped" in said[0], said
 
 
@@ -260,20 +244,19 @@ def test_cp_r_over_a_served_datastore_while_clients_step(big_store, tmp_path):
     append_corpus(None, source, documents=[extra], fingerprint=FP, corpus="c")
     with Reader(served) as old, Reader(source) as new:
         assert set(old.segments) < set(new.segments)  # the served segment is overwritten
-    with serving(served, "--learn", "off") as (proc, address):
+    with serving(served, "--learn", "off") as (serve, address):
         with Steppers(address, BIG_DOCS) as st:
             wait_until(lambda: st.ok >= 20)
             for _ in range(5):
                 subprocess.run(["cp", "-r", source + "/.", served], check=True, timeout=60)
                 ok = st.ok
-                wait_until(lambda ok=ok: st.ok > ok + 20 or proc.poll() is not None,
+                wait_until(lambda ok=ok: st.ok > ok + 20 or serve.proc.poll() is not None,
                            timeout=20)
-                assert proc.poll() is None, proc.stderr.read()[-2000:]
+                assert serve.proc.poll() is None, serve.stderr[-2000:]
         assert not st.wrong, st.wrong[:5]
         with DraftClient(address, timeout=10) as c:  # the copy's new document is served
             wait_until(lambda: c.propose(extra[:20], REST_ONLY, FP).tokens[:3] == extra[20:23])
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert serve.stop() == 0
 
 
 def test_the_documented_refresh_serves_the_copy_without_a_refusal(big_store, tmp_path):
@@ -284,7 +267,7 @@ def test_the_documented_refresh_serves_the_copy_without_a_refusal(big_store, tmp
     shutil.copytree(big_store, served)
     extra = [RNG.randrange(1, VOCAB) for _ in range(200)]
     append_corpus(None, source, documents=[extra], fingerprint=FP, corpus="c")
-    with serving(served, "--learn", "off") as (proc, address):
+    with serving(served, "--learn", "off") as (serve, address):
         with Steppers(address, BIG_DOCS) as st, DraftClient(address, timeout=10) as c:
             wait_until(lambda: st.ok >= 20)
             subprocess.run(["sh", "-c", 'for f in new/seg-* new/manifest.json; do cp "$f" '
@@ -294,6 +277,5 @@ def test_the_documented_refresh_serves_the_copy_without_a_refusal(big_store, tmp
             ok = st.ok
             wait_until(lambda: st.ok > ok + 20)
         assert not st.wrong and not st.refused, (st.wrong[:3], st.refused[:3])
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        assert "NOT_SERVING" not in proc.stderr.read()
+        assert serve.stop() == 0
+        assert "NOT_SERVING" not in serve.stderr
