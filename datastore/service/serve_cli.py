@@ -292,17 +292,23 @@ def run(args: argparse.Namespace) -> int:
                           errors))
         for i in range(args.workers)
     ]
-    for proc in procs:
-        proc.start()
+    stopping = False
 
     def forward(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True  # workers not started yet never start
         for proc in procs:
             if proc.is_alive() and proc.pid:
                 os.kill(proc.pid, signal.SIGTERM)
 
+    # Before any worker starts: a SIGTERM while they start stops those already running
+    # (gracefully) instead of killing this process and leaving them behind.
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
-    running = list(procs)
+    for proc in procs:
+        if not stopping:
+            proc.start()
+    running = [p for p in procs if p.pid is not None]
     while running:
         mp.connection.wait([p.sentinel for p in running])
         for proc in [p for p in running if not p.is_alive()]:
@@ -310,10 +316,13 @@ def run(args: argparse.Namespace) -> int:
             if proc.exitcode:  # one worker failed: stop the others rather than limp on
                 forward(signal.SIGTERM, None)
     for proc in procs:
-        proc.join()
+        if proc.pid is not None:
+            proc.join()
     if not errors.empty():
         raise RedraftError(errors.get())
-    failed = [p.exitcode for p in procs if p.exitcode]
+    # a worker stopped by the signal before it could handle it was stopped as asked
+    failed = [p.exitcode for p in procs
+              if p.exitcode and not (stopping and p.exitcode == -signal.SIGTERM)]
     if failed:
         print(f"redraft serve: workers exited with {failed}", file=sys.stderr)
         return 1

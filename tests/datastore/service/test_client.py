@@ -278,6 +278,32 @@ def test_workers_exit_when_their_parent_is_killed(store, servers):
     assert not alive
 
 
+def test_a_sigterm_while_workers_start_stops_them_all_cleanly(store, servers):
+    """SIGTERM to `serve --workers 2` as soon as its first worker process exists: the
+    parent stops every worker it started and exits 0 (it used to die of the signal, its
+    handler not yet set, and leave its workers behind)."""
+    import psutil
+
+    port = servers.free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "redraft.decoder.cli", "serve",
+                             "--datastore", store, "--port", str(port), "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    parent = psutil.Process(proc.pid)
+
+    def workers() -> list:
+        return [c for c in parent.children() if "spawn_main" in " ".join(c.cmdline())]
+
+    deadline = time.monotonic() + 60
+    while not workers():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.005)
+    started = workers()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.stderr.read()
+    gone, alive = psutil.wait_procs(started, timeout=10)
+    assert not alive
+
+
 def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
     assert redraft_main(["serve", "--datastore", str(tmp_path / "none")]) == 2
     assert "error" in capsys.readouterr().err
