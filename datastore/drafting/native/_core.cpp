@@ -20,9 +20,10 @@
 // arrays and flat buffers only, and the extension builds from nothing with the compiler that
 // builds CPython itself (no build-time package but setuptools).
 //
-// Every function mirrors one of the Python reference's, named in its comment as
-// `Python: <module>.<qualified name>` (a test imports every name so cited), with the same
-// operation order wherever a float is computed, so that trees are identical bit for bit.
+// Every function mirrors one of the Python reference's, cited in its comment by a line that
+// starts with "Python:" and gives the full dotted name (a test imports every name so cited),
+// with the same operation order wherever a float is computed, so that trees are identical
+// bit for bit.
 // Where the reference sorts every node, the core often gets the same order more cheaply
 // (a heap over a tree's frontier, a counting sort, merged chains); each such place says
 // why the order is the same. Python objects are created only for what a call returns.
@@ -62,8 +63,8 @@ bool read_tokens(PyObject* obj, std::vector<uint32_t>& out, const char* what);
 // before the source bits they draft with are known.
 bool sources_set() {
     if (g_sources.set) return true;
-    PyErr_SetString(PyExc_RuntimeError,
-                    "the core's source bits are not set (import redraft.datastore.drafting.native)");
+    PyErr_SetString(PyExc_RuntimeError, "the core's source bits are not set (importing "
+                                        "redraft.datastore.drafting.native sets them)");
     return false;
 }
 

@@ -9,6 +9,7 @@
 
 #include "scratch.h"
 #include "tree.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -39,8 +40,8 @@ struct ConfidenceTable {
 const ConfidenceTable confidence;
 
 // Python: redraft.datastore.drafting.prompt_lookup.continuation_tree
-// The trie of copied continuations (best first), identical ones
-// walked once with their summed weight m*m.
+// The trie of copied continuations (best first), identical ones walked once with their summed
+// weight m*m.
 void continuation_tree(const std::vector<Continuation>& conts, int64_t budget, uint8_t bit,
                        Tree& out, Scratch& s) {
     out.clear();

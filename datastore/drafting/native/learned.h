@@ -11,6 +11,7 @@
 #include "scratch.h"
 #include "sources.h"
 #include "tree.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -373,8 +374,8 @@ class Learned {
         continuation_tree(conts, budget, g_sources.learned, out, s);
     }
 
-    // How many of the context's last tokens end at `end`: `level` doubled while whole
-    // slices still agree.
+    // How many of the context's last tokens end at `end`: `level` doubled while whole slices still
+    // agree.
     // Python: redraft.datastore.drafting.learned._match_len
     static int64_t match_len(const std::vector<uint32_t>& doc, int64_t end, const uint32_t* ctx,
                              int64_t n, int64_t level) {

@@ -11,6 +11,7 @@
 #include "scratch.h"
 #include "sources.h"
 #include "tree.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <utility>

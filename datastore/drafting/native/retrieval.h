@@ -11,6 +11,7 @@
 #include "sources.h"
 #include "suffix_array.h"
 #include "tree.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -34,12 +35,11 @@ struct RestHint {
 };
 
 // Python: redraft.datastore.reader.Reader._longest
-// Exponential, then binary search over the suffix length. The answer is
-// the longest occurring suffix whatever the probes, so a session's previous answer narrows
-// it: a match of m tokens now ends with the `added` new ones and starts with a match of
-// m - added tokens then, so m <= max(previous, min_len - 1) + added; and the longest such
-// candidate (the previous match and the new tokens) can only occur within the previous
-// match's ranges, where it is looked up first.
+// Exponential, then binary search over the suffix length. The answer is the longest occurring
+// suffix whatever the probes, so a session's previous answer narrows it: a match of m tokens now
+// ends with the `added` new ones and starts with a match of m - added tokens then, so m <=
+// max(previous, min_len - 1) + added; and the longest such candidate (the previous match and the
+// new tokens) can only occur within the previous match's ranges, where it is looked up first.
 int64_t longest(const Store& st, const std::vector<int32_t>& sel, const uint32_t* arr, int64_t n,
                 const uint8_t* key, int64_t min_len, std::vector<Range>& ranges, Scratch& s,
                 const RestHint& hint, size_t context_len) {
@@ -95,8 +95,8 @@ int64_t longest(const Store& st, const std::vector<int32_t>& sel, const uint32_t
 }
 
 // Python: redraft.datastore.reader.Reader._sample
-// The SA positions (and shards) of up to k_max occurrences spread evenly
-// over the ranges, in the reference's column order. Returns their number.
+// The SA positions (and shards) of up to k_max occurrences spread evenly over the ranges, in the
+// reference's column order. Returns their number.
 int64_t sample(const Store& st, const std::vector<Range>& ranges, int64_t k_max,
                std::vector<int64_t>& positions, std::vector<int32_t>& shard_of) {
     int64_t total = 0;
@@ -157,10 +157,9 @@ void encode_key(const uint32_t* tail, int64_t n, int w, std::vector<uint8_t>& ke
 
 // Python: redraft.datastore.drafting.retrieval.retrieval_tree
 // Python: redraft.datastore.drafting.retrieval._tree
-// The REST tree of the context's tail. False (and an
-// empty tree) where a sampled continuation holds an id past the separator: damaged token
-// arrays of a Reader opened without verifying, which must never reach a draft (the
-// reference raises DatastoreCorrupt for the same columns).
+// The REST tree of the context's tail. False (and an empty tree) where a sampled continuation holds
+// an id past the separator: damaged token arrays of a Reader opened without verifying, which must
+// never reach a draft (the reference raises DatastoreCorrupt for the same columns).
 // Python: redraft.datastore.reader._check_ids
 bool rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32_t* tail,
                   int64_t n, const RestParams& p, Tree& out, Scratch& s, RestHint& hint,
@@ -286,11 +285,11 @@ bool rest_propose(const Store& st, const std::vector<int32_t>& sel, const uint32
     }
     // Python: redraft.datastore.drafting.retrieval._trie_tree
     // The reference's trie, without building every node. In sorted order, column c opens a node at
-    // each depth d with lcp[c] <= d < vlen[c] (lcp: rows equal to the previous column's;
-    // vlen: rows before the first separator). A node's mass is the weight of the columns
-    // through it. The nodes column c opens below pd[c] = max(lcp[c], lcp[c + 1]) are
-    // shared with a neighbour (built here: there are few); those from pd[c] on are c's
-    // alone, a chain of mass wt[c] (enumerated only as far as the budget reaches).
+    // each depth d with lcp[c] <= d < vlen[c] (lcp: rows equal to the previous column's; vlen: rows
+    // before the first separator). A node's mass is the weight of the columns through it. The nodes
+    // column c opens below pd[c] = max(lcp[c], lcp[c + 1]) are shared with a neighbour (built here:
+    // there are few); those from pd[c] on are c's alone, a chain of mass wt[c] (enumerated only as
+    // far as the budget reaches).
     auto& lcp = s.lcp;
     auto& vlen = s.vlen;
     auto& pd = s.pd;

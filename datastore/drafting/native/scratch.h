@@ -9,6 +9,7 @@
 #include "arrays.h"
 #include "suffix_array.h"
 #include "tree.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>

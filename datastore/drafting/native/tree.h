@@ -8,6 +8,7 @@
 #pragma once
 
 #include "arrays.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

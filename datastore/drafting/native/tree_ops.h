@@ -9,14 +9,15 @@
 
 #include "scratch.h"
 #include "tree.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <utility>
 
 namespace {
 
-// The `budget` best nodes (path probability descending, then depth, then
-// index: Python's stable sorts), best first; a node whose parent was not kept is dropped.
+// The `budget` best nodes (path probability descending, then depth, then index: Python's stable
+// sorts), best first; a node whose parent was not kept is dropped.
 // Python: redraft.proto.tree.take_top
 void take_top(const uint32_t* tokens, const int32_t* parents, const double* probs,
               const uint8_t* bits, const double* path, const int32_t* depth, int32_t n,
@@ -45,11 +46,11 @@ void take_top(const uint32_t* tokens, const int32_t* parents, const double* prob
 }
 
 // Python: redraft.proto.tree.merge
-// Shared prefixes merged (higher prob kept, source bits OR-ed), then
-// the `budget` best nodes by path probability. A node's children are kept as a list (the
-// first child, then each child's next sibling): they find a draft's node in the merged tree
-// and, when no probability exceeds 1 (every child then ranks below its parent), give the
-// best nodes in take_top's order from a heap of the frontier, without sorting the rest.
+// Shared prefixes merged (higher prob kept, source bits OR-ed), then the `budget` best nodes by
+// path probability. A node's children are kept as a list (the first child, then each child's next
+// sibling): they find a draft's node in the merged tree and, when no probability exceeds 1 (every
+// child then ranks below its parent), give the best nodes in take_top's order from a heap of the
+// frontier, without sorting the rest.
 void merge_trees(const Tree* const* drafts, int nd, int64_t budget, Tree& out, Scratch& s) {
     const Tree* full[3];
     int nf = 0;
@@ -197,9 +198,9 @@ double expected_accepted(const Tree& t, Scratch& s) {
 }
 
 // Python: redraft.proto.tree.best_chain
-// The root-to-leaf path of at most max_len nodes with the largest sum of
-// path probabilities, in place of the tree (parents i - 1; the same operations in the same
-// order as the reference, so that ties and sums come out alike).
+// The root-to-leaf path of at most max_len nodes with the largest sum of path probabilities, in
+// place of the tree (parents i - 1; the same operations in the same order as the reference, so that
+// ties and sums come out alike).
 void best_chain(Tree& t, int64_t max_len, Scratch& s) {
     int32_t n = static_cast<int32_t>(t.size());
     if (n == 0) return;
