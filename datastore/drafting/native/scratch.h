@@ -10,11 +10,11 @@
 #include "suffix_array.h"
 #include "tree.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
-#include <algorithm>
 #include <utility>
 #include <vector>
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
