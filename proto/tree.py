@@ -27,7 +27,9 @@ PLD = "pld"
 LEARNED = "learned"
 
 # On the wire (proto enum redraft.v1.Source) each source is one bit, and a node that several
-# sources proposed carries their OR (REST | PLD = 3 is "pld+rest").
+# sources proposed carries their OR (REST | PLD = 3 is "pld+rest"). Defined here only: the
+# compiled core is given these bits and their labels when redraft.datastore.drafting.native
+# is imported, and the proto's enum is tested to hold the same values.
 SOURCE_BITS = {REST: 1, PLD: 2, LEARNED: 4}
 
 

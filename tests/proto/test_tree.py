@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from redraft.proto.tree import Tree, grow, merge, trie
+from redraft.proto import draft_pb2
+from redraft.proto.tree import LEARNED, PLD, REST, SOURCE_BITS, Tree, grow, merge, trie
 
 
 def random_tree(rng: random.Random, n: int) -> Tree:
@@ -94,3 +95,13 @@ def test_grow_yields_the_most_probable_nodes_parents_first():
     assert parents == [-1, 0, -1, 2] and depths == [1, 2, 1, 2]
     assert probs == [0.6, 0.9, 0.4, 1.0]
     assert grow(expand, None, 0) == ([], [], [], [])
+
+
+def test_the_wire_enum_holds_the_source_bits():
+    """SOURCE_BITS is the one definition (the compiled core is given it at import); the proto,
+    which cannot import it, must hold the same values, each a single bit."""
+    wire = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD,
+            LEARNED: draft_pb2.SOURCE_LEARNED}
+    assert wire == SOURCE_BITS
+    assert sorted(draft_pb2.Source.values()) == [0, *sorted(SOURCE_BITS.values())]
+    assert all(bit & (bit - 1) == 0 for bit in SOURCE_BITS.values())

@@ -22,10 +22,9 @@ from redraft.datastore.drafting.retrieval import retrieval_tree
 from redraft.datastore.drafting.session import DraftSettings, retrieval_corpora
 from redraft.datastore.lmdbfile import faults
 from redraft.proto.errors import DatastoreError
-from redraft.proto.tree import LEARNED, PLD, REST, Tree, source_label
+from redraft.proto.tree import LEARNED, PLD, REST, Tree
 
-_core.set_labels([source_label(bits) for bits in range(8)])
-_ERR_REST, _ERR_TOKENS = 1, 2  # the core's error codes (_core.cpp)
+_ERR_REST, _ERR_TOKENS = _core.ERR_REST, _core.ERR_TOKENS  # the core's error codes
 
 
 class NativeSessionDrafter:
