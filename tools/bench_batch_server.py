@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-import redraft.datastore.service.batching as batching
+import redraft.datastore.service.batch_rpc as batching
 from redraft.datastore import Reader
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.handlers import DrafterService
@@ -88,7 +88,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
             pack.append(time.perf_counter() - t)
             req = draft_pb2.BatchRequest.FromString(wire)
             t = time.perf_counter()
-            reply = await service.batching.run(req, "")
+            reply = await service.batch_rpc.run(req, "")
             run.append(time.perf_counter() - t)
             wire = reply.SerializeToString()
             t = time.perf_counter()

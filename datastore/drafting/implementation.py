@@ -14,8 +14,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-from redraft.datastore.drafting.learned import LearnedIndex, OutputJournal
-from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.learned_index import LearnedIndex, OutputJournal
+from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
 
 log = logging.getLogger("redraft.drafting")
 DRAFTING_ENV = "REDRAFT_DRAFTING"

@@ -2,10 +2,10 @@
 
 - `handlers`: the Drafter servicer, each RPC from the wire to drafting and back;
 - `validation`, `refusals`: what a request may ask for, and how a bad one is refused;
-- `sessions`: streaming sessions within their limit, the idle sweeper;
-- `batching`: the batched RPC, an engine's sequences held between calls;
+- `session_limits`: streaming sessions within their limits, the idle sweeper;
+- `batch_rpc`: the batched RPC, an engine's sequences held between calls;
 - `tenants`: the keys learned outputs are kept, logged and persisted under;
-- `learning`: the learned outputs all sessions share; `sharing`: with the other processes
+- `learned_outputs`: the learned outputs all sessions share; `sharing`: with the other processes
   serving the datastore; `persisting`: into the datastore, exactly once;
 - `reload`: following the datastore's new commits; `verification`: its checksums, in the
   background;

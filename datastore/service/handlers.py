@@ -2,10 +2,10 @@
 
 Each session drafts through a session drafter of `redraft.datastore.drafting` (the compiled
 core unless configured otherwise; the decoder's in-process path runs the same); a batched
-call drafts many sequences in one step of it (`batching`). Around it the service validates
+call drafts many sequences in one step of it (`batch_rpc`). Around it the service validates
 every request before
-it touches the datastore (`validation`), keeps sessions in bounds (`sessions`), shares the
-learned outputs between them (`learning`) and stops drafting from a datastore found damaged
+it touches the datastore (`validation`), keeps sessions in bounds (`session_limits`), shares the
+learned outputs between them (`learned_outputs`) and stops drafting from a datastore found damaged
 (`verification`). A bad request ends only its own call with INVALID_ARGUMENT /
 FAILED_PRECONDITION / RESOURCE_EXHAUSTED and a message that says what was wrong. A huge
 step or prompt (up to max_context_len tokens) never stalls the others: steps are indexed in
@@ -23,12 +23,12 @@ import grpc
 from grpc_health.v1 import health
 from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings, new_session_drafter
 from redraft.datastore.service import wire
-from redraft.datastore.service.batching import BatchDrafting
+from redraft.datastore.service.batch_rpc import BatchDrafting
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
-from redraft.datastore.service.learning import LearnedOutputs, run_in_thread
+from redraft.datastore.service.learned_outputs import LearnedOutputs, run_in_thread
 from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
 from redraft.datastore.service.reload import SnapshotReloader
-from redraft.datastore.service.sessions import Sessions
+from redraft.datastore.service.session_limits import Sessions
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.validation import RequestValidator
 from redraft.datastore.service.verification import BackgroundVerification

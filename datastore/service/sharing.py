@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from redraft.datastore.drafting import LearnedIndex
-from redraft.datastore.drafting.learned import LearnedWriter
+from redraft.datastore.drafting.learned_index import LearnedWriter
 from redraft.datastore.learned_log import LogTail, OwnedLog, Record, list_logs
 from redraft.datastore.service.records import record_problem
 

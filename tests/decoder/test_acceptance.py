@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from redraft.datastore import build_datastore
-from redraft.datastore.drafting.learned import LearnedIndex
+from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.decoder.acceptance import (
     SamplingParams,
     accept_greedy,

@@ -2,7 +2,7 @@
 one call into C++ (_core.cpp and the headers beside it, built at install), and many sessions'
 steps in one call.
 
-Why: the Python session drafter (redraft.datastore.drafting.session, which stays as the
+Why: the Python session drafter (redraft.datastore.drafting.session_drafter, which stays as the
 reference these trees are tested against) spends most of a step creating per-node objects;
 an engine drafting for a batch of sequences needs a step in microseconds. The core reads the
 datastore's mapped arrays in place and keeps each session's prompt-lookup index and the

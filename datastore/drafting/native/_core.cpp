@@ -175,7 +175,7 @@ PyObject* Store_new(PyTypeObject* type, PyObject*, PyObject*) {
 }
 
 // ---- Learned ------------------------------------------------------------------------
-// Python: redraft.datastore.drafting.learned.LearnedIndex
+// Python: redraft.datastore.drafting.learned_index.LearnedIndex
 struct LearnedObject {
     PyObject_HEAD
     Learned* index;
@@ -286,7 +286,7 @@ PyObject* Learned_get_n_tokens(LearnedObject* self, void*) {
 PyTypeObject LearnedType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // ---- Writer -----------------------------------------------------------------------------
-// Python: redraft.datastore.drafting.learned.LearnedWriter
+// Python: redraft.datastore.drafting.learned_index.LearnedWriter
 struct WriterObject {
     PyObject_HEAD
     PyObject* learned;  // LearnedObject
@@ -343,7 +343,7 @@ PyObject* Writer_close(WriterObject* self, PyObject*) {
 PyTypeObject WriterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // ---- Session ----------------------------------------------------------------------------
-// Python: redraft.datastore.drafting.session.SessionDrafter
+// Python: redraft.datastore.drafting.session_drafter.SessionDrafter
 struct SessionObject {
     PyObject_HEAD
     SessionState* s;
@@ -370,7 +370,7 @@ void Session_dealloc(SessionObject* self) {
 
 // The session's retrieval: `store`'s shards `shards` (store None: no retrieval). A new
 // snapshot's shards are not the old one's: what the last search found is forgotten.
-// Python: redraft.datastore.drafting.session.SessionDrafter.use_reader
+// Python: redraft.datastore.drafting.session_drafter.SessionDrafter.use_reader
 bool set_store(SessionObject* self, PyObject* store, PyObject* shards, bool rest_ok) {
     SessionState* s = self->s;
     if (store != Py_None && !PyObject_TypeCheck(store, &StoreType)) {

@@ -1,6 +1,6 @@
 // The batched step: many sessions drafted in one call, on threads kept for it, each session's
 // tree the one its own step would give.
-// Python: redraft.datastore.drafting.batch.step_batch
+// Python: redraft.datastore.drafting.batch_step.step_batch
 //
 // Part of the compiled drafting core: included by _core.cpp only, so that the core stays one
 // translation unit (everything in the anonymous namespace, inlined as it was in one file).
@@ -92,7 +92,7 @@ Workers& workers() {  // the caller holds *g_batch_lock
 // status[i] != 0: session i drafts nothing (an empty tree); closed[i]: session i's Reader
 // was closed. Runs without the GIL (on `threads` threads when > 1): the sessions must not be
 // used elsewhere meanwhile.
-// Python: redraft.datastore.drafting.batch.step_batch
+// Python: redraft.datastore.drafting.batch_step.step_batch
 void draft_sessions(const std::vector<SessionState*>& st, const std::vector<int64_t>& budget,
                     std::vector<int32_t>& status, const std::vector<int32_t>& closed,
                     int threads, long long chain, Scratch& scratch) {

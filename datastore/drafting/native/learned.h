@@ -1,6 +1,6 @@
 // The learned outputs: earlier generations' accepted tokens per tenant's pool, bounded (the
 // oldest documents evicted first), indexed by their 2- and 4-grams for drafting.
-// Python: redraft.datastore.drafting.learned
+// Python: redraft.datastore.drafting.learned_index
 //
 // Part of the compiled drafting core: included by _core.cpp only, so that the core stays one
 // translation unit (everything in the anonymous namespace, inlined as it was in one file).
@@ -29,7 +29,7 @@
 namespace {
 
 // The reference's bounds and the layout of an index entry (document id, position).
-// Python: redraft.datastore.drafting.learned.KEEP
+// Python: redraft.datastore.drafting.learned_index.KEEP
 constexpr int64_t PROMPT_TAIL = 16, KEEP = 16, MAX_MATCH = 32, MAX_OCCURRENCES = 8;
 constexpr int POS_BITS = 24;
 constexpr uint64_t POS_MASK = (1ULL << POS_BITS) - 1;
@@ -48,7 +48,7 @@ struct Key128Hash {
 };
 
 // The n-gram (n = 2 or 4) ending at `end` as one key.
-// Python: redraft.datastore.drafting.learned._key
+// Python: redraft.datastore.drafting.learned_index._key
 inline Key128 learned_key(const uint32_t* t, int64_t end, int n) {
     if (n == 2) return (static_cast<Key128>(t[end - 1]) << 21) | t[end];
     return (((((static_cast<Key128>(t[end - 3]) << 21) | t[end - 2]) << 21) | t[end - 1]) << 21) |
@@ -212,7 +212,7 @@ class Pool {
     size_t mask_ = 0, full_ = 0, used_ = 0;  // used: full slots and tombstones
 };
 
-// Python: redraft.datastore.drafting.learned.LearnedIndex
+// Python: redraft.datastore.drafting.learned_index.LearnedIndex
 class Learned {
   public:
     Learned(int64_t max_tokens, bool shared) : max_tokens(max_tokens), shared(shared) {}
@@ -224,7 +224,7 @@ class Learned {
 
     // The new document's pool: the tenant's (every tenant's when shared), made anew
     // when it has none (its slot reused from a dropped pool).
-    // Python: redraft.datastore.drafting.learned.LearnedIndex._new_doc
+    // Python: redraft.datastore.drafting.learned_index.LearnedIndex._new_doc
     size_t pool_of(const std::string& tenant) {
         const std::string& name = shared ? empty_ : tenant;
         auto it = pool_ids_.find(name);
@@ -245,7 +245,7 @@ class Learned {
     }
     bool alive(const LDoc* doc) const { return doc != nullptr && docs_.count(doc->id) != 0; }
 
-    // Python: redraft.datastore.drafting.learned.LearnedIndex._new_doc
+    // Python: redraft.datastore.drafting.learned_index.LearnedIndex._new_doc
     std::shared_ptr<LDoc> new_doc(const std::string& tenant, const uint32_t* head, size_t n) {
         auto doc = std::make_shared<LDoc>();
         doc->id = next_id_++;
@@ -256,7 +256,7 @@ class Learned {
         append(*doc, head, n);
         return doc;
     }
-    // Python: redraft.datastore.drafting.learned.LearnedIndex._append
+    // Python: redraft.datastore.drafting.learned_index.LearnedIndex._append
     void append(LDoc& doc, const uint32_t* toks, size_t n) {
         Pool& pool = pools_[doc.pool];
         uint64_t base = doc.id << POS_BITS;
@@ -274,7 +274,7 @@ class Learned {
             ++n_tokens;
         }
     }
-    // Python: redraft.datastore.drafting.learned.LearnedIndex._evict
+    // Python: redraft.datastore.drafting.learned_index.LearnedIndex._evict
     void evict(const LDoc* keep) {
         while (n_tokens > max_tokens && !order_.empty()) {
             auto doc = order_.front();
@@ -285,7 +285,7 @@ class Learned {
             drop(doc);
         }
     }
-    // Python: redraft.datastore.drafting.learned.LearnedIndex._drop
+    // Python: redraft.datastore.drafting.learned_index.LearnedIndex._drop
     void drop(const std::shared_ptr<LDoc>& doc) {
         auto it = docs_.find(doc->id);
         order_.erase(it->second);
@@ -322,7 +322,7 @@ class Learned {
     }
 
     // A tree continuing the context from the tenant's pool (the caller holds `mu`).
-    // Python: redraft.datastore.drafting.learned.LearnedIndex.propose
+    // Python: redraft.datastore.drafting.learned_index.LearnedIndex.propose
     void propose(const std::string& tenant, const uint32_t* context, int64_t clen, int64_t budget,
                  int64_t max_depth, Tree& out, Scratch& s) {
         out.clear();
@@ -376,7 +376,7 @@ class Learned {
 
     // How many of the context's last tokens end at `end`: `level` doubled while whole slices still
     // agree.
-    // Python: redraft.datastore.drafting.learned._match_len
+    // Python: redraft.datastore.drafting.learned_index._match_len
     static int64_t match_len(const std::vector<uint32_t>& doc, int64_t end, const uint32_t* ctx,
                              int64_t n, int64_t level) {
         auto same = [&](int64_t m) {
@@ -421,13 +421,13 @@ class Learned {
 };
 
 // One generation's document, created by its first accepted token.
-// Python: redraft.datastore.drafting.learned.LearnedWriter
+// Python: redraft.datastore.drafting.learned_index.LearnedWriter
 struct Writer {
     std::string tenant;
     std::vector<uint32_t> head;
     std::shared_ptr<LDoc> doc;
 
-    // Python: redraft.datastore.drafting.learned.LearnedWriter.extend
+    // Python: redraft.datastore.drafting.learned_index.LearnedWriter.extend
     void extend(Learned& index, const uint32_t* toks, size_t n) {
         if (n == 0) return;
         std::lock_guard<std::shared_mutex> lock(index.mu);

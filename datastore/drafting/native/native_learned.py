@@ -2,7 +2,7 @@
 
 Why a second index: a session drafted by the core must read learned outputs without a
 call back into Python. Same documents, pools (dropped once empty), bound, eviction order,
-trees and journal records as redraft.datastore.drafting.learned.LearnedIndex (the
+trees and journal records as redraft.datastore.drafting.learned_index.LearnedIndex (the
 reference), which the tests hold it to.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import redraft.datastore.drafting.native._core as _core
-from redraft.datastore.drafting.learned import (
+from redraft.datastore.drafting.learned_index import (
     MAX_MATCH,
     PROMPT_TAIL,
     JournaledOutput,

@@ -1,7 +1,7 @@
 """SessionDrafter's API and trees with each step one call into the compiled core, and the
 batched step: many sessions' steps in one call.
 
-The Python SessionDrafter (redraft.datastore.drafting.session, which stays) is the
+The Python SessionDrafter (redraft.datastore.drafting.session_drafter, which stays) is the
 reference: same settings, same trees node for node (tokens, parents, probs to the bit,
 sources), same match lengths and the same exceptions. Where the core meets an input the
 reference would refuse (retrieval settings, token ids outside the datastore's vocabulary,
@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import redraft.datastore.drafting.native._core as _core
-from redraft.datastore.drafting.learned import JournaledOutput
+from redraft.datastore.drafting.learned_index import JournaledOutput
 from redraft.datastore.drafting.native.mapped_store import store_of
 from redraft.datastore.drafting.native.native_learned import NativeLearnedIndex, tenant_bytes
 from redraft.datastore.drafting.retrieval import retrieval_tree
-from redraft.datastore.drafting.session import DraftSettings, retrieval_corpora
+from redraft.datastore.drafting.session_drafter import DraftSettings, retrieval_corpora
 from redraft.datastore.lmdbfile import faults
 from redraft.proto.errors import DatastoreError
 from redraft.proto.tree import LEARNED, PLD, REST, Tree
@@ -175,7 +175,7 @@ class NativeSessionDrafter:
 def native_step(drafters: Sequence[NativeSessionDrafter],
                 accepted: Sequence[Sequence[int] | None],
                 budgets: Sequence[int | None] | None, threads: int, chain: int) -> tuple:
-    """The core's batched step (drafting.batch.step_batch's compiled path): every drafter
+    """The core's batched step (drafting.batch_step.step_batch's compiled path): every drafter
     extended, then every one drafted, without the GIL while drafting. Returns (offsets,
     tokens, parents, probs, bits, match_lens, expected, used bits, errors by index)."""
     status, counts, *trees = _core.step_batch(

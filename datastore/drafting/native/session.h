@@ -1,7 +1,7 @@
 // One generation's drafting state and its step: the context, the retrieval of its snapshot,
 // its prompt-lookup index and its writer into the learned outputs; the step drafts from each
 // source and merges the drafts.
-// Python: redraft.datastore.drafting.session.SessionDrafter
+// Python: redraft.datastore.drafting.session_drafter.SessionDrafter
 //
 // Part of the compiled drafting core: included by _core.cpp only, so that the core stays one
 // translation unit (everything in the anonymous namespace, inlined as it was in one file).
@@ -61,7 +61,7 @@ struct SessionState {
 
 // The accepted tokens into the context; learned now, or (learn_later: a batched step) kept
 // in `unlearned` for learn_unlearned.
-// Python: redraft.datastore.drafting.session.SessionDrafter.extend
+// Python: redraft.datastore.drafting.session_drafter.SessionDrafter.extend
 void session_extend(SessionState* s, const std::vector<uint32_t>& toks, bool learn_later = false) {
     s->context.insert(s->context.end(), toks.begin(), toks.end());
     if (s->learned == nullptr) return;
@@ -82,7 +82,7 @@ void learn_unlearned(SessionState* s) {
 // whether the session's Reader was closed (the bindings ask, with the GIL; without it, every
 // step is plain C++ over the session's own state, the mapped arrays and the learned index
 // under its shared lock).
-// Python: redraft.datastore.drafting.session.SessionDrafter.propose
+// Python: redraft.datastore.drafting.session_drafter.SessionDrafter.propose
 // Python: redraft.datastore.drafting.retrieval.calibrate
 int propose_own(SessionState* s, int64_t budget, Scratch& scratch, bool closed) {
     s->rest_match_len = s->pld_match_len = s->learned_match_len = 0;
@@ -122,7 +122,7 @@ int propose_own(SessionState* s, int64_t budget, Scratch& scratch, bool closed) 
 
 // The second part: the learned outputs' draft (which must see every token learned before
 // the step), and the merge.
-// Python: redraft.datastore.drafting.session.SessionDrafter.propose
+// Python: redraft.datastore.drafting.session_drafter.SessionDrafter.propose
 void propose_learned(SessionState* s, int64_t budget, Scratch& scratch) {
     const Tree* drafts[3];
     int nd = 0;
@@ -144,7 +144,7 @@ void propose_learned(SessionState* s, int64_t budget, Scratch& scratch) {
 }
 
 // Both parts. 0, or an error code.
-// Python: redraft.datastore.drafting.session.SessionDrafter.propose
+// Python: redraft.datastore.drafting.session_drafter.SessionDrafter.propose
 int session_propose(SessionState* s, int64_t budget, Scratch& scratch, bool closed) {
     int err = propose_own(s, budget, scratch, closed);
     if (err == 0) propose_learned(s, budget, scratch);

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from redraft.datastore import Reader
 from redraft.datastore.drafting import step_batch, step_flat
-from redraft.datastore.drafting.learned import LearnedIndex
+from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
-from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.tree import LEARNED, PLD, REST, SOURCE_BITS, best_chain, source_bits
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from redraft.datastore.drafting.learned import PROMPT_TAIL, LearnedIndex
+from redraft.datastore.drafting.learned_index import PROMPT_TAIL, LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex
 
 

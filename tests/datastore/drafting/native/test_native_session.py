@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from redraft.datastore import Reader, build_datastore
-from redraft.datastore.drafting.learned import LearnedIndex
+from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
-from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
 from redraft.proto.errors import DatastoreError, InvalidQuery
 from redraft.proto.tree import LEARNED, PLD, REST
 

@@ -20,9 +20,9 @@ from redraft.proto import tree
 from redraft.proto.tree import LEARNED, PLD, REST
 tree.SOURCE_BITS.update({REST: 16, PLD: 64, LEARNED: 128})
 from redraft.datastore import Reader
-from redraft.datastore.drafting.learned import LearnedIndex
+from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
-from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
 
 path, doc = sys.argv[1], json.loads(sys.argv[2])
 settings = DraftSettings(sources=frozenset({REST, PLD, LEARNED}))

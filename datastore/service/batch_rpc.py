@@ -42,7 +42,7 @@ from redraft.datastore.drafting.native import NativeSessionDrafter
 from redraft.datastore.service import wire
 from redraft.datastore.service.config import MAX_ID_BYTES, THREADS_MIN_SEQUENCES, ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad
-from redraft.datastore.service.sessions import take_slot
+from redraft.datastore.service.session_limits import take_slot
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError

@@ -8,9 +8,9 @@ import random
 import pytest
 from redraft.datastore import Reader, append_corpus, build_datastore
 from redraft.datastore.drafting import REST_CALIBRATION, calibrate, retrieval_tree
-from redraft.datastore.drafting.learned import PROMPT_TAIL, LearnedIndex
+from redraft.datastore.drafting.learned_index import PROMPT_TAIL, LearnedIndex
 from redraft.datastore.drafting.prompt_lookup import PromptLookup
-from redraft.datastore.drafting.session import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.tree import merge
 

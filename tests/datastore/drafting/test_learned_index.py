@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from redraft.datastore.drafting.learned import KEEP, LEVELS, PROMPT_TAIL, LearnedIndex
+from redraft.datastore.drafting.learned_index import KEEP, LEVELS, PROMPT_TAIL, LearnedIndex
 from redraft.proto.tree import LEARNED
 
 

@@ -19,7 +19,7 @@ from redraft.datastore.drafting.native import (
     native_step,
     native_step_flat,
 )
-from redraft.datastore.drafting.session import SessionDrafter
+from redraft.datastore.drafting.session_drafter import SessionDrafter
 from redraft.proto.tree import Tree, best_chain, source_bits, source_label
 
 _LABELS = [source_label(bits) for bits in range(8)]

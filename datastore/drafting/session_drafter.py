@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from redraft.datastore.drafting.learned import LearnedIndex
+from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.prompt_lookup import PromptLookup
 from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
 from redraft.datastore.manifest import LEARNED_CORPUS  # learned outputs persist as this corpus
