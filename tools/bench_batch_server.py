@@ -88,7 +88,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
             pack.append(time.perf_counter() - t)
             req = draft_pb2.BatchRequest.FromString(wire)
             t = time.perf_counter()
-            reply = await service.batch_rpc.run(req, "")
+            reply = await service.batching.run(req, "")
             run.append(time.perf_counter() - t)
             wire = reply.SerializeToString()
             t = time.perf_counter()

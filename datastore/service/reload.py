@@ -124,8 +124,8 @@ class SnapshotReloader:
         self.reloads += 1
         verification.start(self.health)
         self._watch(verification, reader, recovering=old_verification.damage is not None)
-        loading = getattr(service.learned_outputs, "_loading", None)  # reads the first snapshot
-        self._later(self._retire(old, [old_verification.wait(), service.batch_rpc.idle(), *(
+        loading = getattr(service.learning, "_loading", None)  # reads the first snapshot
+        self._later(self._retire(old, [old_verification.wait(), service.batching.idle(), *(
             [asyncio.shield(loading)] if loading is not None and not loading.done() else [])]))
 
     def _watch(self, verification: BackgroundVerification, reader,
