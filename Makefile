@@ -48,6 +48,13 @@ $(VLLM_STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datas
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -m pip install -q pydivsufsort pyroaring lmdb gguf tqdm \
 		grpcio-health-checking grpcio-reflection
+	# SuffixDecoding, vLLM's `suffix` method: arctic-inference compiles its suffix trees here
+	# against this environment's torch (pip's build isolation would fetch another torch). Its
+	# gRPC code for embeddings is not generated (grpcio-tools would pin an older protobuf than
+	# vLLM's); the suffix trees do not use it.
+	$(VLLM_VENV)/bin/python -m pip install -q nanobind==2.9.2 cmake ninja
+	CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(VLLM_VENV))/bin/python $(VLLM_VENV)/bin/python \
+		-m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { command -v apt-get >/dev/null && \
 		{ apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }; } \
 		|| echo "vllm-env: install tcmalloc (libtcmalloc-minimal4) for vLLM's CPU backend" >&2

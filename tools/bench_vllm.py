@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-METHODS = ("plain", "ngram", "redraft")
+METHODS = ("plain", "ngram", "suffix", "redraft")
 
 
 def speculative_config(method: str, k: int) -> dict | None:
@@ -34,6 +34,11 @@ def speculative_config(method: str, k: int) -> dict | None:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
+    if method == "suffix":
+        # SuffixDecoding (arctic-inference, `make vllm-env`): vLLM's own defaults for its
+        # trees (depth 24, 10000 cached requests, spec factor 1, min token prob 0.1), capped
+        # at the same k tokens per step as the other methods
+        return {"method": "suffix", "num_speculative_tokens": k}
     if method == "redraft":
         return {"method": "custom_class", "num_speculative_tokens": k,
                 "model": "redraft.decoder.engines.vllm.RedraftProposer"}
