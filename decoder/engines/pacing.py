@@ -173,7 +173,12 @@ class BatchPacer:
 
     adaptive: bool = True
     min_gain: float = 0.10
-    cost: CostFit = field(default_factory=CostFit)
+    cost: CostFit = field(default_factory=CostFit)  # every timed forward
+    # Forwards with and without drafts apart, too: an engine may run another kernel as soon as
+    # a row has drafts (vLLM's CPU backend: a step with drafts costs more than the line
+    # through the plain ones says), a jump one line through both would hide.
+    plain: CostFit = field(default_factory=CostFit)
+    drafting: CostFit = field(default_factory=CostFit)
     calibration: Calibrator = field(default_factory=Calibrator)
     _last_drafted: bool = False  # the latest timed forward verified drafts
 
@@ -194,17 +199,27 @@ class BatchPacer:
                 nodes.append((path, i))
         nodes.sort(key=lambda node: -node[0])  # stable: a row's nodes stay in chain order
         n = max(rows, 1)
-        best, _ = best_prefix((p / n for p, _ in nodes), self.cost.cost, self.min_gain,
-                              fixed=n - 1)
+        best, _ = best_prefix((p / n for p, _ in nodes), lambda t: self.step_cost(t, n),
+                              self.min_gain, fixed=n - 1)
         keep = [0] * len(chains)
         for _, i in nodes[:best]:
             keep[i] += 1
         return keep
 
+    def step_cost(self, tokens: int, rows: int) -> float:
+        """Seconds for a forward of `tokens` tokens over `rows` rows (more tokens than rows:
+        with drafts): the fit of such forwards where it is known there, else the line
+        through all of them."""
+        fit = self.drafting if tokens > rows else self.plain
+        if fit.slope() is not None or (fit.samples > 0 and fit.last_tokens == tokens):
+            return fit.cost(tokens)
+        return self.cost.cost(tokens)
+
     def forward(self, tokens: int, seconds: float, drafted: bool) -> None:
         """The step's forward of `tokens` tokens (`drafted`: some were drafts) took
         `seconds`."""
         self.cost.observe(tokens, seconds)
+        (self.drafting if drafted else self.plain).observe(tokens, seconds)
         self._last_drafted = drafted
 
     def verified(self, probs: Sequence[float], sources: Sequence[str], accepted: int) -> None:

@@ -56,6 +56,21 @@ def test_rows_get_drafts_by_their_own_chances():
     assert pacer.choose([sure], rows=8) == [0]
 
 
+def test_a_step_with_drafts_that_costs_a_jump_more_gets_none():
+    """A step that runs another kernel once any row has drafts: 8 rows plain cost 100 ms,
+    with drafts 200 ms + 2 ms a token. The line through both kinds of step promises drafts
+    of 0.7 a gain; the fits apart see they lose (24 drafts: 20.3 tokens in 264 ms against
+    8 in 100)."""
+    pacer = BatchPacer()
+    for _ in range(10):
+        for n in (8, 12, 16, 24, 32):
+            pacer.forward(n, 0.100 if n == 8 else 0.200 + 0.002 * n, drafted=n > 8)
+    chains = [([0.7] * 3, ["rest"] * 3)] * 8
+    assert pacer.choose(chains, rows=8) == [0] * 8
+    line = BatchPacer(cost=pacer.cost, calibration=pacer.calibration)  # one line only
+    assert sum(line.choose(chains, rows=8)) > 0
+
+
 def test_a_slope_is_measured_before_drafts_are_costed():
     pacer = BatchPacer()
     chain = ([0.9] * 4, ["rest"] * 4)
