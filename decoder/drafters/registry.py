@@ -104,6 +104,9 @@ REGISTRY: dict[str, DrafterSpec] = {
                                "and drafts (without auth; with auth, a subdivision)", "",
                                metavar="NAME"),
                     )),
+        DrafterSpec("suffix", "SuffixDecoding (arctic-inference): suffix trees of the prompt "
+                    "and this process's earlier outputs, as vLLM's suffix method",
+                    "redraft.decoder.drafters.suffix:make"),
         DrafterSpec("recycle", "token recycling: the target's own earlier top-k per token",
                     "redraft.decoder.drafters.recycle:make"),
         DrafterSpec("medusa", "Medusa heads on the target's last hidden state (a sparse tree "

@@ -20,7 +20,9 @@ import logging
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from redraft.decoder.engines.streams import DraftSource, DraftStream, LocalStream
-from redraft.proto.tree import Tree, best_chain
+from redraft.proto.tree import Chain, Tree, best_chain, source_label
+
+_LABELS = [source_label(bits) for bits in range(8)]
 
 log = logging.getLogger("redraft.engines")
 
@@ -47,10 +49,10 @@ class BatchedDrafts:
         return self._step(contexts, end, False)
 
     def step_chains(self, contexts: Mapping[Hashable, Sequence[int]],
-                    end: Iterable[Hashable] = ()) -> dict[Hashable, list[int]]:
-        """`step` for a caller that wants only each draft's tokens (with `chain` > 0: its
-        chain, in order), read straight from the reply's arrays: no Tree per sequence on an
-        engine's step."""
+                    end: Iterable[Hashable] = ()) -> dict[Hashable, Chain]:
+        """`step` for a caller that wants each draft as a chain (with `chain` > 0: its best
+        chain, in order; each node's probability and source kept for pacing), read straight
+        from the reply's arrays: no Tree per sequence on an engine's step."""
         return self._step(contexts, end, True)
 
     def _step(self, contexts: Mapping[Hashable, Sequence[int]], end: Iterable[Hashable],
@@ -86,7 +88,7 @@ class BatchedDrafts:
                 continue
             if self._local:
                 self._drop_local(key)  # back on the service
-            out[key] = results.chain(index[key]) if tokens_only else drafts[key]
+            out[key] = _chain(results, index[key]) if tokens_only else drafts[key]
         if failed:
             out.update(self._local_step(failed, tokens_only))
         return out
@@ -122,9 +124,12 @@ class BatchedDrafts:
                 entry[0].extend([int(t) for t in ctx[entry[1]:]])
                 entry[1] = len(ctx)
             tree = entry[0].propose()
+            if tokens_only:
+                out[key] = best_chain(tree, self.chain or len(tree))
+                continue
             if self.chain:
                 tree = best_chain(tree, self.chain).tree(tree.match_len)
-            out[key] = list(tree.tokens) if tokens_only else tree
+            out[key] = tree
         return out
 
     def _open_local(self, ctx: Sequence[int]) -> DraftStream:
@@ -137,3 +142,10 @@ class BatchedDrafts:
         entry = self._local.pop(key, None)
         if entry is not None:
             entry[0].close()
+
+
+def _chain(results, i: int) -> Chain:
+    """Entry i of a batched reply as a Chain (its nodes in order: the call asked for chains)."""
+    a, b = int(results.offsets[i]), int(results.offsets[i + 1])
+    return Chain(results.tokens[a:b].tolist(), results.probs[a:b].tolist(),
+                 [_LABELS[x & 7] for x in results.sources[a:b].tolist()])

@@ -149,3 +149,79 @@ class ChainPacer:
         self.calibration.observe_chain(probs, sources, accepted)
         if accepted:
             self._backoff = 0
+
+
+@dataclass
+class BatchPacer:
+    """`ChainPacer` for an engine that verifies every row's chain in one forward (vLLM): how
+    many drafts each row gets, so that the step as a whole gains the most tokens per second.
+
+    A step of n rows handing out L_i drafts each runs a forward of n + sum L_i tokens and
+    gains n + the drafts accepted. So the nodes of all rows' chains are taken best first (by
+    calibrated path probability, which never rises along a chain, so each row gets a prefix
+    of its chain) for as long as they raise the step's expected rate: `best_prefix` over
+    them with the other n - 1 rows' tokens fixed in the forward and the probabilities scaled
+    by 1/n (the rate divided by n, which changes no choice). The cost, calibration and
+    `min_gain` are those of `ChainPacer`: seconds per forward fitted from the engine's own
+    steps (time between calls against the tokens the step verified); until forwards of two
+    sizes were seen, drafting alternates with plain steps to find the slope.
+
+    The drafter is always asked (unlike `ChainPacer`'s back-off): the draft service learns a
+    sequence from the contexts it is sent, and a request served without drafts is still one
+    a later request drafts from.
+    """
+
+    adaptive: bool = True
+    min_gain: float = 0.10
+    cost: CostFit = field(default_factory=CostFit)  # every timed forward
+    # Forwards with and without drafts apart, too: an engine may run another kernel as soon as
+    # a row has drafts (vLLM's CPU backend: a step with drafts costs more than the line
+    # through the plain ones says), a jump one line through both would hide.
+    plain: CostFit = field(default_factory=CostFit)
+    drafting: CostFit = field(default_factory=CostFit)
+    calibration: Calibrator = field(default_factory=Calibrator)
+    _last_drafted: bool = False  # the latest timed forward verified drafts
+
+    def choose(self, chains: Sequence[tuple[Sequence[float], Sequence[str]]],
+               rows: int) -> list[int]:
+        """How many of each chain's first nodes to draft; `chains` are (drafter's per-node
+        probabilities, sources) of the rows that have drafts, `rows` the rows of the step's
+        forward (with or without drafts)."""
+        if not self.adaptive:
+            return [len(probs) for probs, _ in chains]
+        if self.cost.slope() is None and self.cost.samples > 0 and self._last_drafted:
+            return [0] * len(chains)  # time a forward of another size to get a slope
+        nodes: list[tuple[float, int]] = []
+        for i, (probs, sources) in enumerate(chains):
+            path = 1.0
+            for p in self.calibration.calibrated(probs, sources):
+                path *= p
+                nodes.append((path, i))
+        nodes.sort(key=lambda node: -node[0])  # stable: a row's nodes stay in chain order
+        n = max(rows, 1)
+        best, _ = best_prefix((p / n for p, _ in nodes), lambda t: self.step_cost(t, n),
+                              self.min_gain, fixed=n - 1)
+        keep = [0] * len(chains)
+        for _, i in nodes[:best]:
+            keep[i] += 1
+        return keep
+
+    def step_cost(self, tokens: int, rows: int) -> float:
+        """Seconds for a forward of `tokens` tokens over `rows` rows (more tokens than rows:
+        with drafts): the fit of such forwards where it is known there, else the line
+        through all of them."""
+        fit = self.drafting if tokens > rows else self.plain
+        if fit.slope() is not None or (fit.samples > 0 and fit.last_tokens == tokens):
+            return fit.cost(tokens)
+        return self.cost.cost(tokens)
+
+    def forward(self, tokens: int, seconds: float, drafted: bool) -> None:
+        """The step's forward of `tokens` tokens (`drafted`: some were drafts) took
+        `seconds`."""
+        self.cost.observe(tokens, seconds)
+        (self.drafting if drafted else self.plain).observe(tokens, seconds)
+        self._last_drafted = drafted
+
+    def verified(self, probs: Sequence[float], sources: Sequence[str], accepted: int) -> None:
+        """A row's drafts handed out last step came back with `accepted` of them accepted."""
+        self.calibration.observe_chain(probs, sources, accepted)

@@ -19,6 +19,8 @@ key, with the same names lower-cased and without the prefix.
     REDRAFT_TIMEOUT      seconds one batched call may take (default 0.5)
     REDRAFT_RETRY_AFTER  seconds of prompt lookup after the service failed (default 30)
     REDRAFT_TOKENIZER    a model name or .gguf path whose tokenizer must be the datastore's
+    REDRAFT_ADAPTIVE     1/0: hand each row only the drafts that pay at the engine's measured
+                         step cost (default 1); 0: every row's whole chain
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from redraft.decoder.engines.streams import DraftOptions, DraftSource, EngineCon
 
 PREFIX = "REDRAFT_"
 NAMES = ("service", "datastore", "token", "token_file", "tenant", "corpora", "budget",
-         "max_depth", "learn", "timeout", "retry_after", "tokenizer")
+         "max_depth", "learn", "timeout", "retry_after", "tokenizer", "adaptive")
 
 
 @dataclass
@@ -45,6 +47,7 @@ class EngineSettings:
     options: DraftOptions = field(default_factory=DraftOptions)
     timeout: float = 0.5
     retry_after: float = 30.0
+    adaptive: bool = True
 
     @classmethod
     def read(cls, config: Mapping | None = None,
@@ -82,7 +85,8 @@ class EngineSettings:
         return cls(service=raw["service"] or None, datastore=raw["datastore"] or None,
                    token=token or None, tokenizer=raw["tokenizer"] or None, options=options,
                    timeout=_number(raw["timeout"], "timeout", float, 0.5),
-                   retry_after=_number(raw["retry_after"], "retry_after", float, 30.0))
+                   retry_after=_number(raw["retry_after"], "retry_after", float, 30.0),
+                   adaptive=_flag(raw["adaptive"], "adaptive", True))
 
     def source(self, budget: int | None = None, max_depth: int | None = None) -> DraftSource:
         """The draft source these settings name, its tree no larger than `budget` nodes and

@@ -21,6 +21,15 @@ No request ids, no start or end of a request: rows are matched to their sequence
 (`batched.BatchedDrafts`); a dead service turns into prompt lookup per row and is tried
 again later. Nothing of vLLM is imported: the module loads without it.
 
+Each row is handed only the prefix of its chain that pays (`pacing.BatchPacer`, the rule the
+llama.cpp adapter uses, for a whole batch): a row's accepted drafts are what it sampled at
+the next call minus one, which calibrates the drafter's probabilities per source; the time
+from handing out a step's drafts to the next call is that step's forward, timed against the
+tokens it verified (rows plus drafts) on steps where no prefill ran. On a CPU, where every
+verified token costs, rows with unlikely drafts get none; on a GPU every row gets its chain.
+The service is asked every step all the same: it learns each sequence from what it is sent.
+`REDRAFT_ADAPTIVE=0` hands every row its whole chain.
+
 Options: the environment (REDRAFT_SERVICE, REDRAFT_TOKEN, REDRAFT_TENANT, REDRAFT_CORPORA, ...:
 see `settings`), overridden by `additional_config={"redraft": {...}}` of the vLLM config.
 """
@@ -34,9 +43,11 @@ from typing import Any
 
 import numpy as np
 from redraft.decoder.engines.batched import BatchedDrafts
+from redraft.decoder.engines.pacing import BatchPacer
 from redraft.decoder.engines.rows import RowIdentity
 from redraft.decoder.engines.settings import EngineSettings
 from redraft.decoder.engines.streams import EngineConfigError
+from redraft.proto.tree import Chain
 
 log = logging.getLogger("redraft.engines")
 
@@ -58,10 +69,16 @@ class RedraftProposer:
         config = extra.get("redraft") if isinstance(extra, Mapping) else None
         settings = EngineSettings.read(config)
         self.drafts = BatchedDrafts(settings.source(max_depth=k), chain=k)
+        self.pacer = BatchPacer(adaptive=settings.adaptive)
         self.rows = RowIdentity()
         self.keys: list[int] = []  # the sequence of each row at the last step
-        self.stats = {"steps": 0, "rows": 0, "drafted_rows": 0, "drafted_tokens": 0,
-                      "errors": 0, "seconds": 0.0}
+        self._handed: dict[int, Chain] = {}  # key -> the drafts handed out at the last step
+        self._returned_at: float | None = None  # when the last step's drafts were handed out
+        self._decoding = False  # every row of the last step was decoding (none in prefill)
+        self.stats = {"steps": 0, "rows": 0, "offered_rows": 0, "offered_tokens": 0,
+                      "drafted_rows": 0, "drafted_tokens": 0,
+                      "accepted_tokens": 0, "errors": 0, "seconds": 0.0,
+                      "drafted_by_source": {}, "accepted_by_source": {}}
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM hands the target model here; redraft drafts without it."""
@@ -82,7 +99,9 @@ class RedraftProposer:
             log.warning("redraft: drafting failed this step (%s: %s); no drafts",
                         type(exc).__name__, exc)
             out = [[] for _ in range(n_rows)]
-        self.stats["seconds"] += time.perf_counter() - start
+            self._handed, self._decoding = {}, False
+        self._returned_at = time.perf_counter()
+        self.stats["seconds"] += self._returned_at - start
         return out
 
     def _propose(self, sampled: Sequence[Sequence[int]], lengths: np.ndarray,
@@ -90,6 +109,7 @@ class RedraftProposer:
         ns = np.asarray(lengths[:n_rows]).tolist()
         rows = [token_ids[i, :n] for i, n in enumerate(ns)]
         keys, ended = self.rows.assign(rows, [len(s) for s in sampled])
+        self._learn(keys, sampled)
         self.keys = keys
         # drafts a row may take: k, fewer near max_model_len
         limit = self.max_model_len
@@ -97,18 +117,50 @@ class RedraftProposer:
                                                           for n in ns]
         wanted = {keys[i]: rows[i] for i in range(n_rows) if room[i] and len(sampled[i])}
         chains = self.drafts.step_chains(wanted, ended)
+        offered = [(key, chains[key].head(r)) for key, r in zip(keys, room)
+                   if key in wanted and chains.get(key)]
+        self.stats["offered_rows"] += len(offered)
+        self.stats["offered_tokens"] += sum(len(c) for _, c in offered)
+        keep = self.pacer.choose([(c.probs, c.sources) for _, c in offered], n_rows)
+        self._handed = {key: c.head(n) for (key, c), n in zip(offered, keep) if n}
         out: list[list[int]] = []
-        drafted_rows = drafted_tokens = 0
-        for key, r in zip(keys, room):
-            chain = chains.get(key) if key in wanted else None
-            if chain:
-                chain = chain[:r]
-                drafted_rows += 1
-                drafted_tokens += len(chain)
-            out.append(chain or [])
-        self.stats["drafted_rows"] += drafted_rows
+        drafted_tokens = 0
+        by_source = self.stats["drafted_by_source"]
+        for key in keys:
+            chain = self._handed.get(key)
+            if chain is None:
+                out.append([])
+                continue
+            drafted_tokens += len(chain)
+            for src in chain.sources:
+                by_source[src] = by_source.get(src, 0) + 1
+            out.append(list(chain.tokens))
+        self.stats["drafted_rows"] += len(self._handed)
         self.stats["drafted_tokens"] += drafted_tokens
         return out
+
+    def _learn(self, keys: list[int], sampled: Sequence[Sequence[int]]) -> None:
+        """What the last step's forward tells the pacer: each row's accepted drafts (it
+        sampled them plus one token), and the forward's time against its tokens when this
+        step's rows are the last step's, all decoding (no prefill ran in it)."""
+        handed, last = self._handed, set(self.keys)
+        by_source = self.stats["accepted_by_source"]
+        for key, s in zip(keys, sampled):
+            chain = handed.get(key)
+            if chain is None or not len(s):
+                continue
+            accepted = min(len(s) - 1, len(chain))
+            self.pacer.verified(chain.probs, chain.sources, accepted)
+            self.stats["accepted_tokens"] += accepted
+            for src in chain.sources[:accepted]:
+                by_source[src] = by_source.get(src, 0) + 1
+        decoding = all(len(s) for s in sampled)
+        if (self._returned_at is not None and last and decoding and self._decoding
+                and all(key in last for key in keys)):
+            drafts = sum(len(c) for c in handed.values())
+            self.pacer.forward(len(last) + drafts, time.perf_counter() - self._returned_at,
+                               drafts > 0)
+        self._decoding = decoding
 
     def close(self) -> None:
         """End every sequence on the service (their outputs become final)."""

@@ -147,6 +147,7 @@ def service_env(monkeypatch, servers, answers_store):
     serve = servers.start(answers_store, "--port", "0")
     monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
     monkeypatch.setenv("REDRAFT_LEARN", "0")
+    monkeypatch.setenv("REDRAFT_ADAPTIVE", "0")  # whole chains: what the service drafted
     monkeypatch.delenv("REDRAFT_DATASTORE", raising=False)
     return serve
 
@@ -256,6 +257,7 @@ def test_a_dead_service_falls_back_to_prompt_lookup_and_is_used_again(
     serve = servers.start(answers_store, "--port", str(port))
     monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
     monkeypatch.setenv("REDRAFT_LEARN", "0")
+    monkeypatch.setenv("REDRAFT_ADAPTIVE", "0")  # whole chains: what the service drafted
     monkeypatch.setenv("REDRAFT_RETRY_AFTER", "1")
     k = 6
     proposer = create_proposer(vllm_config(k))
@@ -308,6 +310,7 @@ def test_a_full_server_refuses_a_row_which_drafts_by_prompt_lookup_until_there_i
     serve = servers.start(answers_store, "--port", "0", "--max-sessions", "2")
     monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
     monkeypatch.setenv("REDRAFT_LEARN", "0")
+    monkeypatch.setenv("REDRAFT_ADAPTIVE", "0")  # whole chains: what the service drafted
     k = 4
     proposer = create_proposer(vllm_config(k))
     batch = InputBatch()
@@ -346,6 +349,7 @@ def test_a_full_server_refuses_a_row_which_drafts_by_prompt_lookup_until_there_i
 
 def test_an_unreachable_service_at_start_drafts_by_prompt_lookup(monkeypatch, plain_answers):
     monkeypatch.setenv("REDRAFT_SERVICE", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REDRAFT_ADAPTIVE", "0")
     proposer = create_proposer(vllm_config(4))
     batch = InputBatch()
     prompt, output = plain_answers[QUESTIONS[0]]
