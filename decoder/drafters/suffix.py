@@ -34,6 +34,7 @@ class SuffixDrafter(Drafter):
                  max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1) -> None:
         try:
+            # lazy: an optional compiled package, needed only when this drafter is chosen
             from arctic_inference.suffix_decoding import SuffixDecodingCache
         except ImportError:
             raise UnknownDrafter("the suffix drafter needs arctic-inference (SuffixDecoding): "

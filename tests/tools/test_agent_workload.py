@@ -5,11 +5,8 @@ carry every earlier output."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import agent_workload as aw  # noqa: E402
+from tools import agent_workload as aw
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 
