@@ -130,11 +130,6 @@ class ServiceStats:
             self._arr[_SLOT["sessions_active"]] -= 1
             self._arr[self._tenant0 + tenant] -= 1
 
-    def tenant_sessions(self) -> list[int]:
-        """Sessions and sequences each tenant slot holds now."""
-        with self._lock:
-            return [int(x) for x in self._arr[self._tenant0:self._tenant0 + self.tenants]]
-
     def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str],
                kind: str | None = None) -> None:
         """Count one answered request (and its `kind` counter): latency and tree contents."""

@@ -80,3 +80,15 @@ def answers_store(tmp_path_factory, default_model, plain_answers) -> str:
     out = str(tmp_path_factory.mktemp("engine-ds") / "ds")
     build_datastore([str(docs)], out, tokenizer="smollm2-135m", corpus="answers")
     return out
+
+
+@pytest.fixture()
+def service(monkeypatch, servers, answers_store):
+    """A real `redraft serve` over the answers datastore, named in the environment the
+    adapters read; learning off, so that a context's drafts depend on the context alone."""
+    serve = servers.start(answers_store, "--port", "0")
+    monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
+    monkeypatch.setenv("REDRAFT_LEARN", "0")
+    monkeypatch.delenv("REDRAFT_DATASTORE", raising=False)
+    monkeypatch.delenv("REDRAFT_ADAPTIVE", raising=False)
+    return serve

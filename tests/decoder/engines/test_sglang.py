@@ -90,15 +90,6 @@ def nodes_without_padding(tree: Tree, drafted: int) -> tuple[list[int], list[int
     return tree.tokens[:drafted], tree.parents[:drafted]
 
 
-@pytest.fixture()
-def service(monkeypatch, servers, answers_store):
-    serve = servers.start(answers_store, "--port", "0")
-    monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
-    monkeypatch.setenv("REDRAFT_LEARN", "0")
-    monkeypatch.delenv("REDRAFT_DATASTORE", raising=False)
-    return serve
-
-
 def test_trees_are_the_services_in_sglangs_layout(service, plain_answers):
     cache = RedraftNgramCache.from_settings(N)
     source = cache.drafts.source

@@ -141,15 +141,10 @@ def engine_step(proposer, batch: InputBatch, sampled: dict[str, list[int]],
 
 
 @pytest.fixture()
-def service_env(monkeypatch, servers, answers_store):
-    """A real `redraft serve` over the answers datastore, named in the environment; learning
-    off, so that a context's drafts depend on the context alone."""
-    serve = servers.start(answers_store, "--port", "0")
-    monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
-    monkeypatch.setenv("REDRAFT_LEARN", "0")
-    monkeypatch.setenv("REDRAFT_ADAPTIVE", "0")  # whole chains: what the service drafted
-    monkeypatch.delenv("REDRAFT_DATASTORE", raising=False)
-    return serve
+def service_env(monkeypatch, service):
+    """The engines' `service`, unpaced: whole chains, what the service drafted."""
+    monkeypatch.setenv("REDRAFT_ADAPTIVE", "0")
+    return service
 
 
 def service_chain(client: DraftClient, proposer, context: list[int], k: int) -> list[int]:

@@ -146,16 +146,6 @@ class Engine:
         return self.rows / self.cost(self.rows)
 
 
-@pytest.fixture()
-def service(monkeypatch, servers, answers_store):
-    serve = servers.start(answers_store, "--port", "0")
-    monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
-    monkeypatch.setenv("REDRAFT_LEARN", "0")
-    monkeypatch.delenv("REDRAFT_DATASTORE", raising=False)
-    monkeypatch.delenv("REDRAFT_ADAPTIVE", raising=False)
-    return serve
-
-
 @pytest.mark.skipif(not have_default_model(), reason="default model not installed")
 def test_a_costly_engine_whose_sampler_rejects_drafts_gets_none(service, plain_answers):
     """The known bad case: drafts offered on almost every row, few accepted, and a CPU that
