@@ -128,8 +128,10 @@ def serving(store: str | Path, *extra: str, timeout: float = 120.0,
     exception, Ctrl-C, or SIGTERM to the tool (turned into SystemExit while it serves)."""
     args: Sequence[str] = extra if "--port" in extra else ("--port", "0", *extra)
     previous = signal.getsignal(signal.SIGTERM)
-    main_thread = _in_main_thread()
-    if main_thread and previous in (signal.SIG_DFL, None):
+    # Ours unless the tool set its own: SIG_IGN too (a launcher's ignored SIGTERM is inherited
+    # through exec, and a tool ignoring it would leave its servers running when stopped).
+    ours = _in_main_thread() and not callable(previous)
+    if ours:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         with ServeProcess(str(store), args, env=env, timeout=timeout, log=log) as serve:
@@ -138,8 +140,8 @@ def serving(store: str | Path, *extra: str, timeout: float = 120.0,
         print(f"{tool_name()}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
-        if main_thread and previous in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _in_main_thread() -> bool:

@@ -93,12 +93,15 @@ def test_the_server_is_gone_when_the_block_raises(store):
     assert gone(pids, timeout=1)  # already gone when the block was left
 
 
-def test_sigterm_to_the_tool_stops_its_servers(store):
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_sigterm_to_the_tool_stops_its_servers(store, inherited):
+    """Also when the tool was started with SIGTERM ignored (a launcher's SIG_IGN passes
+    through exec: a CI runner's did, and the tool slept on with its servers)."""
     code = ("import sys, time; from tools import harness\n"
             "with harness.serving(sys.argv[1]) as a, harness.serving(sys.argv[1]) as b:\n"
             "    print(a.pid, b.pid, flush=True)\n"
             "    time.sleep(300)\n")
-    p = tool(code, store)
+    p = tool(code, store, preexec_fn=lambda: signal.signal(signal.SIGTERM, inherited))
     try:
         pids = [int(x) for x in p.stdout.readline().split()]
         assert len(pids) == 2, p.stderr.read() if p.poll() is not None else ""
