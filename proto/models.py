@@ -97,6 +97,14 @@ def _load_saved(directory: Path):
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+def gguf_key(source: ModelSource, extra: str = "") -> str:
+    """A cache key for what is converted from a GGUF file (its tokenizer, its dense weights):
+    the file's path, size and mtime, so a replaced file is converted again."""
+    st = os.stat(os.path.join(source.path, source.gguf_file))
+    ident = f"{os.path.abspath(source.path)}|{source.gguf_file}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256((ident + extra).encode()).hexdigest()[:16]
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(name: str | None = None):
     """Load the fast tokenizer of a model name.
@@ -107,11 +115,7 @@ def load_tokenizer(name: str | None = None):
     source = resolve_model(name)
     cache = None
     if source.gguf_file:
-        st = os.stat(os.path.join(source.path, source.gguf_file))
-        key = hashlib.sha256(
-            f"{os.path.abspath(source.path)}|{source.gguf_file}|{st.st_size}|{st.st_mtime_ns}".encode()
-        ).hexdigest()[:16]
-        cache = cache_root() / "tokenizers" / key
+        cache = cache_root() / "tokenizers" / gguf_key(source)
         if (cache / "tokenizer.json").is_file():
             try:
                 return _load_saved(cache)

@@ -1,7 +1,7 @@
 """Shared by every test folder: `redraft serve` as real subprocesses (started, followed,
 stopped by signal or killed), free ports, waiting for a condition, a self-signed TLS
-certificate for a loopback server, and the fork server the corruption fuzzers run commands
-in."""
+certificate for a loopback server, the fork server the corruption fuzzers run commands in,
+and a private cache folder for every test."""
 
 from __future__ import annotations
 
@@ -36,6 +36,37 @@ class Servers:
     def close(self) -> None:
         for s in self.started:
             s.kill()
+
+
+def private_cache(folder: Path, models: Path) -> Path:
+    """A cache folder (for $REDRAFT_CACHE) whose converted models are `models`: a test may
+    start from an empty cache without converting the default model again (~20 s, 0.5 GB)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    models.mkdir(parents=True, exist_ok=True)
+    if not (folder / "models").exists():
+        (folder / "models").symlink_to(models, target_is_directory=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def shared_models(tmp_path_factory) -> Path:
+    """Converted models for the whole run, every xdist worker alike (two workers converting
+    at once cost time, not correctness: a cache entry is published by one rename)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+
+
+@pytest.fixture()
+def fresh_cache(tmp_path, shared_models) -> Path:
+    """An empty cache folder but for the converted models."""
+    return private_cache(tmp_path / "cache", shared_models)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, shared_models, monkeypatch):
+    """Cost curves and other caches go to a per-session folder, never the user's."""
+    folder = private_cache(tmp_path_factory.getbasetemp() / "redraft-cache", shared_models)
+    monkeypatch.setenv("REDRAFT_CACHE", str(folder))
 
 
 @pytest.fixture()

@@ -86,25 +86,11 @@ def vllm(args) -> None:
 
 
 def save_default_model(folder: Path) -> None:
-    """The default model as a Hugging Face folder in bfloat16 (what vLLM loads). Its GGUF
-    weights are dequantized when loaded, but transformers refuses to save a model loaded from
-    GGUF, so the same weights go into a model built from its config."""
-    import copy
-
-    import torch
+    """The default model as a Hugging Face folder in bfloat16 (what vLLM loads): its GGUF
+    weights load as their dense copy (`dense_weights`), which saves as any model does."""
     from redraft.decoder.models.loading import load_model
-    from transformers import AutoModelForCausalLM
 
-    model, tokenizer = load_model(None, device="cpu", dtype="float32")
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise SystemExit(f"cannot copy the default model: missing {missing}, "
-                         f"unexpected {unexpected}")
+    plain, tokenizer = load_model(None, device="cpu", dtype="bfloat16")
     plain.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     # the tokenizer class every transformers version knows (a vLLM may pin an older one)

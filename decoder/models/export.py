@@ -15,11 +15,9 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
 from redraft.decoder.models.loading import load_model
 from redraft.proto.errors import RedraftError
 from redraft.proto.models import DEFAULT_MODEL
-from transformers import AutoModelForCausalLM
 
 
 def export_hf_folder(out: str | os.PathLike, model: str | None = None) -> Path:
@@ -28,14 +26,8 @@ def export_hf_folder(out: str | os.PathLike, model: str | None = None) -> Path:
     out = Path(out)
     if out.exists():
         raise RedraftError(f"{out} exists; remove it first")
-    loaded, tokenizer = load_model(model, device="cpu", dtype="float32")
-    config = loaded.config
-    # A GGUF-loaded model keeps its quantization config and refuses to save; the weights are
-    # dense after loading, so a fresh model of the same config takes them as they are.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    dense.load_state_dict(loaded.state_dict())
+    # A GGUF model loads as its dense copy (`dense_weights`), which saves as any model does.
+    dense, tokenizer = load_model(model, device="cpu", dtype="float32")
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
     dense.save_pretrained(tmp)

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import logging
+import shutil
 
 import torch
+import transformers
 from redraft.decoder.kernels import cpu_has_bf16
 from redraft.proto.errors import ModelNotFound
-from redraft.proto.models import load_tokenizer, resolve_model
+from redraft.proto.files import cache_root, write_cache
+from redraft.proto.models import ModelSource, gguf_key, load_tokenizer, resolve_model
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -68,8 +72,9 @@ _LOADED: dict[tuple, tuple] = {}
 def load_model(name: str | None = None, device: str | None = None, dtype=None):
     """Return (model, tokenizer) for a model name (see `resolve_model`), in eval mode.
 
-    Loaded models are kept for the life of the process (loading the default model means
-    de-quantising a GGUF file, ~10 s), so repeated calls with the same arguments are free.
+    Loaded models are kept for the life of the process, so repeated calls with the same
+    arguments are free. A GGUF model's dense weights are also kept on disk (`dense_weights`):
+    de-quantising the default model takes 15-20 s, reading its dense copy about one.
     """
     source = resolve_model(name)
     device = device or default_device()
@@ -80,28 +85,67 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None):
     return _LOADED[key]
 
 
-def _load(source, name, device: str, torch_dtype: torch.dtype):
+def _load(source: ModelSource, name, device: str, torch_dtype: torch.dtype):
     tokenizer = load_tokenizer(name)
-    # Progress bars (GGUF de-quantisation writes a bare tqdm bar to stderr) would clutter
-    # streamed output; the captured text is dropped unless loading fails.
-    hf_logging.disable_progress_bar()
-    # The GGUF loader warns that bfloat16 is slower than float32 for its quantized kernels;
-    # the model here is dense after loading, so the warning does not apply (and its logger
-    # writes to the real stderr, past the capture below).
-    gguf_log = hf_logging.get_logger("transformers.quantizers.quantizer_gguf")
-    level = gguf_log.level
-    gguf_log.setLevel(logging.ERROR)
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            model = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=torch_dtype, **source.kwargs()
-            )
-    except (OSError, ValueError) as exc:
-        raise ModelNotFound(f"cannot load model {source.name!r}: {exc}") from exc
-    finally:
-        hf_logging.enable_progress_bar()
-        gguf_log.setLevel(level)
+    model = (dense_weights(source, torch_dtype) if source.gguf_file
+             else _from_pretrained(source, source.path, torch_dtype))
     model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def dense_weights(source: ModelSource, torch_dtype: torch.dtype):
+    """A GGUF model, de-quantised once and then read from a dense float32 copy in the cache
+    (a Hugging Face folder keyed by the GGUF file and the transformers version), cast to
+    `torch_dtype`. Casting the float32 copy is what loading the GGUF file in that dtype does,
+    so the weights are the same either way (tests/decoder/models/test_loading.py). A cache
+    that cannot be read is converted again; one that cannot be written only costs time."""
+    folder = cache_root() / "models" / gguf_key(source, f"|{transformers.__version__}")
+    if (folder / "config.json").is_file():
+        try:
+            return _from_pretrained(source, str(folder), torch_dtype)
+        except Exception:  # a damaged or foreign cache entry: converted again below
+            shutil.rmtree(folder, ignore_errors=True)
+    dense = dense_copy(_from_pretrained(source, source.path, torch.float32,
+                                        gguf_file=source.gguf_file))
+    with _quiet():
+        write_cache(folder, lambda tmp: dense.save_pretrained(str(tmp)))
+    return dense.to(torch_dtype)
+
+
+def dense_copy(model, dtype: torch.dtype = torch.float32):
+    """The same weights in a model built from its config: transformers refuses to save a model
+    loaded from GGUF (it keeps the quantization config), though its weights are dense."""
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    dense = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    dense.load_state_dict(model.state_dict())
+    dense.generation_config = copy.deepcopy(model.generation_config)
+    return dense.eval()
+
+
+def _from_pretrained(source: ModelSource, path: str, torch_dtype: torch.dtype, **kwargs):
+    try:
+        with _quiet():
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFound(f"cannot load model {source.name!r}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Progress bars (GGUF de-quantisation and saving write bare tqdm bars to stderr) would
+    clutter streamed output; the captured text is dropped. The GGUF loader's warning that
+    bfloat16 is slower for its quantized kernels is silenced too: the model is dense after
+    loading, so it does not apply (and its logger writes to the real stderr)."""
+    hf_logging.disable_progress_bar()
+    gguf_log = hf_logging.get_logger("transformers.quantizers.quantizer_gguf")
+    level = gguf_log.level
+    gguf_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.enable_progress_bar()
+        gguf_log.setLevel(level)

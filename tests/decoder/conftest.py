@@ -53,12 +53,6 @@ def default_model():
                       dtype="float32")
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    """Cost curves and other caches go to a per-session folder, never the user's."""
-    monkeypatch.setenv("REDRAFT_CACHE", str(tmp_path_factory.getbasetemp() / "redraft-cache"))
-
-
 # Code-writing prompts: the workload retrieval from a code datastore is meant for.
 CODE_PROMPTS = [
     "Write a Python function that reads a CSV file and returns a list of dictionaries.",

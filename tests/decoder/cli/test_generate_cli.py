@@ -238,9 +238,9 @@ def test_draft_service_credentials_are_checked_before_anything_loads(capsys, tmp
     assert rc == 2 and "--token: a token must be printable ASCII" in err
 
 
-def test_the_recycling_table_carries_over_to_the_next_run(capsys, default_model, tmp_path,
+def test_the_recycling_table_carries_over_to_the_next_run(capsys, default_model, fresh_cache,
                                                            monkeypatch):
-    monkeypatch.setenv("REDRAFT_CACHE", str(tmp_path))  # no table from earlier tests
+    monkeypatch.setenv("REDRAFT_CACHE", str(fresh_cache))  # no table from earlier tests
     steps = []
     for _ in range(2):
         rc, out, err = run(capsys, "--prompt", CODE_PROMPTS[2], "--max-new-tokens", "24",

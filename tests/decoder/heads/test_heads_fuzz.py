@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ...conftest import ForkServer, structural_flip
+from ...conftest import ForkServer, private_cache, structural_flip
 from ..conftest import have_default_model
 from .test_heads_file import COMMITTED, committed, rewrite
 
@@ -123,12 +123,12 @@ def cases(clean: bytes, rng, n: int, tmp_path) -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, shared_models):
     if not have_default_model():
         pytest.skip("default model package not installed (make install)")
     root = tmp_path_factory.mktemp("heads-fuzz")
     server = ForkServer(root, WARM_UP.format(argv=argv(COMMITTED)), TIMEOUT_S, MEMORY,
-                        env={"REDRAFT_CACHE": str(root / "cache")})
+                        env={"REDRAFT_CACHE": str(private_cache(root / "cache", shared_models))})
     try:
         yield server
     finally:
