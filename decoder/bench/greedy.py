@@ -283,8 +283,7 @@ def plot(summary: dict, methods: Sequence[str], path: Path) -> None:
     shown = [m for m in methods if m != "hf-greedy"]
     width = 0.8 / max(1, len(shown))
     # A Figure of its own, not pyplot's: no backend to choose, no global state to clean up.
-    # Imported here: matplotlib costs every `redraft` start ~0.4 s, and only a plot needs it.
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: ~0.4 s at every `redraft` start otherwise
 
     fig = Figure(figsize=(max(8, 1.6 * len(cats)), 4.5))
     ax = fig.subplots()
