@@ -38,34 +38,41 @@ class Servers:
             s.kill()
 
 
-def private_cache(folder: Path, models: Path) -> Path:
-    """A cache folder (for $REDRAFT_CACHE) whose converted models are `models`: a test may
-    start from an empty cache without converting the default model again (~20 s, 0.5 GB)."""
+# What the cache holds converted from the default model's GGUF file: the same for every
+# test, and costly to make again (the dense weights ~20 s and 0.5 GB, the tokenizer ~7 s).
+CONVERTED = ("models", "tokenizers")
+
+
+def private_cache(folder: Path, converted: Path) -> Path:
+    """A cache folder (for $REDRAFT_CACHE) whose converted models and tokenizers are those
+    under `converted`: a test may start from an empty cache without converting again."""
     folder.mkdir(parents=True, exist_ok=True)
-    models.mkdir(parents=True, exist_ok=True)
-    if not (folder / "models").exists():
-        (folder / "models").symlink_to(models, target_is_directory=True)
+    for name in CONVERTED:
+        (converted / name).mkdir(parents=True, exist_ok=True)
+        if not (folder / name).exists():
+            (folder / name).symlink_to(converted / name, target_is_directory=True)
     return folder
 
 
 @pytest.fixture(scope="session")
-def shared_models(tmp_path_factory) -> Path:
-    """Converted models for the whole run, every xdist worker alike (two workers converting
-    at once cost time, not correctness: a cache entry is published by one rename)."""
+def shared_converted(tmp_path_factory) -> Path:
+    """Converted models and tokenizers for the whole run, every xdist worker alike (two
+    workers converting at once cost time, not correctness: an entry is published by one
+    rename)."""
     base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "converted"
 
 
 @pytest.fixture()
-def fresh_cache(tmp_path, shared_models) -> Path:
-    """An empty cache folder but for the converted models."""
-    return private_cache(tmp_path / "cache", shared_models)
+def fresh_cache(tmp_path, shared_converted) -> Path:
+    """An empty cache folder but for what is converted from the default model."""
+    return private_cache(tmp_path / "cache", shared_converted)
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, shared_models, monkeypatch):
+def _private_cache(tmp_path_factory, shared_converted, monkeypatch):
     """Cost curves and other caches go to a per-session folder, never the user's."""
-    folder = private_cache(tmp_path_factory.getbasetemp() / "redraft-cache", shared_models)
+    folder = private_cache(tmp_path_factory.getbasetemp() / "redraft-cache", shared_converted)
     monkeypatch.setenv("REDRAFT_CACHE", str(folder))
 
 

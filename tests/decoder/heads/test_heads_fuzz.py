@@ -123,12 +123,12 @@ def cases(clean: bytes, rng, n: int, tmp_path) -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, shared_models):
+def server(tmp_path_factory, shared_converted):
     if not have_default_model():
         pytest.skip("default model package not installed (make install)")
     root = tmp_path_factory.mktemp("heads-fuzz")
     server = ForkServer(root, WARM_UP.format(argv=argv(COMMITTED)), TIMEOUT_S, MEMORY,
-                        env={"REDRAFT_CACHE": str(private_cache(root / "cache", shared_models))})
+                        env={"REDRAFT_CACHE": str(private_cache(root / "cache", shared_converted))})
     try:
         yield server
     finally:
