@@ -4,7 +4,7 @@ Run under vLLM's Python (`make vllm-env`), with a `redraft serve` for redraft's 
 
     .venv/bin/redraft serve --datastore data/stdlib --port 50051 &
     LD_PRELOAD=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}') \\
-    .venv-vllm/bin/python tools/bench_vllm.py --service 127.0.0.1:50051 \\
+    .venv-vllm/bin/python -m tools.bench_vllm --service 127.0.0.1:50051 \\
         --questions SPEC_BENCH --workload spec-bench,agent,repeated --concurrency 1,4,16 \\
         --out bench-out/vllm
 
@@ -42,8 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import agent_workload  # noqa: E402
+from tools import agent_workload
 
 METHODS = ("plain", "ngram", "suffix", "redraft", "redraft-peer")
 WORKLOADS = ("spec-bench", "agent", "repeated")

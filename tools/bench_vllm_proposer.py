@@ -16,7 +16,7 @@ rows to sequences, the batched call, the chains), per row in us, the server's ow
 sequence-step (its Stats), accepted tokens per row and step, Batch calls seen by the server,
 and the steps that fell back to prompt lookup.
 
-    python tools/bench_vllm_proposer.py --datastore data/stdlib --batch 1,8,64 --steps 300
+    python -m tools.bench_vllm_proposer --datastore data/stdlib --batch 1,8,64 --steps 300
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_batch_replay import pct  # noqa: E402
-from bench_service import held_out_tokens, start_server  # noqa: E402
+from tools.bench_batch_replay import pct
+from tools.bench_service import held_out_tokens, start_server
 
 PROMPT_TOKENS = 128
 MAX_MODEL_LEN = 4096

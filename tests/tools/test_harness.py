@@ -123,8 +123,6 @@ def test_a_server_that_cannot_start_is_one_line_and_exit_2(tmp_path):
                    "such datastore\n")
 
 
-# Run as files still (another change moves them onto the harness).
-SCRIPTS = {"bench_vllm", "bench_vllm_proposer"}
 # A tool that needs an optional package imports only where it is installed.
 NEEDS = {"bench_llama_cpp": "llama_cpp"}
 
@@ -137,9 +135,9 @@ def test_every_tool_imports_as_a_module_without_touching_sys_path():
     names = sorted(p.stem for p in (REPO / "tools").glob("*.py") if p.stem != "__init__")
     for name in names:
         source = (REPO / "tools" / f"{name}.py").read_text()
-        assert "sys.path" not in source or name in SCRIPTS, f"tools/{name}.py edits sys.path"
-    wanted = [n for n in names if n not in SCRIPTS
-              and (n not in NEEDS or importlib.util.find_spec(NEEDS[n]) is not None)]
+        assert "sys.path" not in source, f"tools/{name}.py edits sys.path"
+    wanted = [n for n in names
+              if n not in NEEDS or importlib.util.find_spec(NEEDS[n]) is not None]
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
     p = tool(code, *(f"tools.{n}" for n in wanted))
     out, err = p.communicate(timeout=240)
