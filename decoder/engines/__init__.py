@@ -8,7 +8,7 @@
 
 The engine-neutral parts live beside them: `settings` (where an adapter finds its draft
 service), `streams` (one generation's drafts from the draft service or an in-process
-datastore, falling back to prompt lookup when the service fails), `batched` (every sequence
+datastore, falling back to prompt lookup when the service fails), `step_drafts` (every sequence
 of an engine step in one batched call), `rows` (which sequence each row of a batch holds)
 and `pacing` (an online rule that stops drafting when drafts do not pay on the machine at
 hand).

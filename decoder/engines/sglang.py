@@ -25,9 +25,9 @@ import logging
 from collections.abc import Hashable, Sequence
 
 import numpy as np
-from redraft.decoder.engines.batched import BatchedDrafts
 from redraft.decoder.engines.rows import RowIdentity
 from redraft.decoder.engines.settings import EngineSettings
+from redraft.decoder.engines.step_drafts import BatchedDrafts
 from redraft.proto.tree import Tree
 
 log = logging.getLogger("redraft.engines")

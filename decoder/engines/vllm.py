@@ -18,7 +18,7 @@ and `sampled_token_ids[i]` the tokens it accepted this step (empty for a row sti
 chunked prefill). It wants one list of 0..k draft tokens per row back, verified as a chain.
 No request ids, no start or end of a request: rows are matched to their sequences by content
 (`rows.RowIdentity`). All rows are drafted by one batched call to the draft service
-(`batched.BatchedDrafts`); a dead service turns into prompt lookup per row and is tried
+(`step_drafts.BatchedDrafts`); a dead service turns into prompt lookup per row and is tried
 again later. Nothing of vLLM is imported: the module loads without it.
 
 Each row is handed only the prefix of its chain that pays (`pacing.BatchPacer`, the rule the
@@ -42,10 +42,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from redraft.decoder.engines.batched import BatchedDrafts
 from redraft.decoder.engines.pacing import BatchPacer
 from redraft.decoder.engines.rows import RowIdentity
 from redraft.decoder.engines.settings import EngineSettings
+from redraft.decoder.engines.step_drafts import BatchedDrafts
 from redraft.decoder.engines.streams import EngineConfigError
 from redraft.proto.tree import Chain
 
