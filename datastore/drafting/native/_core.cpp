@@ -1031,6 +1031,36 @@ bool ready(PyTypeObject& t, const char* name, size_t size, newfunc tp_new, initp
 
 }  // namespace
 
+// The reference's constants the headers copy, by the Python name each copies, so that a test
+// holds every copy to its original (tests/datastore/drafting/native/test_core_citations.py).
+static bool add_copied_constants(PyObject* m) {
+    const std::pair<const char*, long long> copied[] = {
+        {"redraft.datastore.drafting.learned_index.PROMPT_TAIL", PROMPT_TAIL},
+        {"redraft.datastore.drafting.learned_index.KEEP", KEEP},
+        {"redraft.datastore.drafting.learned_index.MAX_MATCH", MAX_MATCH},
+        {"redraft.datastore.drafting.learned_index.MAX_OCCURRENCES", MAX_OCCURRENCES},
+        {"redraft.datastore.drafting.learned_index._POS_BITS", POS_BITS},
+        {"redraft.datastore.drafting.learned_index.MAX_DOC_TOKENS", MAX_DOC_TOKENS},
+        {"redraft.datastore.drafting.retrieval._MASS", MASS},
+    };
+    PyObject* d = PyDict_New();
+    if (d == nullptr) return false;
+    for (const auto& [name, value] : copied) {
+        PyObject* v = PyLong_FromLongLong(value);
+        if (v == nullptr || PyDict_SetItemString(d, name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return false;
+        }
+        Py_DECREF(v);
+    }
+    if (PyModule_AddObject(m, "COPIED_CONSTANTS", d) < 0) {
+        Py_DECREF(d);
+        return false;
+    }
+    return true;
+}
+
 PyMODINIT_FUNC PyInit__core(void) {
     static bool fork_handler = false;  // once per process, however often the module loads
     if (!fork_handler) {
@@ -1061,7 +1091,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject* m = PyModule_Create(&module_def);
     if (m == nullptr) return nullptr;
     if (PyModule_AddIntConstant(m, "ERR_REST", ERR_REST) < 0 ||
-        PyModule_AddIntConstant(m, "ERR_TOKENS", ERR_TOKENS) < 0) {
+        PyModule_AddIntConstant(m, "ERR_TOKENS", ERR_TOKENS) < 0 ||
+        !add_copied_constants(m)) {
         Py_DECREF(m);
         return nullptr;
     }

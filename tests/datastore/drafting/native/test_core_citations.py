@@ -100,3 +100,16 @@ def test_a_cited_name_resolves_to_the_python_original():
     assert resolve("redraft.datastore.drafting.prompt_lookup.continuation_tree") \
         is continuation_tree
     assert resolve("redraft.proto.tree.Tree.expected_accepted") is Tree.expected_accepted
+
+
+def test_every_constant_the_core_copies_equals_its_python_original():
+    """The headers keep their own copies of the reference's bounds (a compiled loop reads a
+    constant); the core lists each by the Python name it copies, and each must still be
+    that name's value."""
+    from redraft.datastore.drafting.native import _core
+
+    copied = _core.COPIED_CONSTANTS
+    assert len(copied) >= 7
+    bad = [f"{name}: core {value}, Python {resolve(name)}" for name, value in copied.items()
+           if resolve(name) != value]
+    assert not bad, "\n".join(bad)
