@@ -19,6 +19,9 @@ method) triple in a rotated order, so the methods share the machine's state. Wor
 - `repeated`: the same Spec-Bench prompts at every round and concurrency (served before:
   learned drafts after the first pass).
 
+`no-drafts` (not run unless asked for) is a proposer that never drafts: the engine's own
+cost of speculating, under every method's speed.
+
 A pass at concurrency c serves `--batches` groups of c requests at once (two at c = 1). The
 method `redraft-peer` is a second redraft engine on the same service that always runs right
 after `redraft`, on the prompts `redraft` just served: it must draft what the first engine
@@ -44,7 +47,7 @@ from pathlib import Path
 
 from tools import agent_workload
 
-METHODS = ("plain", "ngram", "suffix", "redraft", "redraft-peer")
+METHODS = ("plain", "no-drafts", "ngram", "suffix", "redraft", "redraft-peer")
 WORKLOADS = ("spec-bench", "agent", "repeated")
 KV_CACHE_BYTES = 3 << 29  # 1.5 GiB per engine: five engines fit beside other jobs
 
@@ -63,7 +66,25 @@ def speculative_config(method: str, k: int) -> dict | None:
     if method in ("redraft", "redraft-peer"):
         return {"method": "custom_class", "num_speculative_tokens": k,
                 "model": "redraft.decoder.engines.vllm.RedraftProposer"}
+    if method == "no-drafts":
+        return {"method": "custom_class", "num_speculative_tokens": k,
+                "model": "tools.bench_vllm.NoDrafts"}
     raise SystemExit(f"bench_vllm: unknown method {method!r} (known: {', '.join(METHODS)})")
+
+
+class NoDrafts:
+    """A custom proposer that never drafts (`no-drafts`): what the engine's speculative path
+    costs by itself, the floor under any proposer's speed (vLLM turns its asynchronous
+    scheduling off once a speculative method is set)."""
+
+    def __init__(self, vllm_config) -> None:
+        pass
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
 
 
 @dataclass
@@ -182,7 +203,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=2, help="turns per agent task")
     p.add_argument("--seed", type=int, default=0, help="the agent tasks' seed")
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(m for m in METHODS if m != "no-drafts"),
+                   help=f"comma-separated: {', '.join(METHODS)}")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     p.add_argument("--rounds", type=int, default=2)
