@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools import agent_workload
+from tools import agent_workload, harness
 
 METHODS = ("plain", "no-drafts", "ngram", "suffix", "redraft", "redraft-peer")
 WORKLOADS = ("spec-bench", "agent", "repeated")
@@ -210,6 +210,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default="bench-out/vllm")
     args = p.parse_args()
+    run = harness.Run()
     methods = args.methods.split(",")
     workloads = args.workload.split(",")
     for name in methods:
@@ -293,18 +294,27 @@ def main() -> None:
     summary, failures = report(args, methods, workloads, levels, results, served)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    summary += run_line(run.record())
     (out / "summary.md").write_text(summary)
-    (out / "results.json").write_text(json.dumps(
-        [{"workload": w, "concurrency": c, "method": m, "round": r, "tokens_per_s": v["rate"],
-          "seconds": v["seconds"], "steps": v["counts"].steps, "drafts": v["counts"].drafts,
-          "draft_tokens": v["counts"].draft_tokens, "accepted": v["counts"].accepted,
-          "accepted_per_pos": v["counts"].per_pos, "learned_accepted": v.get("learned")}
-         for (w, c, m, r), v in results.items()], indent=1))
+    rows = [{"workload": w, "concurrency": c, "method": m, "round": r,
+             "tokens_per_s": v["rate"], "seconds": v["seconds"], "steps": v["counts"].steps,
+             "drafts": v["counts"].drafts, "draft_tokens": v["counts"].draft_tokens,
+             "accepted": v["counts"].accepted, "accepted_per_pos": v["counts"].per_pos,
+             "learned_accepted": v.get("learned")} for (w, c, m, r), v in results.items()]
+    run.write(out / "results.json", rows)
     print(summary)
     for line in failures:
         print(f"bench_vllm: FAILED: {line}", file=sys.stderr)
     if failures:
         raise SystemExit(1)
+
+
+def run_line(record: dict) -> str:
+    """The run's record (`harness.Run`) as the summary's last line."""
+    changed = " (tracked files changed)" if record["dirty"] else ""
+    start = " ".join(map(str, record["load_average"]))
+    return (f"\nCommit {record['commit']}{changed}, {record['cores_usable']} cores, load "
+            f"average {start} at the start; `{record['command']}`\n")
 
 
 def proposer_counters(worker) -> dict | None:

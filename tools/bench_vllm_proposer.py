@@ -22,6 +22,7 @@ and the steps that fell back to prompt lookup.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -31,6 +32,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from tools import harness
 from tools.bench_batch_replay import pct
 from tools.bench_service import held_out_tokens, start_server
 
@@ -151,11 +153,13 @@ def main() -> int:
     sizes = [int(s) for s in args.batch.split(",") if s.strip()]
     server_args = SimpleNamespace(datastore=args.datastore, workers=1, budget=args.budget,
                                   learn_max_tokens=100_000, serve_arg=None)
+    run = harness.Run()
     results, docs = [], None
     for n in sizes:  # a fresh server per size: its Stats are this size's alone
-        # finished rows' sequences are held for a few steps after they leave: room for them
-        proc, address = start_server(server_args, args.learn, "--max-sessions", str(2 * n + 16))
-        try:
+        with contextlib.ExitStack() as stack:
+            # finished rows' sequences are held for a few steps after they leave: room for them
+            _, address = start_server(stack, server_args, args.learn, "--max-sessions",
+                                      str(2 * n + 16))
             if docs is None:
                 from redraft.datastore.service.client import DraftClient
 
@@ -164,20 +168,16 @@ def main() -> int:
                 docs = [d for d in held_out_tokens(info.tokenizer_name)
                         if len(d) > PROMPT_TOKENS + args.new_tokens + 1]
             results.append(run_batch(address, docs, n, args))
-        finally:
-            proc.terminate()
-            proc.wait(30)
-    meta = {"datastore": args.datastore, "learn": args.learn, "load_1min": os.getloadavg()[0],
-            "cpus": os.cpu_count()}
+    report = {"datastore": args.datastore, "learn": args.learn, "results": results}
     if args.json:
-        print(json.dumps({"meta": meta, "results": results}, indent=1))
+        run.print(report, indent=1)
     else:
         keys = list(results[0])
         print("| " + " | ".join(keys) + " |")
         print("|" + " --- |" * len(keys))
         for r in results:
             print("| " + " | ".join(str(r[k]) for k in keys) + " |")
-        print(meta)
+        print(json.dumps(run.record()))
     return 0
 
 
