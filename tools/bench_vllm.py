@@ -30,7 +30,7 @@ learned, and the bench exits 1 (after writing its tables) if it accepted no lear
 Reported per workload, concurrency and method: output tokens per second (median over
 rounds), its ratio to plain vLLM and to `ngram` in the same rounds, draft acceptance (drafted
 tokens accepted) and per position (the share of drafted steps whose i-th draft was accepted),
-the engine's mean step time, and whether every output of every round was plain vLLM's greedy
+the engine's mean step time (and for redraft the part of it spent in `propose`), and whether every output of every round was plain vLLM's greedy
 output token for token.
 """
 
@@ -280,11 +280,17 @@ def main() -> None:
                 for m in order:
                     before = counts[m].copy()
                     learned_before = learned_accepted(engines[m]) if m == "redraft-peer" else 0
+                    drafting_before = drafting_time(engines[m]) if m.startswith("redraft") \
+                        else None
                     ids, seconds, made = serve(m, ps)
                     step = counts[m].minus(before)
                     res = {"rate": made / seconds, "seconds": seconds, "counts": step}
                     if m == "redraft-peer":
                         res["learned"] = learned_accepted(engines[m]) - learned_before
+                    if drafting_before is not None:
+                        seconds_after, steps_after = drafting_time(engines[m])
+                        res["propose_s"] = seconds_after - drafting_before[0]
+                        res["propose_steps"] = steps_after - drafting_before[1]
                     results[(w, c, m, r)] = res
                     served[(w, c, m, r)] = ids
                     print(f"round {r} {w} concurrency {c} {m}: {res['rate']:.1f} tokens/s, "
@@ -300,7 +306,8 @@ def main() -> None:
              "tokens_per_s": v["rate"], "seconds": v["seconds"], "steps": v["counts"].steps,
              "drafts": v["counts"].drafts, "draft_tokens": v["counts"].draft_tokens,
              "accepted": v["counts"].accepted, "accepted_per_pos": v["counts"].per_pos,
-             "learned_accepted": v.get("learned")} for (w, c, m, r), v in results.items()]
+             "learned_accepted": v.get("learned"), "propose_seconds": v.get("propose_s"),
+             "propose_steps": v.get("propose_steps")} for (w, c, m, r), v in results.items()]
     run.write(out / "results.json", rows)
     print(summary)
     for line in failures:
@@ -334,6 +341,15 @@ def learned_accepted(llm) -> int:
     return total
 
 
+def drafting_time(llm) -> tuple[float, int]:
+    """Seconds the proposer spent in `propose` and the steps it was called on, so far."""
+    seconds, steps = 0.0, 0
+    for stats in llm.collective_rpc(proposer_counters):
+        seconds += (stats or {}).get("seconds", 0.0)
+        steps += (stats or {}).get("steps", 0)
+    return seconds, steps
+
+
 def acceptance(c: StepCounts) -> str:
     return f"{c.accepted / c.draft_tokens:.0%}" if c.draft_tokens else "-"
 
@@ -343,14 +359,20 @@ def step_ms(res: dict) -> str:
     return f"{res['seconds'] * 1e3 / steps:.1f}" if steps else "-"
 
 
+def proposing_ms(passes: list[dict]) -> str:
+    """redraft's time in `propose` per engine step over `passes` (other methods: not known)."""
+    steps = sum(p.get("propose_steps", 0) for p in passes)
+    return f"{sum(p['propose_s'] for p in passes) * 1e3 / steps:.1f}" if steps else "-"
+
+
 def report(args, methods, workloads, levels, results, served) -> tuple[str, list[str]]:
     rounds = range(args.rounds)
     parts, failures = [], []
     for w in workloads:
         rows = [f"### {w}", "",
                 "| concurrency | method | tokens/s (median) | vs plain | vs ngram | acceptance "
-                "| accepted per position | step ms | identical to plain |",
-                "|---:|---|---:|---:|---:|---:|---|---:|---|"]
+                "| accepted per position | step ms | of it proposing | identical to plain |",
+                "|---:|---|---:|---:|---:|---:|---|---:|---:|---|"]
         for c in levels:
             med = {m: statistics.median(results[(w, c, m, r)]["rate"] for r in rounds)
                    for m in methods}
@@ -367,8 +389,9 @@ def report(args, methods, workloads, levels, results, served) -> tuple[str, list
                 if same == "**no**":
                     failures.append(f"{w} concurrency {c} {m}: output differs from plain")
                 step = f"{seconds * 1e3 / total.steps:.1f}" if total.steps else "-"
+                proposing = proposing_ms([results[(w, c, m, r)] for r in rounds])
                 rows.append(f"| {c} | {m} | {med[m]:.1f} | {vs[0]} | {vs[1]} | "
-                            f"{acceptance(total)} | {pos} | {step} | {same} |")
+                            f"{acceptance(total)} | {pos} | {step} | {proposing} | {same} |")
             if "redraft-peer" in methods:
                 learned = sum(results[(w, c, "redraft-peer", r)]["learned"] for r in rounds)
                 if not learned:
