@@ -30,8 +30,8 @@ learned, and the bench exits 1 (after writing its tables) if it accepted no lear
 Reported per workload, concurrency and method: output tokens per second (median over
 rounds), its ratio to plain vLLM and to `ngram` in the same rounds, draft acceptance (drafted
 tokens accepted) and per position (the share of drafted steps whose i-th draft was accepted),
-the engine's mean step time (and for redraft the part of it spent in `propose`), and whether every output of every round was plain vLLM's greedy
-output token for token.
+the engine's mean step time (and for redraft the part of it spent in `propose`), and
+whether every output of every round was plain vLLM's greedy output token for token.
 """
 
 from __future__ import annotations
