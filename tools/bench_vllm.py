@@ -30,8 +30,10 @@ learned, and the bench exits 1 (after writing its tables) if it accepted no lear
 Reported per workload, concurrency and method: output tokens per second (median over
 rounds), its ratio to plain vLLM and to `ngram` in the same rounds, draft acceptance (drafted
 tokens accepted) and per position (the share of drafted steps whose i-th draft was accepted),
-the engine's mean step time (and for redraft the part of it spent in `propose`), and
-whether every output of every round was plain vLLM's greedy output token for token.
+rows drafted per engine step, output tokens per engine step (what drafting bought per
+forward, whatever a forward cost), the engine's mean step time (and for redraft the part of
+it spent in `propose`), and whether every output of every round was plain vLLM's greedy
+output token for token.
 """
 
 from __future__ import annotations
@@ -284,7 +286,8 @@ def main() -> None:
                         else None
                     ids, seconds, made = serve(m, ps)
                     step = counts[m].minus(before)
-                    res = {"rate": made / seconds, "seconds": seconds, "counts": step}
+                    res = {"rate": made / seconds, "seconds": seconds, "made": made,
+                           "counts": step}
                     if m == "redraft-peer":
                         res["learned"] = learned_accepted(engines[m]) - learned_before
                     if drafting_before is not None:
@@ -306,8 +309,9 @@ def main() -> None:
              "tokens_per_s": v["rate"], "seconds": v["seconds"], "steps": v["counts"].steps,
              "drafts": v["counts"].drafts, "draft_tokens": v["counts"].draft_tokens,
              "accepted": v["counts"].accepted, "accepted_per_pos": v["counts"].per_pos,
-             "learned_accepted": v.get("learned"), "propose_seconds": v.get("propose_s"),
-             "propose_steps": v.get("propose_steps")} for (w, c, m, r), v in results.items()]
+             "made": v["made"], "learned_accepted": v.get("learned"),
+             "propose_seconds": v.get("propose_s"), "propose_steps": v.get("propose_steps")}
+            for (w, c, m, r), v in results.items()]
     run.write(out / "results.json", rows)
     print(summary)
     for line in failures:
@@ -371,8 +375,9 @@ def report(args, methods, workloads, levels, results, served) -> tuple[str, list
     for w in workloads:
         rows = [f"### {w}", "",
                 "| concurrency | method | tokens/s (median) | vs plain | vs ngram | acceptance "
-                "| accepted per position | step ms | of it proposing | identical to plain |",
-                "|---:|---|---:|---:|---:|---:|---|---:|---:|---|"]
+                "| accepted per position | rows drafted per step | tokens per step | step ms "
+                "| of it proposing | identical to plain |",
+                "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
         for c in levels:
             med = {m: statistics.median(results[(w, c, m, r)]["rate"] for r in rounds)
                    for m in methods}
@@ -390,8 +395,13 @@ def report(args, methods, workloads, levels, results, served) -> tuple[str, list
                     failures.append(f"{w} concurrency {c} {m}: output differs from plain")
                 step = f"{seconds * 1e3 / total.steps:.1f}" if total.steps else "-"
                 proposing = proposing_ms([results[(w, c, m, r)] for r in rounds])
+                made = sum(results[(w, c, m, r)]["made"] for r in rounds)
+                # what drafting bought per forward, whatever a forward cost
+                share = f"{total.drafts / total.steps:.2f}" if total.steps else "-"
+                per_step = f"{made / total.steps:.2f}" if total.steps else "-"
                 rows.append(f"| {c} | {m} | {med[m]:.1f} | {vs[0]} | {vs[1]} | "
-                            f"{acceptance(total)} | {pos} | {step} | {proposing} | {same} |")
+                            f"{acceptance(total)} | {pos} | {share} | {per_step} | {step} | "
+                            f"{proposing} | {same} |")
             if "redraft-peer" in methods:
                 learned = sum(results[(w, c, "redraft-peer", r)]["learned"] for r in rounds)
                 if not learned:
