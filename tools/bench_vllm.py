@@ -19,8 +19,9 @@ method) triple in a rotated order, so the methods share the machine's state. Wor
 - `repeated`: the same Spec-Bench prompts at every round and concurrency (served before:
   learned drafts after the first pass).
 
-`no-drafts` (not run unless asked for) is a proposer that never drafts: the engine's own
-cost of speculating, under every method's speed.
+Not run unless asked for: `no-drafts`, a proposer that never drafts (the engine's own cost of
+speculating, under every method's speed), and `redraft-local`, redraft drafting from
+`--datastore` opened in the engine's own process (no service, no round trip per step).
 
 A pass at concurrency c serves `--batches` groups of c requests at once (two at c = 1). The
 method `redraft-peer` is a second redraft engine on the same service that always runs right
@@ -49,7 +50,8 @@ from pathlib import Path
 
 from tools import agent_workload, harness
 
-METHODS = ("plain", "no-drafts", "ngram", "suffix", "redraft", "redraft-peer")
+METHODS = ("plain", "no-drafts", "ngram", "suffix", "redraft", "redraft-peer", "redraft-local")
+OPT_IN = ("no-drafts", "redraft-local")  # run only when --methods names them
 WORKLOADS = ("spec-bench", "agent", "repeated")
 KV_CACHE_BYTES = 3 << 29  # 1.5 GiB per engine: five engines fit beside other jobs
 
@@ -65,7 +67,7 @@ def speculative_config(method: str, k: int) -> dict | None:
         # trees (depth 24, 10000 cached requests, spec factor 1, min token prob 0.1), capped
         # at the same k tokens per step as the other methods
         return {"method": "suffix", "num_speculative_tokens": k}
-    if method in ("redraft", "redraft-peer"):
+    if method in ("redraft", "redraft-peer", "redraft-local"):
         return {"method": "custom_class", "num_speculative_tokens": k,
                 "model": "redraft.decoder.engines.vllm.RedraftProposer"}
     if method == "no-drafts":
@@ -197,6 +199,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=".venv-vllm/models/smollm2-135m")
     p.add_argument("--service", help="HOST:PORT of redraft serve (for the redraft methods)")
+    p.add_argument("--datastore", help="the datastore redraft-local opens in the engine")
     p.add_argument("--questions", required=True, help="Spec-Bench's question.jsonl")
     p.add_argument("--workload", default=",".join(WORKLOADS),
                    help=f"comma-separated: {', '.join(WORKLOADS)}")
@@ -205,7 +208,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=2, help="turns per agent task")
     p.add_argument("--seed", type=int, default=0, help="the agent tasks' seed")
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--methods", default=",".join(m for m in METHODS if m != "no-drafts"),
+    p.add_argument("--methods", default=",".join(m for m in METHODS if m not in OPT_IN),
                    help=f"comma-separated: {', '.join(METHODS)}")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
@@ -223,11 +226,13 @@ def main() -> None:
                              f"{', '.join(WORKLOADS)})")
     if "redraft-peer" in methods and "redraft" not in methods:
         raise SystemExit("bench_vllm: redraft-peer runs after redraft: add redraft")
-    if any(m.startswith("redraft") for m in methods):
-        if not args.service:
-            raise SystemExit("bench_vllm: --service is required for the redraft methods")
+    if any(m in ("redraft", "redraft-peer") for m in methods) and not args.service:
+        raise SystemExit("bench_vllm: --service is required for redraft and redraft-peer")
+    if "redraft-local" in methods and not args.datastore:
+        raise SystemExit("bench_vllm: --datastore is required for redraft-local")
+    if args.service:
         os.environ["REDRAFT_SERVICE"] = args.service
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the proposer's counters
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the proposer's counters
     from vllm import LLM, SamplingParams  # vLLM's environment only
 
     slot = counting_engines()
@@ -237,7 +242,10 @@ def main() -> None:
         engines[m] = LLM(model=args.model, dtype="float32", max_model_len=4096,
                          enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0,
                          disable_log_stats=False,
-                         speculative_config=speculative_config(m, args.k))
+                         speculative_config=speculative_config(m, args.k),
+                         **({"additional_config": {"redraft": {
+                             "service": "", "datastore": args.datastore}}}
+                            if m == "redraft-local" else {}))
     tokenizer = engines[methods[0]].get_tokenizer()
 
     def encode(chat: list[dict]) -> dict:
