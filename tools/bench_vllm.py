@@ -78,8 +78,7 @@ def speculative_config(method: str, k: int) -> dict | None:
 
 class NoDrafts:
     """A custom proposer that never drafts (`no-drafts`): what the engine's speculative path
-    costs by itself, the floor under any proposer's speed (vLLM turns its asynchronous
-    scheduling off once a speculative method is set)."""
+    costs by itself, the floor under any proposer's speed."""
 
     def __init__(self, vllm_config) -> None:
         pass
@@ -243,6 +242,7 @@ def main() -> None:
                          enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0,
                          disable_log_stats=False,
                          speculative_config=speculative_config(m, args.k),
+                         # "service": "" overrides the REDRAFT_SERVICE the other engines use
                          **({"additional_config": {"redraft": {
                              "service": "", "datastore": args.datastore}}}
                             if m == "redraft-local" else {}))
@@ -289,19 +289,17 @@ def main() -> None:
                     order.insert(order.index("redraft") + 1, "redraft-peer")
                 for m in order:
                     before = counts[m].copy()
-                    learned_before = learned_accepted(engines[m]) if m == "redraft-peer" else 0
-                    drafting_before = drafting_time(engines[m]) if m.startswith("redraft") \
+                    totals_before = proposer_totals(engines[m]) if m.startswith("redraft") \
                         else None
                     ids, seconds, made = serve(m, ps)
                     step = counts[m].minus(before)
                     res = {"rate": made / seconds, "seconds": seconds, "made": made,
                            "counts": step}
-                    if m == "redraft-peer":
-                        res["learned"] = learned_accepted(engines[m]) - learned_before
-                    if drafting_before is not None:
-                        seconds_after, steps_after = drafting_time(engines[m])
-                        res["propose_s"] = seconds_after - drafting_before[0]
-                        res["propose_steps"] = steps_after - drafting_before[1]
+                    if totals_before is not None:
+                        totals = proposer_totals(engines[m]).minus(totals_before)
+                        res["propose_s"], res["propose_steps"] = totals.seconds, totals.steps
+                        if m == "redraft-peer":
+                            res["learned"] = totals.learned_accepted
                     results[(w, c, m, r)] = res
                     served[(w, c, m, r)] = ids
                     print(f"round {r} {w} concurrency {c} {m}: {res['rate']:.1f} tokens/s, "
@@ -343,23 +341,29 @@ def proposer_counters(worker) -> dict | None:
     return dict(stats) if isinstance(stats, dict) else None
 
 
-def learned_accepted(llm) -> int:
-    """Drafted tokens from learned outputs that the engine accepted, so far."""
-    total = 0
+@dataclass
+class ProposerTotals:
+    """RedraftProposer's counters summed over the engine's workers, so far."""
+
+    seconds: float = 0.0  # spent in `propose`
+    steps: int = 0  # engine steps it was called on
+    learned_accepted: int = 0  # drafted tokens from learned outputs the engine accepted
+
+    def minus(self, before: ProposerTotals) -> ProposerTotals:
+        return ProposerTotals(self.seconds - before.seconds, self.steps - before.steps,
+                              self.learned_accepted - before.learned_accepted)
+
+
+def proposer_totals(llm) -> ProposerTotals:
+    totals = ProposerTotals()
     for stats in llm.collective_rpc(proposer_counters):
-        for source, n in ((stats or {}).get("accepted_by_source") or {}).items():
+        stats = stats or {}
+        totals.seconds += stats.get("seconds", 0.0)
+        totals.steps += stats.get("steps", 0)
+        for source, n in (stats.get("accepted_by_source") or {}).items():
             if "learned" in source.split("+"):
-                total += n
-    return total
-
-
-def drafting_time(llm) -> tuple[float, int]:
-    """Seconds the proposer spent in `propose` and the steps it was called on, so far."""
-    seconds, steps = 0.0, 0
-    for stats in llm.collective_rpc(proposer_counters):
-        seconds += (stats or {}).get("seconds", 0.0)
-        steps += (stats or {}).get("steps", 0)
-    return seconds, steps
+                totals.learned_accepted += n
+    return totals
 
 
 def acceptance(c: StepCounts) -> str:

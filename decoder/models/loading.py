@@ -113,13 +113,14 @@ def dense_weights(source: ModelSource, torch_dtype: torch.dtype):
     return dense.to(torch_dtype)
 
 
-def dense_copy(model, dtype: torch.dtype = torch.float32):
-    """The same weights in a model built from its config: transformers refuses to save a model
-    loaded from GGUF (it keeps the quantization config), though its weights are dense."""
+def dense_copy(model):
+    """The same weights, in float32, in a model built from its config: transformers refuses
+    to save a model loaded from GGUF (it keeps the quantization config), though its weights
+    are dense."""
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    dense = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     dense.load_state_dict(model.state_dict())
     dense.generation_config = copy.deepcopy(model.generation_config)
     return dense.eval()
