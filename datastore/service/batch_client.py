@@ -100,19 +100,24 @@ class SequenceBatch:
         """Sequences the server holds for this batch (as far as it knows)."""
         return len(self._held)
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether the server holds this sequence (as far as it knows)."""
+        return key in self._held
+
     def draft(self, contexts: Mapping[Hashable, Sequence[int]],
               budgets: Mapping[Hashable, int] | None = None,
-              end: Iterable[Hashable] = ()) -> SequenceDrafts:
+              end: Iterable[Hashable] = (),
+              last: Mapping[Hashable, Sequence[int]] | None = None) -> SequenceDrafts:
         """Trees (chains with `chain` > 0) for every sequence of `contexts` ({key: its
         whole context: prompt and every token since}), in one call (two when the server had
         lost some). `budgets`: per key, else the params' budget. `end`: keys whose
-        sequences are over, ended in the same call (as `end` does, without their last
-        tokens: pass their contexts here one last time to have those learned). A failure of
-        the call itself raises a ServiceError; a sequence's own failure gives it an empty
-        tree."""
+        sequences are over, ended in the same call (as `end` does; their tokens the server
+        has not seen are learned first when `last` holds their whole contexts, else pass
+        their contexts here one last time). A failure of the call itself raises a
+        ServiceError; a sequence's own failure gives it an empty tree."""
         errors: dict[Hashable, ServiceError] = {}
         index: dict[Hashable, int] = {}
-        ends = self._ends(end, None)
+        ends = self._ends(end, last)
         opens, steps = self._entries(list(contexts), contexts, budgets, errors)
         first = len(ends)  # ends go first: the slots they free serve this call's opens
         try:
@@ -146,10 +151,11 @@ class SequenceBatch:
             self.client.batch(entries, tokenizer_fingerprint=self.fingerprint,
                               client_id=self.client_id, timeout=self.timeout)
 
-    def close(self) -> None:
-        """End every sequence this batch holds (an engine shutting down)."""
+    def close(self, contexts: Mapping[Hashable, Sequence[int]] | None = None) -> None:
+        """End every sequence this batch holds (an engine shutting down; `contexts` as for
+        `end`)."""
         try:
-            self.end(list(self._ids))
+            self.end(list(self._ids), contexts)
         except ServiceError:
             self._held.clear()  # the server sweeps them when they idle
 

@@ -78,6 +78,43 @@ class CostFit:
 
 
 @dataclass
+class BackOff:
+    """Steps to skip after `patience` failures in a row: `first`, doubled on every such run up
+    to `most`, until a success starts it over. Why doubling: a drafter that keeps losing
+    costs ever less (plain speed in the limit), one that starts paying again is tried soon
+    after its first misses."""
+
+    patience: int = 8
+    first: int = 16
+    most: int = 1024
+    failures: int = 0  # in a row
+    skip: int = 0  # steps still to skip
+    length: int = 0  # of the latest back-off
+
+    def skipping(self) -> bool:
+        """True (and one step fewer to wait) while backing off."""
+        if self.skip > 0:
+            self.skip -= 1
+            return True
+        return False
+
+    def failed(self) -> None:
+        self.failures += 1
+        if self.failures >= self.patience:
+            self.failures = 0
+            self.length = min(self.most, self.length * 2 or self.first)
+            self.skip = self.length
+
+    def passed(self) -> None:
+        """Not a failure: the run of failures is broken, the next back-off as long."""
+        self.failures = 0
+
+    def succeeded(self) -> None:
+        """A success: the next back-off is `first` again."""
+        self.failures = self.length = 0
+
+
+@dataclass
 class ChainPacer:
     """Decides how many drafts of a chain to hand to the engine (0: none), and when to stop
     asking the drafter at all. `adaptive=False` always hands out the whole chain."""
@@ -95,18 +132,14 @@ class ChainPacer:
     cost: CostFit = field(default_factory=CostFit)
     calibration: Calibrator = field(default_factory=Calibrator)
     lookup_seconds: float = 0.0  # the drafter's own time per call (moving average)
-    _idle: int = 0
-    _skip: int = 0
-    _backoff: int = 0
+    idle: BackOff = field(init=False)  # calls whose choice drafted nothing
+
+    def __post_init__(self) -> None:
+        self.idle = BackOff(self.patience, self.first_backoff, self.max_backoff)
 
     def wants_drafts(self) -> bool:
         """False while backing off: the caller skips drafting for this call."""
-        if not self.adaptive:
-            return True
-        if self._skip > 0:
-            self._skip -= 1
-            return False
-        return True
+        return not self.adaptive or not self.idle.skipping()
 
     def choose(self, probs: Sequence[float], sources: Sequence[str]) -> int:
         """How many of the chain's first nodes to draft."""
@@ -122,23 +155,16 @@ class ChainPacer:
         # it: a lookup that costs more than its drafts gain is no better than none.
         plain = self.cost.cost(1)
         worth = (1.0 + best_expected) / (self.cost.cost(1 + best) + self.lookup_seconds)
-        self._note_choice(best if best and worth * plain >= 1.0 + self.min_gain else 0)
+        if best and worth * plain >= 1.0 + self.min_gain:
+            self.idle.passed()
+        else:
+            self.idle.failed()
         return best
 
     def drafted(self, seconds: float) -> None:
         """The drafter took `seconds` to propose this call's chain."""
         if seconds >= 0:
             self.lookup_seconds += 0.1 * (seconds - self.lookup_seconds)
-
-    def _note_choice(self, drafted: int) -> None:
-        if drafted:
-            self._idle = 0
-            return
-        self._idle += 1
-        if self._idle >= self.patience:
-            self._idle = 0
-            self._backoff = min(self.max_backoff, self._backoff * 2 or self.first_backoff)
-            self._skip = self._backoff
 
     def forward(self, tokens: int, seconds: float) -> None:
         """A forward of `tokens` tokens took `seconds` (handing out drafts to the next call)."""
@@ -148,7 +174,42 @@ class ChainPacer:
         """The drafts handed out last time came back with `accepted` of them accepted."""
         self.calibration.observe_chain(probs, sources, accepted)
         if accepted:
-            self._backoff = 0
+            self.idle.succeeded()
+
+
+@dataclass
+class RateGuard:
+    """What drafted steps actually made against what plain steps would have made in the same
+    seconds, judged every `patience` drafted steps: a loss turns drafting off for a number of
+    steps that doubles on every loss in a row, then drafting is tried again.
+
+    Why: the pacer's choice rests on a model (a line through step times, calibrated
+    probabilities) and an engine can cost what no line through its step times says: in
+    vLLM's CPU build, 16 rows with about 20 drafts took 150-170 ms where 10 drafts took 72
+    ms and the plain step 52 ms, so drafts the model expected to pay lost. Each step's own
+    numbers (its rows, the tokens it made, its seconds) show that whatever the cause.
+    """
+
+    patience: int = 8
+    losses: BackOff = field(default_factory=lambda: BackOff(patience=1, first=16, most=256))
+    made: float = 0.0  # tokens the drafted steps judged so far made
+    plain_made: float = 0.0  # tokens plain steps would have made in the same seconds
+    judged: int = 0
+
+    def observe(self, made: int, seconds: float, plain_rate: float) -> None:
+        """A drafted step made `made` tokens in `seconds`; plain steps of its rows make
+        `plain_rate` tokens a second."""
+        self.made += made
+        self.plain_made += seconds * plain_rate
+        self.judged += 1
+        if self.judged < self.patience:
+            return
+        if self.made < self.plain_made:
+            self.losses.failed()
+        else:
+            self.losses.succeeded()
+        self.made = self.plain_made = 0.0
+        self.judged = 0
 
 
 @dataclass
@@ -166,9 +227,19 @@ class BatchPacer:
     steps (time between calls against the tokens the step verified); until forwards of two
     sizes were seen, drafting alternates with plain steps to find the slope.
 
-    The drafter is always asked (unlike `ChainPacer`'s back-off): the draft service learns a
-    sequence from the contexts it is sent, and a request served without drafts is still one
-    a later request drafts from.
+    Over the model, a guard on the rate reached (`RateGuard`, one per power of two of rows:
+    what loses at 16 rows may pay at 2): drafted steps that made fewer tokens than plain
+    steps of as many rows would have in the same time turn drafting off for a while. So that
+    the plain steps it compares with stay current, a plain step is run after `stale_after`
+    drafted steps in a row.
+
+    Asking the drafter costs the step its time too (a service's round trip: 2-3 ms of a
+    30-130 ms step in vLLM's CPU build), so while no step drafts, it is asked less often:
+    after `patience` steps in a row whose chains were all cut to nothing, `wants_drafts`
+    says no for a number of steps that doubles on every such run (`first_backoff` up to
+    `max_backoff`), as while the guard backs off or a plain step is due. The caller sends
+    what it held back at the next call: the draft service learns every sequence all the same
+    (it sees only the tokens it has not seen), later.
     """
 
     adaptive: bool = True
@@ -180,7 +251,20 @@ class BatchPacer:
     plain: CostFit = field(default_factory=CostFit)
     drafting: CostFit = field(default_factory=CostFit)
     calibration: Calibrator = field(default_factory=Calibrator)
+    stale_after: int = 64
+    guards: dict[int, RateGuard] = field(default_factory=dict)  # by rows.bit_length()
+    idle: BackOff = field(default_factory=lambda: BackOff(patience=8, first=2, most=32))
     _last_drafted: bool = False  # the latest timed forward verified drafts
+    _since_plain: int = 0  # drafted forwards timed since the latest plain one
+
+    def wants_drafts(self, rows: int) -> bool:
+        """False: this step of `rows` rows drafts nothing, and the drafter need not be
+        asked (one step fewer to wait)."""
+        if not self.adaptive:
+            return True
+        if self._since_plain >= self.stale_after:
+            return False  # a plain step is due
+        return not self.guard(rows).losses.skipping() and not self.idle.skipping()
 
     def choose(self, chains: Sequence[tuple[Sequence[float], Sequence[str]]],
                rows: int) -> list[int]:
@@ -204,6 +288,10 @@ class BatchPacer:
         keep = [0] * len(chains)
         for _, i in nodes[:best]:
             keep[i] += 1
+        if best:
+            self.idle.succeeded()
+        else:
+            self.idle.failed()
         return keep
 
     def step_cost(self, tokens: int, rows: int) -> float:
@@ -215,12 +303,19 @@ class BatchPacer:
             return fit.cost(tokens)
         return self.cost.cost(tokens)
 
-    def forward(self, tokens: int, seconds: float, drafted: bool) -> None:
+    def guard(self, rows: int) -> RateGuard:
+        return self.guards.setdefault(max(rows, 1).bit_length(), RateGuard())
+
+    def forward(self, tokens: int, seconds: float, drafted: bool, rows: int = 0,
+                made: int = 0) -> None:
         """The step's forward of `tokens` tokens (`drafted`: some were drafts) took
-        `seconds`."""
+        `seconds`; its `rows` rows made `made` tokens (0: not known, no guard)."""
+        if drafted and rows and made and self.plain.samples > 0 and seconds > 0:
+            self.guard(rows).observe(made, seconds, rows / self.step_cost(rows, rows))
         self.cost.observe(tokens, seconds)
         (self.drafting if drafted else self.plain).observe(tokens, seconds)
         self._last_drafted = drafted
+        self._since_plain = self._since_plain + 1 if drafted else 0
 
     def verified(self, probs: Sequence[float], sources: Sequence[str], accepted: int) -> None:
         """A row's drafts handed out last step came back with `accepted` of them accepted."""

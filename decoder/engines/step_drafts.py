@@ -49,14 +49,18 @@ class BatchedDrafts:
         return self._step(contexts, end, False)
 
     def step_chains(self, contexts: Mapping[Hashable, Sequence[int]],
-                    end: Iterable[Hashable] = ()) -> dict[Hashable, Chain]:
+                    end: Iterable[Hashable] = (),
+                    last: Mapping[Hashable, Sequence[int]] | None = None
+                    ) -> dict[Hashable, Chain]:
         """`step` for a caller that wants each draft as a chain (with `chain` > 0: its best
         chain, in order; each node's probability and source kept for pacing), read straight
-        from the reply's arrays: no Tree per sequence on an engine's step."""
-        return self._step(contexts, end, True)
+        from the reply's arrays: no Tree per sequence on an engine's step. `last`: the
+        latest contexts of ended sequences not sent since, learned before they end."""
+        return self._step(contexts, end, True, last)
 
     def _step(self, contexts: Mapping[Hashable, Sequence[int]], end: Iterable[Hashable],
-              tokens_only: bool) -> dict:
+              tokens_only: bool, last: Mapping[Hashable, Sequence[int]] | None = None
+              ) -> dict:
         end = list(end)
         for key in end:
             self._drop_local(key)
@@ -67,7 +71,7 @@ class BatchedDrafts:
             self.local_steps += 1
             return self._local_step(contexts, tokens_only)
         try:
-            drafts = self._sequence_batch().draft(contexts, end=end)
+            drafts = self._sequence_batch().draft(contexts, end=end, last=last)
         except Exception as exc:  # any failure: prompt lookup, the service later
             self.source.service_failed(exc)
             self._batch = None
@@ -93,10 +97,21 @@ class BatchedDrafts:
             out.update(self._local_step(failed, tokens_only))
         return out
 
-    def close(self) -> None:
-        """End every sequence (an engine shutting down) and release the source."""
+    def holds(self, keys: Iterable[Hashable]) -> bool:
+        """Whether every one of these sequences is open where it is drafted, so that a step
+        that does not ask for drafts loses none of its tokens (`step_chains` sends them at
+        the next call; `last` has those of the ones that ended since)."""
+        if self.source.client is None:
+            return all(key in self._local for key in keys)
+        if not self.source.service_usable():
+            return False  # drafted in process now, the service asked again soon
+        return self._batch is not None and all(self._batch.holds(key) for key in keys)
+
+    def close(self, last: Mapping[Hashable, Sequence[int]] | None = None) -> None:
+        """End every sequence (an engine shutting down; `last`: latest contexts not sent
+        yet) and release the source."""
         if self._batch is not None:
-            self._batch.close()
+            self._batch.close(last)
             self._batch = None
         for key in list(self._local):
             self._drop_local(key)

@@ -27,6 +27,8 @@ the next call minus one, which calibrates the drafter's probabilities per source
 from handing out a step's drafts to the next call is that step's forward, timed against the
 tokens it verified (rows plus drafts) on steps where no prefill ran. On a CPU, where every
 verified token costs, rows with unlikely drafts get none; on a GPU every row gets its chain.
+Drafted steps that made fewer tokens than plain steps of as many rows would have in their
+time turn drafting off for a while (`pacing.RateGuard`), whatever the model expected.
 The service is asked every step all the same: it learns each sequence from what it is sent.
 `REDRAFT_ADAPTIVE=0` hands every row its whole chain.
 
@@ -75,9 +77,11 @@ class RedraftProposer:
         self._handed: dict[int, Chain] = {}  # key -> the drafts handed out at the last step
         self._returned_at: float | None = None  # when the last step's drafts were handed out
         self._decoding = False  # every row of the last step was decoding (none in prefill)
+        self._held: dict[int, np.ndarray] = {}  # key -> its context at a step not sent
+        self._ended_held: list[int] = []  # keys that ended at steps not sent
         self.stats = {"steps": 0, "rows": 0, "offered_rows": 0, "offered_tokens": 0,
                       "drafted_rows": 0, "drafted_tokens": 0,
-                      "accepted_tokens": 0, "errors": 0, "seconds": 0.0,
+                      "accepted_tokens": 0, "errors": 0, "seconds": 0.0, "held_steps": 0,
                       "drafted_by_source": {}, "accepted_by_source": {}}
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -116,7 +120,19 @@ class RedraftProposer:
         room = [self.k] * n_rows if limit is None else [max(0, min(self.k, limit - n))
                                                           for n in ns]
         wanted = {keys[i]: rows[i] for i in range(n_rows) if room[i] and len(sampled[i])}
-        chains = self.drafts.step_chains(wanted, ended)
+        asked = self.pacer.wants_drafts(n_rows)
+        if not asked and self.drafts.holds(wanted):
+            self._hold_back(wanted, ended)
+            return [[] for _ in range(n_rows)]
+        ended = [*ended, *self._ended_held]
+        chains = self.drafts.step_chains(wanted, ended, self._held)
+        if self._held:  # sent now or ended; a row gone may yet be reported ended
+            gone = set(ended).union(wanted)
+            self._held = {k: v for k, v in self._held.items() if k not in gone}
+        self._ended_held = []
+        if not asked:  # sent only to open new sequences
+            self._handed = {}
+            return [[] for _ in range(n_rows)]
         offered = [(key, chains[key].head(r)) for key, r in zip(keys, room)
                    if key in wanted and chains.get(key)]
         self.stats["offered_rows"] += len(offered)
@@ -139,6 +155,17 @@ class RedraftProposer:
         self.stats["drafted_tokens"] += drafted_tokens
         return out
 
+    def _hold_back(self, wanted: dict[int, np.ndarray], ended: list[int]) -> None:
+        """A step the service is not asked (every row's sequence is open there already): no
+        drafts. Every sequence's tokens reach it at the next call (it is sent what it has
+        not seen); a sequence that ends before then is ended with the context it last had,
+        so its last tokens are learned too."""
+        self.stats["held_steps"] += 1
+        self._handed = {}
+        for key, row in wanted.items():
+            self._held[key] = np.array(row)  # the engine's row changes in place
+        self._ended_held.extend(ended)
+
     def _learn(self, keys: list[int], sampled: Sequence[Sequence[int]]) -> None:
         """What the last step's forward tells the pacer: each row's accepted drafts (it
         sampled them plus one token), and the forward's time against its tokens when this
@@ -158,11 +185,14 @@ class RedraftProposer:
         if (self._returned_at is not None and last and decoding and self._decoding
                 and all(key in last for key in keys)):
             drafts = sum(len(c) for c in handed.values())
+            whole = len(keys) == len(last)  # no row ended: every row's tokens are here
             self.pacer.forward(len(last) + drafts, time.perf_counter() - self._returned_at,
-                               drafts > 0)
+                               drafts > 0, rows=len(keys) if whole else 0,
+                               made=sum(len(s) for s in sampled))
         self._decoding = decoding
 
     def close(self) -> None:
         """End every sequence on the service (their outputs become final)."""
         self.rows.clear()
-        self.drafts.close()
+        self.drafts.close(self._held)
+        self._held, self._ended_held = {}, []

@@ -79,9 +79,9 @@ def test_near_certain_long_drafts_still_pay_on_a_compute_bound_curve():
 
 def test_an_accepted_draft_resets_the_back_off():
     pacer = ChainPacer(max_drafts=4)
-    pacer._backoff = 512
+    pacer.idle.length = 512
     pacer.verified([0.9], ["rest"], accepted=1)
-    assert pacer._backoff == 0
+    assert pacer.idle.length == 0
 
 
 def test_not_adaptive_always_hands_out_the_chain():

@@ -16,10 +16,12 @@ plausible drafts, as sampling at a temperature does). The drafts come from a rea
 from __future__ import annotations
 
 import random
+import shutil
 import time
 
 import pytest
-from redraft.decoder.engines.pacing import BatchPacer
+from redraft.datastore.service.client import DraftClient
+from redraft.decoder.engines.pacing import BackOff, BatchPacer, RateGuard
 
 from ..conftest import have_default_model
 from .conftest import QUESTIONS
@@ -80,6 +82,91 @@ def test_a_slope_is_measured_before_drafts_are_costed():
     pacer.forward(2, 0.022, drafted=False)
     assert pacer.choose([chain], rows=2) == [4]  # 18 ms a step + 2 ms a token: pays
     assert BatchPacer(adaptive=False).choose([chain, chain], rows=9) == [4, 4]
+
+
+def test_a_back_off_doubles_on_every_run_of_failures_and_starts_over_on_a_success():
+    wait = BackOff(patience=3, first=4, most=16)
+
+    def waits() -> int:
+        n = 0
+        while wait.skipping():
+            n += 1
+        return n
+
+    for expected in (4, 8, 16, 16):
+        for _ in range(2):
+            wait.failed()
+        wait.passed()  # a run broken: no back-off
+        assert waits() == 0
+        for _ in range(3):
+            wait.failed()
+        assert waits() == expected
+    wait.succeeded()
+    for _ in range(3):
+        wait.failed()
+    assert waits() == 4
+
+
+def test_the_rate_guard_judges_drafted_steps_against_plain_ones_in_the_same_time():
+    guard = RateGuard(patience=4)
+    for _ in range(3):  # 16 rows: plain makes 16 tokens in 52 ms; drafted, 24 in 150 ms
+        guard.observe(24, 0.150, 16 / 0.052)
+        assert not guard.losses.skipping()  # not judged before `patience` steps
+    guard.observe(24, 0.150, 16 / 0.052)
+    assert guard.losses.skip == guard.losses.first
+    guard.losses.skip = 0
+    for _ in range(4):  # a win: 28 tokens in 60 ms
+        guard.observe(28, 0.060, 16 / 0.052)
+    assert guard.losses.skip == 0 and guard.losses.length == 0
+
+
+def test_drafted_steps_that_made_less_than_plain_ones_turn_drafting_off_for_a_while():
+    """The model says drafts pay (flat cost, 90% drafts), but the drafted 16-row steps made
+    no more than their rows in 60 ms where plain ones make as many in 52 ms: after
+    `patience` such steps no row is drafted (nor the drafter asked) for a while. Fewer rows
+    are judged apart: what loses at 16 rows may pay at 2."""
+    pacer = timed_pacer(0.052, 0.0, sizes=(16, 20, 24, 32))
+    chains = [([0.9] * 2, ["rest"] * 2)] * 4
+    guard = pacer.guard(16)
+    for _ in range(guard.patience):
+        assert pacer.wants_drafts(16) and pacer.choose(chains, rows=16) == [2] * 4
+        pacer.forward(24, 0.060, drafted=True, rows=16, made=16)
+    assert [pacer.wants_drafts(16) for _ in range(guard.losses.first + 1)] == \
+        [False] * guard.losses.first + [True]
+    assert pacer.choose(chains, rows=16) == [2] * 4  # tried again
+    assert pacer.wants_drafts(2) and pacer.choose(chains, rows=2) == [2] * 4
+
+
+def test_drafted_steps_that_made_more_keep_drafting_and_plain_steps_stay_timed():
+    pacer = timed_pacer(0.052, 0.0, sizes=(16, 20, 24, 32))
+    chains = [([0.9] * 2, ["rest"] * 2)] * 4
+    handed = []
+    for _ in range(3 * (pacer.stale_after + 1)):
+        keep = pacer.choose(chains, rows=16) if pacer.wants_drafts(16) else [0] * 4
+        handed.append(sum(keep))
+        pacer.forward(16 + sum(keep), 0.060 if keep[0] else 0.052, drafted=keep[0] > 0,
+                      rows=16, made=28 if keep[0] else 16)
+    plain = [i for i, n in enumerate(handed) if n == 0]
+    # drafting won, so no back-off: only a plain step after every stale_after drafted ones
+    assert len(plain) == 3 and plain[0] <= pacer.stale_after
+    assert all(b - a == pacer.stale_after + 1 for a, b in zip(plain, plain[1:]))
+
+
+def test_steps_that_draft_nothing_ask_the_drafter_ever_less_often():
+    pacer = timed_pacer(0.020, 0.002)  # a draft costs a tenth of a 4-row step
+    chains = [([0.3] * 5, ["pld"] * 5)] * 4  # too unlikely for that
+    asked = []
+    for _ in range(200):
+        ask = pacer.wants_drafts(4)
+        asked.append(ask)
+        if ask:
+            assert pacer.choose(chains, rows=4) == [0] * 4
+    assert sum(asked[100:]) < 0.25 * 100
+    sure = [([0.99] * 5, ["learned"] * 5)] * 4  # drafts that pay even there
+    while not pacer.wants_drafts(4):
+        pass
+    assert sum(pacer.choose(sure, rows=4)) > 0
+    assert all(pacer.wants_drafts(4) for _ in range(pacer.idle.patience))  # every step again
 
 
 class Engine:
@@ -177,3 +264,35 @@ def test_a_cheap_engine_whose_sampler_accepts_drafts_gets_whole_chains(service, 
     assert proposer.stats["accepted_tokens"] > 0
     assert proposer.stats["accepted_by_source"]  # counted per source
     proposer.close()
+
+
+@pytest.mark.skipif(not have_default_model(), reason="default model not installed")
+def test_steps_the_service_is_not_asked_still_reach_it_whole(monkeypatch, servers, tmp_path,
+                                                             answers_store, plain_answers):
+    """A costly engine whose sampler takes no draft: the proposer soon stops asking the
+    service at most steps. Drafts never change what a row makes here, so the same requests
+    finish as under a proposer that asks at every step, and the service must have learned
+    exactly as much from both: tokens held back reach it at the next call, those of a
+    sequence that ended in between with its end. (Each service has a copy of the datastore:
+    a service reads the outputs learned over its datastore before.)"""
+    texts = [plain_answers[q] for q in QUESTIONS[:3]]
+    runs = {}
+    for adaptive in ("1", "0"):
+        store = shutil.copytree(answers_store, tmp_path / adaptive)
+        serve = servers.start(str(store), "--port", "0", "--learn-persist-seconds", "0")
+        monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
+        monkeypatch.setenv("REDRAFT_ADAPTIVE", adaptive)
+        monkeypatch.setenv("REDRAFT_LEARN", "1")
+        monkeypatch.delenv("REDRAFT_DATASTORE", raising=False)
+        proposer = create_proposer(vllm_config(5))
+        engine = Engine(proposer, texts, rows=4, a=0.002, b=0.003, q=0.0)
+        engine.run(150)
+        proposer.close()
+        stats = DraftClient(serve.address).stats()
+        runs[adaptive] = (stats["learned_docs"], stats["learned_tokens"],
+                          proposer.stats["held_steps"], stats["batch_calls"], engine.next_id)
+    held, always = runs["1"], runs["0"]
+    assert always[2] == 0 and held[2] > 50  # most steps not asked...
+    assert held[3] < always[3] - 50
+    assert held[4] == always[4] > 8  # ...as many requests started (and all but 4 finished)
+    assert held[:2] == always[:2]  # ...and every token learned
