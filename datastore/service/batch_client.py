@@ -13,6 +13,7 @@ output, for its tenant, as with sessions.
     drafts = batch.draft({req_id: token_ids for req_id, token_ids in rows})
     drafts[req_id].tokens            # the chain (or the tree) for that sequence
     batch.end(finished_ids)          # or let the server sweep them when idle
+    batch.send({req_id: token_ids})  # a step that wants no drafts: learned, not waited for
 """
 
 from __future__ import annotations
@@ -95,29 +96,26 @@ class SequenceBatch:
         self._keys: dict[str, Hashable] = {}
         self._next_id = 0
         self._max_context: int | None = None
+        self._sent = None  # a `send` not settled yet: (results, opens, steps, contexts, first)
 
     def __len__(self) -> int:
         """Sequences the server holds for this batch (as far as it knows)."""
         return len(self._held)
 
-    def holds(self, key: Hashable) -> bool:
-        """Whether the server holds this sequence (as far as it knows)."""
-        return key in self._held
-
     def draft(self, contexts: Mapping[Hashable, Sequence[int]],
               budgets: Mapping[Hashable, int] | None = None,
-              end: Iterable[Hashable] = (),
-              last: Mapping[Hashable, Sequence[int]] | None = None) -> SequenceDrafts:
+              end: Iterable[Hashable] = ()) -> SequenceDrafts:
         """Trees (chains with `chain` > 0) for every sequence of `contexts` ({key: its
         whole context: prompt and every token since}), in one call (two when the server had
         lost some). `budgets`: per key, else the params' budget. `end`: keys whose
-        sequences are over, ended in the same call (as `end` does; their tokens the server
-        has not seen are learned first when `last` holds their whole contexts, else pass
-        their contexts here one last time). A failure of the call itself raises a
-        ServiceError; a sequence's own failure gives it an empty tree."""
+        sequences are over, ended in the same call (as `end` does, without their last
+        tokens: pass their contexts here one last time to have those learned). A failure of
+        the call itself raises a ServiceError; a sequence's own failure gives it an empty
+        tree."""
+        self._settle()
         errors: dict[Hashable, ServiceError] = {}
         index: dict[Hashable, int] = {}
-        ends = self._ends(end, last)
+        ends = self._ends(end, None)
         opens, steps = self._entries(list(contexts), contexts, budgets, errors)
         first = len(ends)  # ends go first: the slots they free serve this call's opens
         try:
@@ -141,21 +139,52 @@ class SequenceBatch:
             results = _joined(results, second) if results is not None else second
         return SequenceDrafts(results, index, errors)
 
+    def send(self, contexts: Mapping[Hashable, Sequence[int]],
+             end: Iterable[Hashable] = ()) -> None:
+        """`draft` for a step that wants no drafts: the same entries (the server learns the
+        same tokens, opens the same sequences and ends those of `end`), sent without
+        waiting; the reply is read at the next call. `contexts` must not change after
+        (copies of an engine's rows). A failure of the call shows then: every sequence is
+        opened again, whole, at the next `draft`."""
+        self._settle()
+        ends = self._ends(end, None)
+        opens, steps = self._entries(list(contexts), contexts, None, {})
+        if not ends and not opens and not steps:
+            return
+        results = self.client.batch_async(
+            ends + opens, self.params, self.fingerprint, self.tenant, self.chain,
+            self.client_id, self.timeout, steps or None)
+        self._sent = (results, opens, steps, contexts, len(ends))
+
+    def _settle(self) -> None:
+        """Read the reply of the last `send` (the server's view of each sequence)."""
+        if self._sent is None:
+            return
+        results, opens, steps, contexts, first = self._sent
+        self._sent = None
+        try:
+            reply = results()
+        except ServiceError:
+            self.reopened += len(self._held)
+            self._held.clear()  # what the server holds is not known: open them all again
+            return
+        self._collect(opens, steps, reply, contexts, {}, {}, first, 0)  # lost: reopened
+
     def end(self, keys: Iterable[Hashable],
             contexts: Mapping[Hashable, Sequence[int]] | None = None) -> None:
         """These sequences are over (their generations finished or were aborted): the server
         frees them and their outputs are final. `contexts`: their whole contexts, so the
         tokens the server has not seen yet are learned first."""
+        self._settle()
         entries = self._ends(keys, contexts)
         if entries:
             self.client.batch(entries, tokenizer_fingerprint=self.fingerprint,
                               client_id=self.client_id, timeout=self.timeout)
 
-    def close(self, contexts: Mapping[Hashable, Sequence[int]] | None = None) -> None:
-        """End every sequence this batch holds (an engine shutting down; `contexts` as for
-        `end`)."""
+    def close(self) -> None:
+        """End every sequence this batch holds (an engine shutting down)."""
         try:
-            self.end(list(self._ids), contexts)
+            self.end(list(self._ids))
         except ServiceError:
             self._held.clear()  # the server sweeps them when they idle
 

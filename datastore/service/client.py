@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -219,6 +219,27 @@ class DraftClient:
                                         client_id, steps, packed)
         return wire.batch_results(self._unary(self._stub.Batch, req, timeout), self.address,
                                   steps)
+
+    def batch_async(self, entries: Sequence[SequenceEntry], params: DraftParams | None = None,
+                    tokenizer_fingerprint: str = "", tenant: str = "", chain: int = 0,
+                    client_id: str = "", timeout: float | None = None,
+                    steps: PackedSteps | None = None) -> Callable[[], BatchResults]:
+        """`batch`, sent without waiting for the reply: the function returned waits for it
+        and gives its results (raising as `batch` would). Why: an engine step that wants no
+        drafts still has tokens for the server to learn, and need not wait a round trip."""
+        req, steps = wire.batch_request(entries, params, tokenizer_fingerprint, tenant, chain,
+                                        client_id, steps, True)
+        future = self._stub.Batch.future(req, timeout=timeout or self.timeout,
+                                         metadata=self._metadata, wait_for_ready=False)
+
+        def results() -> BatchResults:
+            try:
+                reply = future.result()
+            except grpc.RpcError as exc:
+                raise typed(exc, self.address) from None
+            return wire.batch_results(reply, self.address, steps)
+
+        return results
 
     def session(self, prompt: Sequence[int], params: DraftParams | None = None,
                 tokenizer_fingerprint: str = "", timeout: float | None = None,

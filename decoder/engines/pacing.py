@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -180,8 +181,9 @@ class ChainPacer:
 @dataclass
 class RateGuard:
     """What drafted steps actually made against what plain steps would have made in the same
-    seconds, judged every `patience` drafted steps: a loss turns drafting off for a number of
-    steps that doubles on every loss in a row, then drafting is tried again.
+    seconds, judged every `patience` drafted steps (the median step): a loss turns drafting
+    off for a number of steps that doubles on every loss in a row, then drafting is tried
+    again.
 
     Why: the pacer's choice rests on a model (a line through step times, calibrated
     probabilities) and an engine can cost what no line through its step times says: in
@@ -192,24 +194,22 @@ class RateGuard:
 
     patience: int = 8
     losses: BackOff = field(default_factory=lambda: BackOff(patience=1, first=16, most=256))
-    made: float = 0.0  # tokens the drafted steps judged so far made
-    plain_made: float = 0.0  # tokens plain steps would have made in the same seconds
-    judged: int = 0
+    # each drafted step's tokens over what plain steps would have made in its seconds; the
+    # median of `patience` of them is judged, so one step that a busy machine stalled does
+    # not turn drafting off
+    gains: list[float] = field(default_factory=list)
 
     def observe(self, made: int, seconds: float, plain_rate: float) -> None:
         """A drafted step made `made` tokens in `seconds`; plain steps of its rows make
         `plain_rate` tokens a second."""
-        self.made += made
-        self.plain_made += seconds * plain_rate
-        self.judged += 1
-        if self.judged < self.patience:
+        self.gains.append(made / (seconds * plain_rate))
+        if len(self.gains) < self.patience:
             return
-        if self.made < self.plain_made:
+        if statistics.median(self.gains) < 1.0:
             self.losses.failed()
         else:
             self.losses.succeeded()
-        self.made = self.plain_made = 0.0
-        self.judged = 0
+        self.gains.clear()
 
 
 @dataclass

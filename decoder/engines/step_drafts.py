@@ -49,18 +49,14 @@ class BatchedDrafts:
         return self._step(contexts, end, False)
 
     def step_chains(self, contexts: Mapping[Hashable, Sequence[int]],
-                    end: Iterable[Hashable] = (),
-                    last: Mapping[Hashable, Sequence[int]] | None = None
-                    ) -> dict[Hashable, Chain]:
+                    end: Iterable[Hashable] = ()) -> dict[Hashable, Chain]:
         """`step` for a caller that wants each draft as a chain (with `chain` > 0: its best
         chain, in order; each node's probability and source kept for pacing), read straight
-        from the reply's arrays: no Tree per sequence on an engine's step. `last`: the
-        latest contexts of ended sequences not sent since, learned before they end."""
-        return self._step(contexts, end, True, last)
+        from the reply's arrays: no Tree per sequence on an engine's step."""
+        return self._step(contexts, end, True)
 
     def _step(self, contexts: Mapping[Hashable, Sequence[int]], end: Iterable[Hashable],
-              tokens_only: bool, last: Mapping[Hashable, Sequence[int]] | None = None
-              ) -> dict:
+              tokens_only: bool) -> dict:
         end = list(end)
         for key in end:
             self._drop_local(key)
@@ -71,7 +67,7 @@ class BatchedDrafts:
             self.local_steps += 1
             return self._local_step(contexts, tokens_only)
         try:
-            drafts = self._sequence_batch().draft(contexts, end=end, last=last)
+            drafts = self._sequence_batch().draft(contexts, end=end)
         except Exception as exc:  # any failure: prompt lookup, the service later
             self.source.service_failed(exc)
             self._batch = None
@@ -97,21 +93,33 @@ class BatchedDrafts:
             out.update(self._local_step(failed, tokens_only))
         return out
 
-    def holds(self, keys: Iterable[Hashable]) -> bool:
-        """Whether every one of these sequences is open where it is drafted, so that a step
-        that does not ask for drafts loses none of its tokens (`step_chains` sends them at
-        the next call; `last` has those of the ones that ended since)."""
-        if self.source.client is None:
-            return all(key in self._local for key in keys)
-        if not self.source.service_usable():
-            return False  # drafted in process now, the service asked again soon
-        return self._batch is not None and all(self._batch.holds(key) for key in keys)
+    def learn(self, contexts: Mapping[Hashable, Sequence[int]],
+              end: Iterable[Hashable] = ()) -> None:
+        """A step that wants no drafts: the sequences' new tokens (and `end`) reach where
+        they are drafted, not waited for: the service's call is sent without waiting
+        (`SequenceBatch.send`; `contexts` must not change after), streams in this process
+        are extended. Never raises for a service failure."""
+        end = list(end)
+        for key in end:
+            self._drop_local(key)
+            self._refused.discard(key)
+        if self.source.client is None or not self.source.service_usable():
+            for key, ctx in contexts.items():
+                entry = self._local.get(key)
+                if entry is not None and len(ctx) > entry[1]:
+                    entry[0].extend([int(t) for t in ctx[entry[1]:]])
+                    entry[1] = len(ctx)
+            return
+        try:
+            self._sequence_batch().send(contexts, end)
+        except Exception as exc:  # any failure: prompt lookup, the service later
+            self.source.service_failed(exc)
+            self._batch = None
 
-    def close(self, last: Mapping[Hashable, Sequence[int]] | None = None) -> None:
-        """End every sequence (an engine shutting down; `last`: latest contexts not sent
-        yet) and release the source."""
+    def close(self) -> None:
+        """End every sequence (an engine shutting down) and release the source."""
         if self._batch is not None:
-            self._batch.close(last)
+            self._batch.close()
             self._batch = None
         for key in list(self._local):
             self._drop_local(key)

@@ -77,11 +77,9 @@ class RedraftProposer:
         self._handed: dict[int, Chain] = {}  # key -> the drafts handed out at the last step
         self._returned_at: float | None = None  # when the last step's drafts were handed out
         self._decoding = False  # every row of the last step was decoding (none in prefill)
-        self._held: dict[int, np.ndarray] = {}  # key -> its context at a step not sent
-        self._ended_held: list[int] = []  # keys that ended at steps not sent
         self.stats = {"steps": 0, "rows": 0, "offered_rows": 0, "offered_tokens": 0,
                       "drafted_rows": 0, "drafted_tokens": 0,
-                      "accepted_tokens": 0, "errors": 0, "seconds": 0.0, "held_steps": 0,
+                      "accepted_tokens": 0, "errors": 0, "seconds": 0.0, "unasked_steps": 0,
                       "drafted_by_source": {}, "accepted_by_source": {}}
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -120,19 +118,13 @@ class RedraftProposer:
         room = [self.k] * n_rows if limit is None else [max(0, min(self.k, limit - n))
                                                           for n in ns]
         wanted = {keys[i]: rows[i] for i in range(n_rows) if room[i] and len(sampled[i])}
-        asked = self.pacer.wants_drafts(n_rows)
-        if not asked and self.drafts.holds(wanted):
-            self._hold_back(wanted, ended)
-            return [[] for _ in range(n_rows)]
-        ended = [*ended, *self._ended_held]
-        chains = self.drafts.step_chains(wanted, ended, self._held)
-        if self._held:  # sent now or ended; a row gone may yet be reported ended
-            gone = set(ended).union(wanted)
-            self._held = {k: v for k, v in self._held.items() if k not in gone}
-        self._ended_held = []
-        if not asked:  # sent only to open new sequences
+        if not self.pacer.wants_drafts(n_rows):  # learned, not waited for: no drafts
+            self.stats["unasked_steps"] += 1
             self._handed = {}
+            # copies: the engine changes its rows in place before the reply is read
+            self.drafts.learn({key: np.array(row) for key, row in wanted.items()}, ended)
             return [[] for _ in range(n_rows)]
+        chains = self.drafts.step_chains(wanted, ended)
         offered = [(key, chains[key].head(r)) for key, r in zip(keys, room)
                    if key in wanted and chains.get(key)]
         self.stats["offered_rows"] += len(offered)
@@ -154,17 +146,6 @@ class RedraftProposer:
         self.stats["drafted_rows"] += len(self._handed)
         self.stats["drafted_tokens"] += drafted_tokens
         return out
-
-    def _hold_back(self, wanted: dict[int, np.ndarray], ended: list[int]) -> None:
-        """A step the service is not asked (every row's sequence is open there already): no
-        drafts. Every sequence's tokens reach it at the next call (it is sent what it has
-        not seen); a sequence that ends before then is ended with the context it last had,
-        so its last tokens are learned too."""
-        self.stats["held_steps"] += 1
-        self._handed = {}
-        for key, row in wanted.items():
-            self._held[key] = np.array(row)  # the engine's row changes in place
-        self._ended_held.extend(ended)
 
     def _learn(self, keys: list[int], sampled: Sequence[Sequence[int]]) -> None:
         """What the last step's forward tells the pacer: each row's accepted drafts (it
@@ -194,5 +175,4 @@ class RedraftProposer:
     def close(self) -> None:
         """End every sequence on the service (their outputs become final)."""
         self.rows.clear()
-        self.drafts.close(self._held)
-        self._held, self._ended_held = {}, []
+        self.drafts.close()

@@ -503,6 +503,34 @@ def test_sequence_batch_steps_packed_draft_the_session_trees(store, servers):
         assert c.stats()["sessions_active"] == 0
 
 
+def test_steps_sent_without_waiting_leave_the_server_where_drafting_calls_would(store,
+                                                                                servers):
+    """`send` (an engine step that wants no drafts): the server opens, steps and ends the
+    same sequences as `draft` would, so the next `draft` reopens nothing and its trees are
+    the ones for the whole contexts."""
+    srv = servers.start(store, "--port", "0")
+    seqs = contexts(random.Random(41), 6)
+    with DraftClient(srv.address, timeout=30) as c:
+        batch = SequenceBatch(c, DraftParams(budget=32), FP)
+        ctxs = {f"r{i}": np.array(p, np.int64) for i, (p, _) in enumerate(seqs[:5])}
+        batch.draft(ctxs)
+        for step in range(3):
+            for i, (k, v) in enumerate(ctxs.items()):
+                ctxs[k] = np.concatenate([v, np.array(seqs[i][1][step:step + 1], np.int64)])
+            if step == 1:
+                ctxs["r5"] = np.array(seqs[5][0], np.int64)  # opened by a send
+            if step == 2:
+                del ctxs["r0"]  # ended by a send
+            batch.send({k: v.copy() for k, v in ctxs.items()}, end=["r0"] if step == 2 else ())
+        drafts = batch.draft(ctxs)
+        assert not drafts.errors and batch.reopened == 0 and len(batch) == 5
+        for k, v in ctxs.items():
+            same_tree(drafts[k], c.propose(v.tolist(), DraftParams(budget=32)))
+        stats = c.stats()
+        assert stats["sessions_opened"] == 6 and stats["sessions_active"] == 5
+        batch.close()
+
+
 def test_idle_sequences_are_swept_and_sequence_batch_reopens_them(store, servers):
     srv = servers.start(store, "--port", "0", "--idle-timeout", "1")
     seqs = contexts(random.Random(3), 6)
