@@ -235,11 +235,11 @@ class BatchPacer:
 
     Asking the drafter costs the step its time too (a service's round trip: 2-3 ms of a
     30-130 ms step in vLLM's CPU build), so while no step drafts, it is asked less often:
-    after `patience` steps in a row whose chains were all cut to nothing, `wants_drafts`
-    says no for a number of steps that doubles on every such run (`first_backoff` up to
-    `max_backoff`), as while the guard backs off or a plain step is due. The caller sends
-    what it held back at the next call: the draft service learns every sequence all the same
-    (it sees only the tokens it has not seen), later.
+    after `idle.patience` steps in a row whose chains were all cut to nothing,
+    `wants_drafts` says no for a number of steps that doubles on every such run (`idle`),
+    as while the guard backs off or a plain step is due. The caller still sends such a
+    step's tokens, without waiting for a reply: the draft service learns every sequence
+    all the same.
     """
 
     adaptive: bool = True

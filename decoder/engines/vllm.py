@@ -29,7 +29,9 @@ tokens it verified (rows plus drafts) on steps where no prefill ran. On a CPU, w
 verified token costs, rows with unlikely drafts get none; on a GPU every row gets its chain.
 Drafted steps that made fewer tokens than plain steps of as many rows would have in their
 time turn drafting off for a while (`pacing.RateGuard`), whatever the model expected.
-The service is asked every step all the same: it learns each sequence from what it is sent.
+While no step drafts, the service is asked for drafts less often; the other steps' tokens
+are sent all the same, without waiting (`BatchedDrafts.learn`): it learns each sequence from
+what it is sent.
 `REDRAFT_ADAPTIVE=0` hands every row its whole chain.
 
 Options: the environment (REDRAFT_SERVICE, REDRAFT_TOKEN, REDRAFT_TENANT, REDRAFT_CORPORA, ...:
