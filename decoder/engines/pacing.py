@@ -304,7 +304,12 @@ class BatchPacer:
         return self.cost.cost(tokens)
 
     def guard(self, rows: int) -> RateGuard:
-        return self.guards.setdefault(max(rows, 1).bit_length(), RateGuard())
+        """The guard of steps of `rows` rows (made when first needed)."""
+        key = max(rows, 1).bit_length()
+        guard = self.guards.get(key)
+        if guard is None:
+            guard = self.guards[key] = RateGuard()
+        return guard
 
     def forward(self, tokens: int, seconds: float, drafted: bool, rows: int = 0,
                 made: int = 0) -> None:

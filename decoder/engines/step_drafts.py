@@ -57,10 +57,7 @@ class BatchedDrafts:
 
     def _step(self, contexts: Mapping[Hashable, Sequence[int]], end: Iterable[Hashable],
               tokens_only: bool) -> dict:
-        end = list(end)
-        for key in end:
-            self._drop_local(key)
-            self._refused.discard(key)
+        end = self._forget(end)
         if self.source.client is None:
             return self._local_step(contexts, tokens_only)
         if not self.source.service_usable():
@@ -99,16 +96,12 @@ class BatchedDrafts:
         they are drafted, not waited for: the service's call is sent without waiting
         (`SequenceBatch.send`; `contexts` must not change after), streams in this process
         are extended. Never raises for a service failure."""
-        end = list(end)
-        for key in end:
-            self._drop_local(key)
-            self._refused.discard(key)
+        end = self._forget(end)
         if self.source.client is None or not self.source.service_usable():
             for key, ctx in contexts.items():
                 entry = self._local.get(key)
-                if entry is not None and len(ctx) > entry[1]:
-                    entry[0].extend([int(t) for t in ctx[entry[1]:]])
-                    entry[1] = len(ctx)
+                if entry is not None:
+                    _feed(entry, ctx)
             return
         try:
             self._sequence_batch().send(contexts, end)
@@ -143,9 +136,8 @@ class BatchedDrafts:
             entry = self._local.get(key)
             if entry is None:
                 entry = self._local[key] = [self._open_local(ctx), len(ctx)]
-            elif len(ctx) > entry[1]:
-                entry[0].extend([int(t) for t in ctx[entry[1]:]])
-                entry[1] = len(ctx)
+            else:
+                _feed(entry, ctx)
             tree = entry[0].propose()
             if tokens_only:
                 out[key] = best_chain(tree, self.chain or len(tree))
@@ -161,10 +153,25 @@ class BatchedDrafts:
             return self.source.open(prompt)  # the datastore in process
         return LocalStream(prompt, self.source.fallback_settings)  # prompt lookup
 
+    def _forget(self, end: Iterable[Hashable]) -> list[Hashable]:
+        """The ended keys, their streams in this process closed."""
+        end = list(end)
+        for key in end:
+            self._drop_local(key)
+            self._refused.discard(key)
+        return end
+
     def _drop_local(self, key: Hashable) -> None:
         entry = self._local.pop(key, None)
         if entry is not None:
             entry[0].close()
+
+
+def _feed(entry: list, ctx: Sequence[int]) -> None:
+    """A stream in this process (`entry`: [stream, tokens fed]) takes `ctx`'s new tokens."""
+    if len(ctx) > entry[1]:
+        entry[0].extend([int(t) for t in ctx[entry[1]:]])
+        entry[1] = len(ctx)
 
 
 def _chain(results, i: int) -> Chain:
