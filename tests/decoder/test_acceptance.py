@@ -79,7 +79,7 @@ def test_a_tiny_top_p_keeps_the_top_token():
         assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
     model = tiny_model("llama", vocab=VOCAB, init=0.3)
     gen = Generator(model, load_tokenizer(None), FixedTreeDrafter(),
-                    cost=CostModel([1, 64], [1.0, 1.0]))
+                    cost=CostModel.flat(63))
     greedy = gen.generate(PROMPT, max_new_tokens=20, eos=False)
     sampled = gen.generate(PROMPT, max_new_tokens=20, eos=False, temperature=0.7, top_p=1e-300)
     assert sampled.tokens == greedy.tokens
@@ -138,7 +138,7 @@ def chi_square(counts: Counter, exact: dict, n: int) -> tuple[float, int]:
 def sample_sequences(params: SamplingParams, n: int, drafter: Drafter | None = None,
                      dtype: torch.dtype = torch.float32) -> tuple[Counter, dict, float]:
     model = tiny_model("llama", vocab=VOCAB, init=0.3).to(dtype)
-    flat = CostModel([1, 64], [1.0, 1.0])  # a flat cost curve: the whole tree is verified
+    flat = CostModel.flat(63)  # a flat cost curve: the whole tree is verified
     gen = Generator(model, load_tokenizer(None), drafter or FixedTreeDrafter(), cost=flat)
     counts: Counter = Counter()
     per_step = 0.0

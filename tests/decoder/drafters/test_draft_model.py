@@ -21,7 +21,7 @@ from redraft.proto.models import load_tokenizer
 
 from ..conftest import tiny_model
 
-FLAT = CostModel([1, 64], [1.0, 1.0])  # every tree is worth verifying whole
+FLAT = CostModel.flat(63)  # every tree is worth verifying whole
 PROMPT = [5, 9, 13, 7, 22, 5, 9]
 
 

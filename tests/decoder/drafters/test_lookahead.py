@@ -17,7 +17,7 @@ from redraft.proto.tree import Tree, join
 
 from ..conftest import tiny_model
 
-FLAT = CostModel([1, 64], [1.0, 1.0])
+FLAT = CostModel.flat(63)
 PROMPT = [5, 9, 13, 7, 22, 5, 9]
 
 

@@ -68,7 +68,7 @@ def test_the_loop_hands_the_heads_the_last_accepted_rows_hidden_state():
     the heads' drafts do get accepted (the loop feeds them the right hidden state)."""
     model = tiny_model("llama", vocab=5, init=0.3)
     tok = load_tokenizer(None)
-    flat = CostModel([1, 64], [1.0, 1.0])
+    flat = CostModel.flat(63)
     plain = Generator(model, tok, None, cost=flat)
     drafter = MedusaDrafter(tiny_heads(model, accuracy=[[0.5, 0.7, 0.9, 1.0, 1.0]] * 3), model)
     spec = Generator(model, tok, drafter, cost=flat)
@@ -135,7 +135,7 @@ def test_fallback_switches_to_the_source_that_hits():
 def test_fallback_and_hybrid_are_lossless_on_greedy():
     model = tiny_model("llama", vocab=5, init=0.3)
     tok = load_tokenizer(None)
-    flat = CostModel([1, 64], [1.0, 1.0])
+    flat = CostModel.flat(63)
     plain = Generator(model, tok, None, cost=flat)
     acc = [[0.5, 0.7, 0.9, 1.0, 1.0]] * 3
     for drafter in (FallbackDrafter(PLDDrafter(), MedusaDrafter(tiny_heads(model, accuracy=acc),

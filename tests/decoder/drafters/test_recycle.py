@@ -50,7 +50,7 @@ def test_unseen_tokens_draft_nothing_and_the_latest_prediction_wins():
 def test_recycled_drafts_are_lossless_and_learned_across_generations():
     model = tiny_model("llama", vocab=64, init=0.3)
     tok = load_tokenizer(None)
-    flat = CostModel([1, 64], [1.0, 1.0])
+    flat = CostModel.flat(63)
     plain = Generator(model, tok, None, cost=flat)
     drafter = RecycleDrafter()
     gen = Generator(model, tok, drafter, cost=flat)
@@ -71,7 +71,7 @@ def test_a_failing_recycler_drops_out_and_the_others_keep_drafting():
 
     model = tiny_model("llama", vocab=64, init=0.3)
     tok = load_tokenizer(None)
-    flat = CostModel([1, 64], [1.0, 1.0])
+    flat = CostModel.flat(63)
     prompt = [5, 9, 14, 3, 5, 9, 14, 3, 5, 9]
     want = Generator(model, tok, None, cost=flat).generate(prompt, max_new_tokens=20).tokens
     for drafter, errors in ((Broken(), 1), (MergedDrafter([PLDDrafter(), Broken()]), 1)):

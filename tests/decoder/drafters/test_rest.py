@@ -50,7 +50,7 @@ def test_a_drafter_never_checked_refuses_to_draft(tmp_path, tokenizer):
 def test_a_drafter_checked_by_its_generator_drafts_losslessly(tmp_path, tokenizer):
     model = tiny_model(vocab=VOCAB, init=0.3)
     drafter = DatastoreDrafter(_store(tmp_path, tokenizer_fingerprint(tokenizer)))
-    flat = CostModel([1, 64], [1.0, 1.0])
+    flat = CostModel.flat(63)
     spec = Generator(model, tokenizer, drafter, cost=flat)
     plain = Generator(model, tokenizer, None, cost=flat)
     for prompt in ([5, 6, 7, 8], [20, 21, 22]):

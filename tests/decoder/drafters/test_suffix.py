@@ -48,7 +48,7 @@ def test_a_finished_generation_is_drafted_for_the_next():
 def test_suffix_drafts_are_lossless_and_cut_forwards_on_a_repeated_request():
     model = tiny_model("llama", vocab=64, init=0.3)
     tok = load_tokenizer(None)
-    flat = CostModel([1, 64], [1.0, 1.0])
+    flat = CostModel.flat(63)
     want = Generator(model, tok, None, cost=flat).generate([5, 9, 14, 3], max_new_tokens=30,
                                                           eos=False)
     gen = Generator(model, tok, build_drafter("suffix"), cost=flat)
