@@ -5,10 +5,15 @@ VENV ?= .venv
 # CPU build by default; GPU users: make TORCH_SPEC="torch" (or a CUDA wheel spec)
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+# On x86-64 the native build minus AMX (explicit -mno-* win over -march=native in GCC and Clang).
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CPP_FLAGS := $(if $(filter x86_64,$(shell uname -m)),CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)")
 STAMP := $(VENV)/.installed
-# The compiled extensions' sources: the drafting core is _core.cpp and the headers beside it.
+# The compiled extensions' sources: the drafting core is _core.cpp and the headers beside it;
+# the verifier's linear kernel is _blocks.cpp.
 EXT_SOURCES := datastore/drafting/native/_core.cpp $(wildcard datastore/drafting/native/*.h) \
-	datastore/_mapping.cpp
+	datastore/_mapping.cpp decoder/native/_blocks.cpp
 
 .PHONY: install test lint sanitize proto demo bench bench-samples bench-datastore \
 	stdlib-datastore default-datastore heads vllm-env clean
@@ -19,9 +24,13 @@ $(STAMP): pyproject.toml setup.py $(EXT_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	# llama-cpp-python compiles llama.cpp from source (a few minutes on two cores); its
-	# multimodal library is not used here, so it is not built.
-	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PY) -m pip install -q -e ".[dev,llamacpp,ray]"
+	# llama-cpp-python compiles llama.cpp from source (a few minutes on two cores) for this
+	# CPU less llama.cpp's AMX code, which crashes in its first decode on some AMX machines
+	# (docs/engines.md); its multimodal library is not used here, so it is not built. Built
+	# on its own, never from pip's wheel cache: a cached wheel may carry other flags.
+	$(LLAMA_CPP_FLAGS) CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" \
+		$(PY) -m pip install -q --no-cache-dir "$(LLAMA_CPP_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,llamacpp,ray]"
 	# SuffixDecoding for the `suffix` drafter (arctic-inference's suffix trees, compiled
 	# against this torch, about a minute on two cores; its vLLM plugin stays idle here).
 	$(PY) -m pip install -q nanobind==2.9.2 cmake ninja
