@@ -25,6 +25,17 @@ setup(
             extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off",
                                 "-fvisibility=hidden"],
         ),
+        # The verifier's linear kernel over the model's own weight blocks: one build for every
+        # x86-64 CPU, its AVX2 and AVX512-BF16 paths chosen at run time (target attributes, no
+        # -march); the same -ffp-contract=off, so the scalar path rounds as its comments say.
+        Extension(
+            "redraft.decoder.native._blocks",
+            sources=["decoder/native/_blocks.cpp"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off",
+                                "-fvisibility=hidden", "-pthread"],
+            extra_link_args=["-pthread"],
+        ),
         # The storage layer's file maps (a truncated file reads as zeros, not SIGBUS).
         Extension(
             "redraft.datastore._mapping",

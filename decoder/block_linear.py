@@ -1,0 +1,111 @@
+"""Linear layers on a model's weights as it ships them: the GGUF's Q4_1 / Q8_0 blocks (or dense
+bfloat16 / float32 rows), multiplied by the compiled kernel (`redraft.decoder.native`).
+
+Why: a CPU forward of a small model is bound by the bytes of weights it reads. The default
+model ships as 96 MB of blocks; its dense bfloat16 copy is 269 MB (float32: 538 MB). The
+kernel dequantizes each block once per call, into a buffer that stays in the core's cache,
+and uses it for every row of the call, so a draft tree of 16 rows reads what one token reads.
+
+Exactness: a row's result is the same bits whatever the other rows of the call and however
+many threads share it (threads split output columns, and each row runs the same sequence of
+operations), so a tree row's logits are what a one-token forward computes. The dequantized
+weights are the dense copy's bit for bit (d * q + m in float32, rounded to bfloat16 for a
+bfloat16 model); only the order of the sums differs from a dense matmul's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from redraft.decoder.native import _blocks
+
+FORMATS = {"F32": _blocks.F32, "BF16": _blocks.BF16, "Q4_1": _blocks.Q4_1,
+           "Q8_0": _blocks.Q8_0}
+_KINDS = {torch.float32: _blocks.KIND_F32, torch.bfloat16: _blocks.KIND_BF16}
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight matrix [n, k] as n rows of blocks (`data`: uint8 [n, row bytes]) in one of
+    `FORMATS` (GGML's type ids)."""
+
+    data: torch.Tensor
+    fmt: int
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        want = (self.n, _blocks.row_bytes(self.fmt, self.k))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
+            raise ValueError(f"weight blocks of shape {tuple(self.data.shape)} "
+                             f"({self.data.dtype}), expected {want} uint8")
+        if not self.data.is_contiguous():
+            raise ValueError("weight blocks must be contiguous")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dense(self) -> torch.Tensor:
+        """The weights as float32 [n, k], as the dense copy holds them."""
+        out = torch.empty((self.n, self.k), dtype=torch.float32)
+        _blocks.dequantize(self.data.data_ptr(), self.fmt, self.n, self.k, out.data_ptr())
+        return out
+
+    def rows(self, index: torch.Tensor | Sequence[int]) -> BlockWeight:
+        """These rows, in this order (a permutation, or a subset)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return BlockWeight(self.data.index_select(0, idx).contiguous(), self.fmt, len(idx),
+                           self.k)
+
+
+def stacked(weights: Sequence[BlockWeight]) -> BlockWeight:
+    """Several layers' weights as one, their outputs side by side (fused projections)."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    if any(w.fmt != first.fmt or w.k != first.k for w in weights):
+        raise ValueError("only weights of one format and input width can be stacked")
+    return BlockWeight(torch.cat([w.data for w in weights]).contiguous(), first.fmt,
+                       sum(w.n for w in weights), first.k)
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernel computes with activations of this dtype (float32, bfloat16)."""
+    return dtype in _KINDS
+
+
+def kernel_path(dtype: torch.dtype) -> str:
+    """The code path that runs activations of this dtype on this CPU ("avx512bf16", "avx2"
+    or "scalar"): for reports, and for a failing test to name the kernel that ran."""
+    return _blocks.path(_KINDS[dtype])
+
+
+def fast(dtype: torch.dtype) -> bool:
+    """Whether that path is a SIMD one (the scalar path is a reference, not for speed)."""
+    return supports(dtype) and kernel_path(dtype) != "scalar"
+
+
+class BlockLinear:
+    """x W^T (no bias) for x [..., k] of the layer's dtype; the lean forward's `Linear`."""
+
+    def __init__(self, weight: BlockWeight, dtype: torch.dtype) -> None:
+        if dtype not in _KINDS:
+            raise ValueError(f"the block kernel has no {dtype} path")
+        self.weight = weight
+        self.dtype = dtype
+        self._kind = _KINDS[dtype]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype != self.dtype or x.shape[-1] != w.k:
+            raise ValueError(f"input {tuple(x.shape)} {x.dtype}, expected [..., {w.k}] "
+                             f"{self.dtype}")
+        flat = x.reshape(-1, w.k).contiguous()
+        m = flat.shape[0]
+        out = torch.empty((m, w.n), dtype=self.dtype)
+        _blocks.matmul(flat.data_ptr(), m, w.k, w.data.data_ptr(), w.fmt, w.n, out.data_ptr(),
+                       self._kind, torch.get_num_threads())
+        return out.view(*x.shape[:-1], w.n)

@@ -1,0 +1,635 @@
+// The verifier's linear kernel: y = x W^T over a model's weights as it ships them (the
+// GGUF's Q4_1 and Q8_0 blocks, or dense bfloat16 / float32 rows), for 1 to 64+ rows at once.
+//
+// Why: verifying a draft tree is a forward of many rows that a CPU can only afford if the
+// weights are read once for all of them. Each group of output columns is dequantized once
+// into a small buffer (it stays in L1) and multiplied into every row of the call, so the
+// bytes read per forward are the file's own, whatever the row count.
+//
+// Why it is exact: a row's result never depends on the other rows or on the thread count.
+// Every row runs the same instruction sequence over its own accumulators (rows are grouped
+// in tiles only to share the loads of the weights), the reduction over K always runs in one
+// fixed order, and threads split output columns, never a reduction. So row 0 of a 64-row
+// call equals the one-row call bit for bit, on every path.
+//
+// Paths, chosen once per process from the CPU's features (never per call):
+//   bf16 activations: "avx512bf16" (VDPBF16PS: weights rounded to bfloat16 as the dense
+//     copy rounds them, float32 accumulation) or "scalar" (the same operations in C++, the
+//     instruction's semantics written out, for CPUs without bf16 units);
+//   float32 activations: "avx2" (AVX2 + FMA) or "scalar".
+// Intel's AMX tiles would be faster still; no machine this was built on had them, so the
+// AVX512-BF16 path (which every AMX CPU also has) runs there.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define REDRAFT_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// GGML's type ids, as the GGUF file (and gguf-py's GGMLQuantizationType) numbers them.
+constexpr int F32 = 0, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
+constexpr int QK = 32;  // weights per block (and the K granularity every path needs)
+constexpr int NC = 4;   // output columns dequantized together
+
+// Activations' kinds: float32 in and out, or bfloat16 in and out.
+constexpr int KIND_F32 = 0, KIND_BF16 = 1;
+
+size_t row_bytes(int fmt, size_t k) {
+    switch (fmt) {
+        case F32: return k * 4;
+        case BF16: return k * 2;
+        case Q4_1: return k / QK * 20;
+        case Q8_0: return k / QK * 34;
+    }
+    return 0;
+}
+
+// -- scalar helpers: exact conversions -------------------------------------------------------
+
+float f32_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+uint32_t bits_f32(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0) {
+        if (man == 0) return f32_bits(sign);
+        while (!(man & 0x400)) { man <<= 1; --exp; }  // a subnormal half: normalize it
+        ++exp;
+        man &= 0x3ff;
+    } else if (exp == 31) {
+        return f32_bits(sign | 0x7f800000 | (man << 13));
+    }
+    return f32_bits(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+float bf16_to_float(uint16_t b) { return f32_bits((uint32_t)b << 16); }
+
+// Round to nearest even, as torch casts float32 to bfloat16 (NaN stays NaN).
+uint16_t float_to_bf16(float f) {
+    uint32_t u = bits_f32(f);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+// VDPBF16PS flushes denormal inputs and results to zero (and rounds to nearest even).
+float flush(float f) {
+    return (bits_f32(f) & 0x7f800000) == 0 ? f32_bits(bits_f32(f) & 0x80000000) : f;
+}
+
+// One block (or QK dense values) of a weight row as float32: d * q + m, rounded after the
+// product and after the sum, as gguf-py's dequantization (and so the dense copy) computes.
+void dequant_block(int fmt, const uint8_t* src, float* out) {
+    switch (fmt) {
+        case F32:
+            std::memcpy(out, src, QK * 4);
+            return;
+        case BF16:
+            for (int j = 0; j < QK; ++j) {
+                uint16_t b;
+                std::memcpy(&b, src + 2 * j, 2);
+                out[j] = bf16_to_float(b);
+            }
+            return;
+        case Q4_1: {
+            uint16_t hd, hm;
+            std::memcpy(&hd, src, 2);
+            std::memcpy(&hm, src + 2, 2);
+            const float d = half_to_float(hd), m = half_to_float(hm);
+            for (int j = 0; j < 16; ++j) {
+                const float lo = d * (float)(src[4 + j] & 15), hi = d * (float)(src[4 + j] >> 4);
+                out[j] = lo + m;
+                out[j + 16] = hi + m;
+            }
+            return;
+        }
+        case Q8_0: {
+            uint16_t hd;
+            std::memcpy(&hd, src, 2);
+            const float d = half_to_float(hd);
+            for (int j = 0; j < QK; ++j) out[j] = d * (float)(int8_t)src[2 + j];
+            return;
+        }
+    }
+}
+
+size_t block_bytes(int fmt) { return row_bytes(fmt, QK); }
+
+// -- the work of one call ------------------------------------------------------------------
+
+struct Call {
+    const void* x;      // [m, k] activations, row-major
+    const uint8_t* w;   // [n] rows of row_bytes(fmt, k) bytes
+    void* y;            // [m, n] output, row-major, the activations' kind
+    size_t m, k, n;
+    int fmt, kind;
+};
+
+void store(const Call& c, size_t row, size_t col, float v) {
+    if (c.kind == KIND_F32)
+        static_cast<float*>(c.y)[row * c.n + col] = v;
+    else
+        static_cast<uint16_t*>(c.y)[row * c.n + col] = float_to_bf16(v);
+}
+
+// Scalar path. float32: a sequential sum of products rounded one by one. bfloat16: the
+// weights rounded to bfloat16, then VDPBF16PS written out per lane (16 lanes, each adding
+// its pairs' odd then even product, denormals flushed) and the lanes summed as the SIMD
+// path's reduce does; so both paths give the same bits wherever the instruction follows
+// its documented semantics (tests/decoder/native/test_blocks.py checks this CPU's).
+float reduce16(const float* lane);
+
+void columns_scalar(const Call& c, size_t col0, size_t col1) {
+    const size_t k = c.k, bb = block_bytes(c.fmt), rb = row_bytes(c.fmt, k);
+    std::vector<float> w(k);
+    for (size_t col = col0; col < col1; ++col) {
+        const uint8_t* row = c.w + col * rb;
+        for (size_t b = 0; b < k / QK; ++b) dequant_block(c.fmt, row + b * bb, &w[b * QK]);
+        if (c.kind == KIND_F32) {
+            const float* x = static_cast<const float*>(c.x);
+            for (size_t r = 0; r < c.m; ++r) {
+                float acc = 0.0f;
+                for (size_t j = 0; j < k; ++j) {
+                    const float p = x[r * k + j] * w[j];
+                    acc = acc + p;
+                }
+                store(c, r, col, acc);
+            }
+            continue;
+        }
+        for (size_t j = 0; j < k; ++j) w[j] = flush(bf16_to_float(float_to_bf16(w[j])));
+        const uint16_t* x = static_cast<const uint16_t*>(c.x);
+        for (size_t r = 0; r < c.m; ++r) {
+            float lane[16] = {0};
+            for (size_t j = 0; j < k; j += 32)
+                for (int i = 0; i < 16; ++i) {
+                    const float odd = flush(bf16_to_float(x[r * k + j + 2 * i + 1])) * w[j + 2 * i + 1];
+                    lane[i] = flush(lane[i] + odd);
+                    const float even = flush(bf16_to_float(x[r * k + j + 2 * i])) * w[j + 2 * i];
+                    lane[i] = flush(lane[i] + even);
+                }
+            store(c, r, col, reduce16(lane));
+        }
+    }
+}
+
+// The lanes' sum as the SIMD path's reduce512 takes it (halves added pairwise:
+// 16 -> 8 -> 4 -> 2 -> 1), so that the scalar path matches the SIMD one.
+float reduce16(const float* lane) {
+    float a[16];
+    std::memcpy(a, lane, sizeof a);
+    for (int width = 8; width >= 1; width /= 2)
+        for (int i = 0; i < width; ++i) a[i] = a[i] + a[i + width];
+    return a[0];
+}
+
+#ifdef REDRAFT_X86
+
+// -- AVX512-BF16 ---------------------------------------------------------------------------
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c")))
+
+BF16_TARGET void dequant_bf16_avx512(int fmt, const uint8_t* src, size_t k, uint16_t* out) {
+    const size_t bb = block_bytes(fmt);
+    for (size_t b = 0; b < k / QK; ++b, src += bb, out += QK) {
+        __m512 lo, hi;
+        if (fmt == Q4_1) {
+            uint16_t hd, hm;
+            std::memcpy(&hd, src, 2);
+            std::memcpy(&hm, src + 2, 2);
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd)), m = _mm512_set1_ps(_cvtsh_ss(hm));
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 4));
+            const __m128i mask = _mm_set1_epi8(15);
+            const __m128i ql = _mm_and_si128(q, mask);
+            const __m128i qh = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ql)), d), m);
+            hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qh)), d), m);
+        } else if (fmt == Q8_0) {
+            uint16_t hd;
+            std::memcpy(&hd, src, 2);
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd));
+            const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2));
+            const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 18));
+            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+            hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+        } else {  // F32
+            lo = _mm512_loadu_ps(reinterpret_cast<const float*>(src));
+            hi = _mm512_loadu_ps(reinterpret_cast<const float*>(src) + 16);
+        }
+        _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// The lanes' sum, the order of reduce16 (written out: compilers' reduce intrinsics differ).
+BF16_TARGET float reduce512(__m512 v) {
+    const __m256 hi = _mm512_extractf32x8_ps(v, 1);
+    const __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(v, 0), hi);
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+template <int R>
+BF16_TARGET void tile_bf16(const uint16_t* x, size_t k, const uint16_t* const* w, float out[][NC]) {
+    __m512 acc[R][NC];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (size_t j = 0; j < k; j += 32) {
+        __m512bh wv[NC];
+        for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w[c] + j);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + j);
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) out[r][c] = reduce512(acc[r][c]);
+}
+
+BF16_TARGET void columns_bf16_avx512(const Call& c, size_t col0, size_t col1) {
+    const size_t k = c.k, rb = row_bytes(c.fmt, k);
+    thread_local std::vector<uint16_t> buffer;
+    if (c.fmt != BF16) buffer.resize(NC * k);
+    const uint16_t* x = static_cast<const uint16_t*>(c.x);
+    for (size_t col = col0; col < col1; col += NC) {
+        const int nc = (int)std::min<size_t>(NC, col1 - col);
+        const uint16_t* w[NC];
+        for (int i = 0; i < NC; ++i) {
+            const size_t src = col + std::min(i, nc - 1);  // a column past the end: not stored
+            if (c.fmt == BF16) {
+                w[i] = reinterpret_cast<const uint16_t*>(c.w + src * rb);
+            } else {
+                dequant_bf16_avx512(c.fmt, c.w + src * rb, k, &buffer[i * k]);
+                w[i] = &buffer[i * k];
+            }
+        }
+        float out[4][NC];
+        size_t r = 0;
+        for (; r + 4 <= c.m; r += 4) {
+            tile_bf16<4>(x + r * k, k, w, out);
+            for (int i = 0; i < 4; ++i)
+                for (int j = 0; j < nc; ++j) store(c, r + i, col + j, out[i][j]);
+        }
+        for (; r < c.m; ++r) {
+            tile_bf16<1>(x + r * k, k, w, out);
+            for (int j = 0; j < nc; ++j) store(c, r, col + j, out[0][j]);
+        }
+    }
+}
+
+// -- AVX2 + FMA, float32 -------------------------------------------------------------------
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET void dequant_f32_avx2(int fmt, const uint8_t* src, size_t k, float* out) {
+    const size_t bb = block_bytes(fmt);
+    for (size_t b = 0; b < k / QK; ++b, src += bb, out += QK) {
+        if (fmt == Q4_1) {
+            uint16_t hd, hm;
+            std::memcpy(&hd, src, 2);
+            std::memcpy(&hm, src + 2, 2);
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(hd)), m = _mm256_set1_ps(_cvtsh_ss(hm));
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 4));
+            const __m128i mask = _mm_set1_epi8(15);
+            const __m128i parts[2] = {_mm_and_si128(q, mask),
+                                      _mm_and_si128(_mm_srli_epi16(q, 4), mask)};
+            for (int h = 0; h < 2; ++h) {
+                const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
+                const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[h], 8)));
+                _mm256_storeu_ps(out + 16 * h, _mm256_add_ps(_mm256_mul_ps(a, d), m));
+                _mm256_storeu_ps(out + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(b, d), m));
+            }
+        } else if (fmt == Q8_0) {
+            uint16_t hd;
+            std::memcpy(&hd, src, 2);
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(hd));
+            for (int i = 0; i < 4; ++i) {
+                const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 + 8 * i));
+                _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+            }
+        } else {  // BF16
+            for (int i = 0; i < 4; ++i) {
+                const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+                _mm256_storeu_ps(out + 8 * i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+            }
+        }
+    }
+}
+
+AVX2_TARGET float reduce8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int R>
+AVX2_TARGET void tile_f32(const float* x, size_t k, const float* const* w, float out[][NC]) {
+    __m256 acc[R][NC];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (size_t j = 0; j < k; j += 8) {
+        __m256 wv[NC];
+        for (int c = 0; c < NC; ++c) wv[c] = _mm256_loadu_ps(w[c] + j);
+        for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_loadu_ps(x + r * k + j);
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) out[r][c] = reduce8(acc[r][c]);
+}
+
+AVX2_TARGET void columns_f32_avx2(const Call& c, size_t col0, size_t col1) {
+    const size_t k = c.k, rb = row_bytes(c.fmt, k);
+    thread_local std::vector<float> buffer;
+    if (c.fmt != F32) buffer.resize(NC * k);
+    const float* x = static_cast<const float*>(c.x);
+    for (size_t col = col0; col < col1; col += NC) {
+        const int nc = (int)std::min<size_t>(NC, col1 - col);
+        const float* w[NC];
+        for (int i = 0; i < NC; ++i) {
+            const size_t src = col + std::min(i, nc - 1);  // a column past the end: not stored
+            if (c.fmt == F32) {
+                w[i] = reinterpret_cast<const float*>(c.w + src * rb);
+            } else {
+                dequant_f32_avx2(c.fmt, c.w + src * rb, k, &buffer[i * k]);
+                w[i] = &buffer[i * k];
+            }
+        }
+        float out[2][NC];
+        size_t r = 0;
+        for (; r + 2 <= c.m; r += 2) {
+            tile_f32<2>(x + r * k, k, w, out);
+            for (int i = 0; i < 2; ++i)
+                for (int j = 0; j < nc; ++j) store(c, r + i, col + j, out[i][j]);
+        }
+        for (; r < c.m; ++r) {
+            tile_f32<1>(x + r * k, k, w, out);
+            for (int j = 0; j < nc; ++j) store(c, r, col + j, out[0][j]);
+        }
+    }
+}
+
+#endif  // REDRAFT_X86
+
+// -- paths -----------------------------------------------------------------------------------
+
+enum Path { SCALAR = 0, AVX2 = 1, AVX512BF16 = 2 };
+const char* const PATH_NAMES[] = {"scalar", "avx2", "avx512bf16"};
+
+bool supported(Path p) {
+#ifdef REDRAFT_X86
+    __builtin_cpu_init();
+    if (p == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (p == AVX512BF16)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#endif
+    return p == SCALAR;
+}
+
+// The path each kind runs: the best this CPU has, unless a test or benchmark chose another.
+Path g_path[2] = {SCALAR, SCALAR};
+
+void choose_default_paths() {
+    g_path[KIND_F32] = supported(AVX2) ? AVX2 : SCALAR;
+    g_path[KIND_BF16] = supported(AVX512BF16) ? AVX512BF16 : SCALAR;
+}
+
+void columns(const Call& c, size_t col0, size_t col1) {
+#ifdef REDRAFT_X86
+    const Path p = g_path[c.kind];
+    if (c.kind == KIND_BF16 && p == AVX512BF16) return columns_bf16_avx512(c, col0, col1);
+    if (c.kind == KIND_F32 && p == AVX2) return columns_f32_avx2(c, col0, col1);
+#endif
+    columns_scalar(c, col0, col1);
+}
+
+// -- threads: kept for the process, each call's columns split among them --------------------
+
+class Pool {
+  public:
+    // Runs fn(0..threads-1), fn(0) on the caller; returns when all are done.
+    void run(int threads, const std::function<void(int)>& fn) {
+        if (threads <= 1) return fn(0);
+        std::lock_guard<std::mutex> one_call(call_mu_);  // calls from two Python threads queue
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            while ((int)workers_.size() < threads - 1) {
+                const int id = (int)workers_.size() + 1;
+                workers_.emplace_back([this, id] { work(id); });
+            }
+            job_ = &fn;
+            job_threads_ = threads;
+            pending_ = threads - 1;
+            ++generation_;
+        }
+        wake_.notify_all();
+        fn(0);
+        std::unique_lock<std::mutex> lk(mu_);
+        done_.wait(lk, [this] { return pending_ == 0; });
+        job_ = nullptr;
+    }
+
+    // After fork() only the calling thread exists: forget the workers without joining them.
+    void forget_after_fork() {
+        new (&mu_) std::mutex();
+        new (&call_mu_) std::mutex();
+        new (&wake_) std::condition_variable();
+        new (&done_) std::condition_variable();
+        for (auto& t : workers_) new (&t) std::thread();  // no longer joinable
+        workers_.clear();
+        pending_ = 0;
+    }
+
+  private:
+    void work(int id) {
+        uint64_t seen = 0;
+        std::unique_lock<std::mutex> lk(mu_);
+        for (;;) {
+            wake_.wait(lk, [&] { return generation_ != seen; });
+            seen = generation_;
+            if (id >= job_threads_) continue;
+            const std::function<void(int)>* fn = job_;
+            lk.unlock();
+            (*fn)(id);
+            lk.lock();
+            if (--pending_ == 0) done_.notify_one();
+        }
+    }
+
+    std::mutex mu_, call_mu_;
+    std::condition_variable wake_, done_;
+    std::vector<std::thread> workers_;
+    const std::function<void(int)>* job_ = nullptr;
+    int job_threads_ = 0, pending_ = 0;
+    uint64_t generation_ = 0;
+};
+
+Pool* g_pool = nullptr;  // never destroyed: its threads wait until the process exits
+
+void after_fork_in_child() { g_pool->forget_after_fork(); }
+
+void run_call(const Call& c, int threads) {
+    const size_t tiles = (c.n + NC - 1) / NC;
+    threads = (int)std::max<size_t>(1, std::min<size_t>(threads, tiles));
+    g_pool->run(threads, [&](int t) {
+        const size_t a = tiles * t / threads * NC, b = std::min(c.n, tiles * (t + 1) / threads * NC);
+        if (a < b) columns(c, a, b);
+    });
+}
+
+// -- the CPython glue ----------------------------------------------------------------------
+
+bool check_shape(int fmt, int kind, size_t k) {
+    if (fmt != F32 && fmt != BF16 && fmt != Q4_1 && fmt != Q8_0) {
+        PyErr_Format(PyExc_ValueError, "unsupported weight type %d", fmt);
+        return false;
+    }
+    if (kind != KIND_F32 && kind != KIND_BF16) {
+        PyErr_Format(PyExc_ValueError, "unsupported activation kind %d", kind);
+        return false;
+    }
+    if (k == 0 || k % QK != 0) {
+        PyErr_Format(PyExc_ValueError, "the input width %zu is not a positive multiple of %d", k, QK);
+        return false;
+    }
+    return true;
+}
+
+PyObject* py_matmul(PyObject*, PyObject* args) {
+    unsigned long long x, w, y;
+    Py_ssize_t m, k, n;
+    int fmt, kind, threads;
+    if (!PyArg_ParseTuple(args, "KnnKinKii", &x, &m, &k, &w, &fmt, &n, &y, &kind, &threads))
+        return nullptr;
+    if (!check_shape(fmt, kind, (size_t)k) || m < 0 || n < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative row or column count");
+        return nullptr;
+    }
+    const Call c{reinterpret_cast<const void*>(x), reinterpret_cast<const uint8_t*>(w),
+                 reinterpret_cast<void*>(y), (size_t)m, (size_t)k, (size_t)n, fmt, kind};
+    if (m > 0 && n > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        run_call(c, threads);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject* py_dequantize(PyObject*, PyObject* args) {
+    unsigned long long w, out;
+    Py_ssize_t n, k;
+    int fmt;
+    if (!PyArg_ParseTuple(args, "KinnK", &w, &fmt, &n, &k, &out)) return nullptr;
+    if (!check_shape(fmt, KIND_F32, (size_t)k)) return nullptr;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(w);
+    float* dst = reinterpret_cast<float*>(out);
+    const size_t bb = block_bytes(fmt), blocks = (size_t)n * (size_t)k / QK;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t b = 0; b < blocks; ++b) dequant_block(fmt, src + b * bb, dst + b * QK);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyObject* py_row_bytes(PyObject*, PyObject* args) {
+    int fmt;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "in", &fmt, &k)) return nullptr;
+    if (!check_shape(fmt, KIND_F32, (size_t)k)) return nullptr;
+    return PyLong_FromSize_t(row_bytes(fmt, (size_t)k));
+}
+
+PyObject* py_paths(PyObject*, PyObject*) {
+    PyObject* out = PyList_New(0);
+    for (int p = SCALAR; p <= AVX512BF16; ++p)
+        if (supported((Path)p)) {
+            PyObject* s = PyUnicode_FromString(PATH_NAMES[p]);
+            PyList_Append(out, s);
+            Py_DECREF(s);
+        }
+    return out;
+}
+
+PyObject* py_path(PyObject*, PyObject* args) {
+    int kind;
+    if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
+    if (kind != KIND_F32 && kind != KIND_BF16) {
+        PyErr_Format(PyExc_ValueError, "unsupported activation kind %d", kind);
+        return nullptr;
+    }
+    return PyUnicode_FromString(PATH_NAMES[g_path[kind]]);
+}
+
+PyObject* py_use_path(PyObject*, PyObject* args) {
+    int kind;
+    const char* name;
+    if (!PyArg_ParseTuple(args, "is", &kind, &name)) return nullptr;
+    for (int p = SCALAR; p <= AVX512BF16; ++p) {
+        if (std::string(name) != PATH_NAMES[p]) continue;
+        const bool fits = p == SCALAR || (kind == KIND_F32 && p == AVX2) ||
+                          (kind == KIND_BF16 && p == AVX512BF16);
+        if (kind != KIND_F32 && kind != KIND_BF16) break;
+        if (!fits || !supported((Path)p)) {
+            PyErr_Format(PyExc_ValueError, "path %s does not run this kind on this CPU", name);
+            return nullptr;
+        }
+        g_path[kind] = (Path)p;
+        Py_RETURN_NONE;
+    }
+    PyErr_Format(PyExc_ValueError, "unknown path %s or kind %d", name, kind);
+    return nullptr;
+}
+
+PyMethodDef METHODS[] = {
+    {"matmul", py_matmul, METH_VARARGS,
+     "matmul(x_ptr, m, k, w_ptr, fmt, n, y_ptr, kind, threads): y[m, n] = x[m, k] W[n, k]^T"},
+    {"dequantize", py_dequantize, METH_VARARGS,
+     "dequantize(w_ptr, fmt, n, k, out_ptr): the weights as float32 [n, k] (scalar, exact)"},
+    {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(fmt, k): bytes of one weight row"},
+    {"paths", py_paths, METH_NOARGS, "the paths this CPU can run"},
+    {"path", py_path, METH_VARARGS, "path(kind): the path that kind runs on"},
+    {"use_path", py_use_path, METH_VARARGS, "use_path(kind, name): run that kind on that path"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_blocks", "The verifier's block linear kernel.", -1,
+                      METHODS, nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__blocks() {
+    choose_default_paths();
+    if (g_pool == nullptr) {
+        g_pool = new Pool();
+        pthread_atfork(nullptr, nullptr, after_fork_in_child);
+    }
+    PyObject* mod = PyModule_Create(&MODULE);
+    if (mod == nullptr) return nullptr;
+    PyModule_AddIntConstant(mod, "F32", F32);
+    PyModule_AddIntConstant(mod, "BF16", BF16);
+    PyModule_AddIntConstant(mod, "Q4_1", Q4_1);
+    PyModule_AddIntConstant(mod, "Q8_0", Q8_0);
+    PyModule_AddIntConstant(mod, "KIND_F32", KIND_F32);
+    PyModule_AddIntConstant(mod, "KIND_BF16", KIND_BF16);
+    PyModule_AddIntConstant(mod, "BLOCK", QK);
+    return mod;
+}
