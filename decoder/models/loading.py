@@ -15,11 +15,13 @@ import contextlib
 import copy
 import io
 import logging
+import os
 import shutil
 
 import torch
 import transformers
 from redraft.decoder.kernels import cpu_has_bf16
+from redraft.decoder.models import gguf_blocks
 from redraft.proto.errors import ModelNotFound
 from redraft.proto.files import cache_root, write_cache
 from redraft.proto.models import ModelSource, gguf_key, load_tokenizer, resolve_model
@@ -91,6 +93,8 @@ def _load(source: ModelSource, name, device: str, torch_dtype: torch.dtype):
              else _from_pretrained(source, source.path, torch_dtype))
     model.to(device)
     model.eval()
+    if source.gguf_file:  # the verifier reads the file's own blocks (gguf_blocks)
+        gguf_blocks.attach(model, os.path.join(source.path, source.gguf_file))
     return model, tokenizer
 
 
@@ -110,7 +114,20 @@ def dense_weights(source: ModelSource, torch_dtype: torch.dtype):
                                         gguf_file=source.gguf_file))
     with _quiet():
         write_cache(folder, lambda tmp: dense.save_pretrained(str(tmp)))
-    return dense.to(torch_dtype)
+    return cast_parameters(dense, torch_dtype)
+
+
+def cast_parameters(model, torch_dtype: torch.dtype):
+    """The model's parameters in `torch_dtype`, its buffers (the rotary embedding's inverse
+    frequencies) kept in float32, as `from_pretrained` in that dtype leaves them: a model cast
+    whole would compute its rotary angles in bfloat16, and the first run (converted from the
+    GGUF) would decode other tokens than every later one (read from the cache)."""
+    buffers = [(module, name, b) for module in model.modules()
+               for name, b in module._buffers.items() if b is not None]
+    model.to(torch_dtype)
+    for module, name, b in buffers:
+        module._buffers[name] = b
+    return model
 
 
 def dense_copy(model):
