@@ -15,10 +15,12 @@ bfloat16 model); only the order of the sums differs from a dense matmul's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from redraft.decoder.kernels import PackedFused
 from redraft.decoder.native import _blocks
 
 FORMATS = {"F32": _blocks.F32, "BF16": _blocks.BF16, "Q4_1": _blocks.Q4_1,
@@ -72,6 +74,11 @@ def stacked(weights: Sequence[BlockWeight]) -> BlockWeight:
                        sum(w.n for w in weights), first.k)
 
 
+def row_bytes(fmt: int, k: int) -> int:
+    """Bytes of one weight row of width k in that format."""
+    return _blocks.row_bytes(fmt, k)
+
+
 def supports(dtype: torch.dtype) -> bool:
     """Whether the kernel computes with activations of this dtype (float32, bfloat16)."""
     return dtype in _KINDS
@@ -88,6 +95,14 @@ def fast(dtype: torch.dtype) -> bool:
     return supports(dtype) and kernel_path(dtype) != "scalar"
 
 
+_calls = 0  # calls run on blocks, process-wide (the verifier reports which kernels ran)
+
+
+def calls() -> int:
+    """Linear-layer calls run by the block kernel so far in this process."""
+    return _calls
+
+
 class BlockLinear:
     """x W^T (no bias) for x [..., k] of the layer's dtype; the lean forward's `Linear`."""
 
@@ -99,6 +114,8 @@ class BlockLinear:
         self._kind = _KINDS[dtype]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        global _calls
+        _calls += 1
         w = self.weight
         if x.dtype != self.dtype or x.shape[-1] != w.k:
             raise ValueError(f"input {tuple(x.shape)} {x.dtype}, expected [..., {w.k}] "
@@ -109,3 +126,49 @@ class BlockLinear:
         _blocks.matmul(flat.data_ptr(), m, w.k, w.data.data_ptr(), w.fmt, w.n, out.data_ptr(),
                        self._kind, torch.get_num_threads())
         return out.view(*x.shape[:-1], w.n)
+
+
+class FusedBlocks:
+    """The lean forward's fused linear (query/key/value, gate/up, or one layer) on the
+    layers' blocks, their outputs side by side. If a layer's dense weights change after
+    loading (an adapter, a test editing them), the file's blocks no longer hold them:
+    `refresh` then moves it to packed dense weights for good."""
+
+    def __init__(self, modules: Sequence[torch.nn.Linear], weight: BlockWeight,
+                 dtype: torch.dtype) -> None:
+        self.modules = tuple(modules)
+        self.stamps = [_stamp(m) for m in self.modules]
+        self.run: Callable[[torch.Tensor], torch.Tensor] = BlockLinear(weight, dtype)
+
+    def refresh(self) -> bool:
+        if [_stamp(m) for m in self.modules] == self.stamps:
+            return False
+        self.stamps = [_stamp(m) for m in self.modules]
+        self.run = PackedFused(self.modules)
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+# first layer -> {layers' ids: their stacked blocks}: verifiers of one model share one copy
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fused(blocks: dict, dtype: torch.dtype, modules: Sequence[torch.nn.Linear]):
+    """The lean forward's `LinearFactory` over a model's blocks (`gguf_blocks`): layers with
+    blocks of one format run on them, any other group on packed dense weights."""
+    modules = tuple(modules)
+    weights = [blocks.get(m) for m in modules]
+    if any(w is None for w in weights) or len({(w.fmt, w.k) for w in weights}) != 1:
+        return PackedFused(modules)
+    entries = _FUSED.setdefault(modules[0], {})
+    key = tuple(id(m) for m in modules)
+    if key not in entries:
+        entries[key] = stacked(weights)
+    return FusedBlocks(modules, entries[key], dtype)
+
+
+def _stamp(module: torch.nn.Linear) -> tuple:
+    """Identity and in-place version of a layer's weight."""
+    return (module.weight.data_ptr(), module.weight._version)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from redraft.decoder import block_linear
 from redraft.decoder.kernels import PackedFused, can_pack, packed_calls, packed_linears
 from redraft.decoder.lean import (
     CausalAttention,
@@ -51,6 +53,7 @@ from redraft.decoder.lean import (
     exact_attention,
     plain_stack,
 )
+from redraft.decoder.models import gguf_blocks
 from redraft.proto.errors import RedraftError
 from redraft.proto.tree import Tree
 from transformers import DynamicCache
@@ -96,14 +99,17 @@ class TreeVerifier:
     """
 
     def __init__(self, model, packed_kernels: bool = True, choose_kernels: bool = True,
-                 exact: bool | None = None, lean: bool | None = None) -> None:
+                 exact: bool | None = None, lean: bool | None = None,
+                 block_weights: bool = True) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.exact = self.dtype in (torch.bfloat16, torch.float16) if exact is None else exact
         if lean is None:
             lean = packed_kernels and can_pack(self.dtype, self.device) and plain_stack(model)
-        self.runner = (_LeanRunner(model, self.exact) if lean else
+        blocks = (model_blocks(model, self.dtype) if lean and packed_kernels and block_weights
+                  else None)
+        self.runner = (_LeanRunner(model, self.exact, blocks) if lean else
                        _ModuleRunner(model, packed_kernels, choose_kernels, self.exact))
         self.kernels = self.runner.kernels
         self.choice = self.runner.choice
@@ -187,13 +193,13 @@ class TreeVerifier:
         the kernels it really ran on and feeds its cost back to the choice."""
         choice = None if exact else self.choice
         packed = self.kernels is not None and (choice is None or choice.packed(rows))
-        before, start = packed_calls(), self.cost_clock()
+        before, start = packed_calls() + block_linear.calls(), self.cost_clock()
         with self.runner.kernels_active(packed, exact):
             yield
         if choice is not None:
             choice.record(rows, packed, self.cost_clock() - start)
         self.forwards += 1
-        self.packed_forwards += packed_calls() > before
+        self.packed_forwards += packed_calls() + block_linear.calls() > before
 
     def commit(self, accepted: list[int]) -> None:
         """Keep the root and the accepted nodes (tree indices along one path), drop the rest."""
@@ -232,17 +238,30 @@ class LeanKernels:
         self.pack_seconds += time.perf_counter() - start
 
 
-class _LeanRunner:
-    """The model through `lean.LeanStack` on packed kernels, in its own dtype."""
+def model_blocks(model, dtype: torch.dtype) -> dict | None:
+    """The model's linear layers as the blocks its GGUF file ships (`gguf_blocks`), where the
+    block kernel has a fast path for `dtype` on this CPU; else None (the dense copy runs)."""
+    if not block_linear.fast(dtype):
+        return None
+    return gguf_blocks.block_weights(model)
 
-    name = "lean"
+
+class _LeanRunner:
+    """The model through `lean.LeanStack` in its own dtype: on the GGUF's own blocks where
+    `blocks` maps its layers (the block kernel), else on packed dense weights."""
+
     choice = None
 
-    def __init__(self, model, exact: bool) -> None:
+    def __init__(self, model, exact: bool, blocks: dict | None = None) -> None:
         param = next(model.parameters())
         start = time.perf_counter()
-        self.stack = LeanStack(model, lambda mods: PackedFused(mods, 2 if exact else 1),
-                               param.dtype, exact)
+        if blocks is not None:
+            self.name = "lean blocks"
+            linear = functools.partial(block_linear.fused, blocks, param.dtype)
+        else:
+            self.name = "lean"
+            linear = functools.partial(PackedFused, min_rows=2 if exact else 1)
+        self.stack = LeanStack(model, linear, param.dtype, exact)
         self.kernels = LeanKernels(self.stack, time.perf_counter() - start)
 
     def length(self) -> int:

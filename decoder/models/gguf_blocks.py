@@ -13,12 +13,14 @@ logits.
 
 from __future__ import annotations
 
+import struct
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from redraft.decoder.block_linear import FORMATS, BlockWeight
+from redraft.decoder.block_linear import FORMATS, BlockWeight, row_bytes
 
 # Hugging Face's module names (after "model.layers.N.") -> the GGUF's (after "blk.N.")
 _LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -47,14 +49,9 @@ def block_weights(model) -> dict[torch.nn.Module, BlockWeight] | None:
 
 
 def _read(model, path: Path) -> dict[torch.nn.Module, BlockWeight] | None:
-    from gguf import GGUFReader  # lazy: only models loaded from a GGUF file need it
-
-    reader = GGUFReader(str(path))
-    field = reader.get_field("general.architecture")
-    arch = field.contents() if field is not None else None
+    arch, tensors = read_tensors(path)
     if arch not in _ARCHITECTURES:
         return None
-    tensors = {t.name: t for t in reader.tensors}
     cfg = model.config
     wanted: dict[torch.nn.Module, tuple[str, int | None]] = {}
     for i, layer in enumerate(model.model.layers):
@@ -69,25 +66,90 @@ def _read(model, path: Path) -> dict[torch.nn.Module, BlockWeight] | None:
     wanted[model.get_output_embeddings()] = (head, None)
     out = {}
     for module, (name, heads) in wanted.items():
-        weight = _weight(tensors.get(name), heads)
-        if weight is None or not _matches(weight, module.weight):
+        found = tensors.get(name)
+        if found is None:
+            return None
+        weight = BlockWeight(torch.from_numpy(np.array(found.data)), found.fmt, found.n,
+                             found.k)  # copied off the file map
+        if heads is not None:
+            weight = weight.rows(_row_order(weight.n, heads))
+        if not _matches(weight, module.weight):
             return None
         out[module] = weight
     return out
 
 
-def _weight(tensor, heads: int | None) -> BlockWeight | None:
-    """A GGUF tensor as a `BlockWeight` in Hugging Face's row order, or None if its format is
-    not one the kernel reads."""
-    if tensor is None:
-        return None
-    fmt = FORMATS.get(tensor.tensor_type.name)
-    k, n = (int(d) for d in tensor.shape[:2])  # GGUF shapes list the fastest axis first
-    if fmt is None or len(tensor.shape) != 2 or k % 32:
-        return None
-    data = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(n, -1))
-    weight = BlockWeight(data.clone(), fmt, n, k)
-    return weight if heads is None else weight.rows(_row_order(n, heads))
+@dataclass
+class GgufTensor:
+    """A 2-D tensor of a GGUF file, mapped: its rows of blocks and their format."""
+
+    data: np.ndarray  # uint8 [n, row bytes]
+    fmt: int
+    n: int
+    k: int
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_tensors(path: str | Path) -> tuple[str | None, dict[str, GgufTensor]]:
+    """A GGUF file's architecture and its 2-D tensors in `FORMATS` (mapped, not read).
+
+    Only the header is parsed: gguf-py's reader also decodes every metadata field (the
+    default model's 49,152-entry vocabulary) into arrays, which takes seconds; skipping
+    them takes milliseconds."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(mapped)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    n_tensors, n_fields = struct.unpack_from("<QQ", buf, 8)
+    pos = 24
+    fields: dict[str, object] = {}
+
+    def string(at: int) -> tuple[str, int]:
+        (size,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8 : at + 8 + size]).decode("utf-8", "replace"), at + 8 + size
+
+    def value(kind: int, at: int) -> tuple[object, int]:
+        if kind == _STRING:
+            return string(at)
+        if kind == _ARRAY:
+            item, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if item in _SCALARS:  # skipped whole: only scalars and strings are kept
+                return None, at + count * struct.calcsize(_SCALARS[item])
+            for _ in range(count):
+                _, at = value(item, at)
+            return None, at
+        fmt = _SCALARS[kind]
+        return struct.unpack_from(fmt, buf, at)[0], at + struct.calcsize(fmt)
+
+    for _ in range(n_fields):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        fields[key], pos = value(kind, pos + 4)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (dims,) = struct.unpack_from("<I", buf, pos)
+        shape = struct.unpack_from(f"<{dims}Q", buf, pos + 4)
+        kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * dims)
+        pos += 4 + 8 * dims + 12
+        infos.append((name, shape, kind, offset))
+    align = int(fields.get("general.alignment") or 32)
+    start = -(-pos // align) * align
+    tensors = {}
+    for name, shape, kind, offset in infos:
+        if len(shape) != 2 or kind not in FORMATS.values() or shape[0] % 32:
+            continue
+        k, n = (int(d) for d in shape)  # GGUF lists the fastest axis first
+        size = row_bytes(kind, k)
+        data = mapped[start + offset : start + offset + n * size].reshape(n, size)
+        tensors[name] = GgufTensor(data, kind, n, k)
+    arch = fields.get("general.architecture")
+    return (arch if isinstance(arch, str) else None), tensors
 
 
 def _row_order(n: int, heads: int) -> np.ndarray:
