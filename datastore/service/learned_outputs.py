@@ -52,21 +52,22 @@ class LearnedOutputs:
         self.journal: OutputJournal | None = None
         self.follower: LogFollower | None = None
         if self.index is not None and self.path is not None:
-            try:
-                self.journal = OutputJournal(str(self.path), keep=config.learn_persist_s > 0)
-            except RedraftError as exc:  # e.g. a read-only datastore: learn in this process
-                log.warning("redraft serve: learned outputs stay in this process: %s", exc)
-            else:
-                self.index.journal = self.journal
-                self.follower = LogFollower(str(self.path), self.index, self.journal.names,
-                                            vocab_size=int(reader.vocab_size),
-                                            admit=self.admits)
+            self.journal = OutputJournal(str(self.path), keep=config.learn_persist_s > 0,
+                                         fingerprint=self.fingerprint)
+            if self.journal.unwritable is not None:  # e.g. a read-only datastore
+                log.warning("redraft serve: learned outputs stay in this process until the "
+                            "datastore takes a log: %s", self.journal.unwritable)
+            self.index.journal = self.journal
+            self.follower = LogFollower(str(self.path), self.index, self.journal.names,
+                                        vocab_size=int(reader.vocab_size),
+                                        admit=self.admits, fingerprint=self.fingerprint)
         self._loaded = False
         self._marks_damage_said = False  # damaged learned marks are logged once
         self._tasks: list[asyncio.Future] = []
         self._in_flight: asyncio.Future | None = None  # a persist running on a thread
         self._loading: asyncio.Future | None = None
         self._syncing: asyncio.Future | None = None  # a sync running on a thread
+        self._sync_failing: str | None = None  # a failing sync is said once until it works
 
     def admits(self, key: str) -> bool:
         """Whether an output of `key` (persisted, or logged by another process) may enter
@@ -130,7 +131,17 @@ class LearnedOutputs:
                 await asyncio.shield(self._syncing)
             except (OSError, RedraftError) as exc:  # e.g. a full disk: the next sync
                 # writes what this one could not (the journal keeps it)
-                log.error("redraft serve: could not share learned outputs: %s", exc)
+                if str(exc) != self._sync_failing:
+                    outputs, tokens = self.journal.unwritten()
+                    log.error("redraft serve: could not share learned outputs: %s; %d "
+                              "output(s) (%d tokens) wait in memory for the next sync", exc,
+                              outputs, tokens)
+                self._sync_failing = str(exc)
+            else:
+                if self._sync_failing is not None:
+                    log.warning("redraft serve: learned outputs are written to the datastore "
+                                "again")
+                self._sync_failing = None
 
     def _sync(self) -> None:
         self.journal.flush()
@@ -168,6 +179,8 @@ class LearnedOutputs:
             for name, (n, first) in done.rejected.items():
                 log.error("redraft serve: learned-output log %s: %d output(s) quarantined, "
                           "neither persisted nor drafted (%s)", name, n, first)
+            for line in done.set_aside:
+                log.error("redraft serve: %s", line)
 
     def _say_marks_damaged(self, message: str) -> None:
         if not self._marks_damage_said:
@@ -185,8 +198,10 @@ class LearnedOutputs:
         await asyncio.gather(*pending, return_exceptions=True)
         try:
             await run_in_thread(self.journal.close)
-        except OSError as exc:  # what is in the logs is still persisted below
-            log.error("redraft serve: could not write the last learned outputs: %s", exc)
+        except (OSError, RedraftError) as exc:  # what is in the logs is persisted below
+            outputs, tokens = self.journal.unwritten()
+            log.error("redraft serve: could not write the last learned outputs: %s; %d "
+                      "output(s) (%d tokens) learned here are lost", exc, outputs, tokens)
         self.follower.close()
         if self.config.learn_persist_s > 0:
             await self._persist(set())

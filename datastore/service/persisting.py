@@ -31,8 +31,9 @@ from redraft.datastore.learned_log import (
     list_logs,
     owner_alive,
     persist_lock,
-    read_log,
     remove_stale_new_logs,
+    scan_log,
+    set_aside,
 )
 from redraft.datastore.reader import Reader
 from redraft.datastore.service.records import record_problem
@@ -86,6 +87,9 @@ class Persisted:
     # outputs quarantined by this call, per log: (how many, why the first one was):
     # marked as done without persisting them, so no persist reads them again
     rejected: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # logs of gone owners set aside, each with one line saying what it cost: damaged ones
+    # (outputs lost whole or cut short, counted) and ones of another tokenizer
+    set_aside: list[str] = field(default_factory=list)
 
 
 class MarksDamaged(DatastoreError):
@@ -140,22 +144,47 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
         except MarksDamaged as exc:
             raise MarksDamaged(f"{datastore}: {exc}; learned outputs stay in their logs "
                                f"until the marks are repaired") from None
-        with Reader(datastore) as now:  # the ids the commit will accept
+        with Reader(datastore) as now:  # the ids and the tokenizer the commit will accept
             vocab_size = now.vocab_size
+            tokenizer = str(now.tokenizer_fingerprint)
         result = Persisted()
         documents: list[tuple[str, list[int]]] = []
         marks: dict[str, list[list[int]]] = {}
         finished = []  # logs of gone owners, removable once all is persisted
+        aside: list[tuple[object, str, str]] = []  # (log, suffix, what it cost)
         for path in list_logs(datastore):
             # the owner's liveness first: a dead owner wrote all it ever will, so what is
             # read next is the whole log
             live = path.name in alive or owner_alive(path)
-            outputs, _ = read_log(path)
+            scan = scan_log(path)
+            if scan is None:
+                continue  # removed since it was listed
+            header = scan.header
+            if header is None:  # its header is damaged (or still being written)
+                if not live and scan.damaged_bytes:
+                    aside.append((path, "damaged", f"its header is damaged: every output "
+                                  f"in it is lost ({scan.damaged_bytes} bytes)"))
+                continue
+            if header.memory_only:  # never persisted; gone with its owner
+                if not live:
+                    finished.append(path)
+                continue
+            if header.fingerprint and header.fingerprint != tokenizer:
+                if not live:
+                    aside.append((path, "other-tokenizer", f"it was written for tokenizer "
+                                  f"{header.fingerprint}, not this datastore's {tokenizer}: "
+                                  f"{len(scan.outputs)} output(s) not persisted"))
+                continue
+            outputs = scan.outputs
             ranges = done.get(path.name) or Ranges()
+            cost = [] if live else [n for n in sorted(scan.lost() | scan.cut)
+                                    if n not in ranges]
             for number in sorted(outputs):
                 out = outputs[number]
-                if number in ranges or not (out.final or not live):
+                if number in ranges:
                     continue
+                if live and not (out.final and number not in scan.cut):
+                    continue  # its owner still writes it (or writes its log again)
                 problem = record_problem(out.tenant, out.tokens, vocab_size)
                 if problem is not None:
                     n, first = result.rejected.get(path.name, (0, f"output {number}: "
@@ -166,7 +195,23 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
                 ranges.add(number)
             if ranges.starts:
                 marks[path.name] = ranges.to_json()
-            if not live and all(n in ranges for n in outputs):
+            if live:
+                continue
+            if scan.damaged or scan.tail_bytes:
+                lost = [n for n in cost if n not in scan.outputs]
+                cut = [n for n in cost if n in scan.outputs]
+                where = (f"{scan.damaged_bytes} bytes unreadable from byte {scan.damage_at}"
+                         if scan.damaged_bytes else "")
+                if scan.tail_bytes:
+                    where += (", and " if where else "") + \
+                        f"it ends inside a record ({scan.tail_bytes} bytes)"
+                after = max(scan.outputs, default=-1)
+                aside.append((path, "damaged", f"{where or 'a record is missing'}; its owner "
+                              f"is gone: {len(lost)} output(s) lost whole{_numbers(lost)}, "
+                              f"{len(cut)} persisted only up to the damage{_numbers(cut)}"
+                              + (f", and any output after {after} is lost"
+                                 if scan.damaged_bytes or scan.tail_bytes else "")))
+            elif all(n in ranges for n in outputs):
                 finished.append(path)
         if documents or result.rejected:  # the commit: documents and marks, both or neither
             persist_learned(datastore, documents, {MARKS_KEY: marks}, fingerprint=fingerprint,
@@ -177,7 +222,19 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             result.removed_logs += 1
+        for path, why, cost in aside:  # after the commit: kept, never removed
+            with contextlib.suppress(FileNotFoundError):
+                kept = set_aside(path, why)
+                result.set_aside.append(f"learned-output log {path}: {cost}; kept as "
+                                        f"{kept.name}")
         return result
+
+
+def _numbers(numbers: list[int]) -> str:
+    if not numbers:
+        return ""
+    shown = ", ".join(map(str, numbers[:8]))
+    return f" (output {shown}{', ...' if len(numbers) > 8 else ''})"
 
 
 @dataclass
@@ -198,7 +255,7 @@ def load_persisted(datastore: str, max_tokens: int, token_keys: list[str],
                    wait_s: float, opened=lambda: None) -> Snapshot:
     """The newest persisted outputs that fit `max_tokens` and the marks of the same commit;
     `opened()` runs under the same lock (to open the logs as they are at that commit)."""
-    with persist_lock(datastore, wait_s):  # not held after the wait: a best effort view
+    with persist_lock(datastore, wait_s, reading=True):  # not held: a best effort view
         newest: list[tuple[str, list[int]]] = []
         total = 0
         with Reader(datastore) as reader:

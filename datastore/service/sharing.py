@@ -11,23 +11,35 @@ format and its locks: `redraft.datastore.learned_log`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from redraft.datastore.drafting import LearnedIndex
 from redraft.datastore.drafting.learned_index import LearnedWriter
-from redraft.datastore.learned_log import LogTail, OwnedLog, Record, list_logs
+from redraft.datastore.learned_log import (
+    LogTail,
+    OwnedLog,
+    Record,
+    list_logs,
+    new_log_name,
+    owner_alive,
+)
 from redraft.datastore.service.records import record_problem
+from redraft.proto.errors import DatastoreError
 
 log = logging.getLogger("redraft.serve")
 ROTATE_BYTES = 4 << 20  # a log this long is retired; its open outputs end in it
+FULL_CHECK_S = 2.0  # every byte of this process's logs compared with its copy this often
 
 
 class _Output:
     """A journaled output: its log, its number there, what is not written yet."""
 
-    __slots__ = ("log", "number", "tenant", "pending", "final", "dirty")
+    __slots__ = ("log", "number", "tenant", "pending", "final", "dirty", "written")
 
     def __init__(self, log: _Log, number: int, tenant: str) -> None:
         self.log = log
@@ -36,15 +48,39 @@ class _Output:
         self.pending: list[int] = []
         self.final = False
         self.dirty = False
+        self.written = 0  # tokens in the log so far (the next record's start)
 
 
 class _Log:
-    """One of this process's logs and its outputs not final yet."""
+    """One of this process's logs and its outputs not final yet. Its file is created at
+    the first write (`file`: None before), so a datastore that cannot take a log yet (a
+    read-only directory) gets it as soon as it can."""
 
-    def __init__(self, datastore: str) -> None:
-        self.file = OwnedLog(datastore)
+    def __init__(self, datastore: str, fingerprint: str, memory_only: bool) -> None:
+        self.datastore = datastore
+        self.fingerprint = fingerprint
+        self.memory_only = memory_only
+        self.name = new_log_name()
+        self.file: OwnedLog | None = None
         self.next_number = 0
         self.open = 0
+
+    def created(self) -> OwnedLog:
+        if self.file is None:
+            self.file = OwnedLog(self.datastore, self.fingerprint, self.memory_only,
+                                 name=self.name)
+        return self.file
+
+    @property
+    def size(self) -> int:
+        return 0 if self.file is None else self.file.size
+
+    def release(self, keep: bool) -> None:
+        if self.file is not None:
+            if keep:
+                self.file.release()
+            else:
+                self.file.remove()
 
 
 class OutputJournal:
@@ -53,20 +89,34 @@ class OutputJournal:
     Thread-safe: sessions call `begin`/`append`/`end` on the event loop, `flush` runs on a
     worker thread. A log past `rotate_bytes` is retired: new outputs go to a new log, the old
     one's lock is released once its last open output ended (it then reads as finished, and a
-    persister removes it once persisted; with `keep=False` this process removes it itself).
+    persister removes it once persisted; with `keep=False`, memory only, this process
+    removes it itself, and its header tells every other process never to persist it).
+    Every flush checks that this process's logs are still where and what it wrote (every
+    byte of them every `FULL_CHECK_S` and at close), and writes one again from memory if
+    it was deleted or damaged under it.
     """
 
     def __init__(self, datastore: str, keep: bool = True,
-                 rotate_bytes: int = ROTATE_BYTES) -> None:
+                 rotate_bytes: int = ROTATE_BYTES, fingerprint: str = "") -> None:
         self.datastore = datastore
         self.keep = keep
+        self.fingerprint = fingerprint
         self.rotate_bytes = rotate_bytes
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # one flush at a time, records in order
         self._dirty: list[_Output] = []
-        self._current = _Log(datastore)
+        self._current = self._new_log()
         self._retired: list[_Log] = []
-        self.names: set[str] = {self._current.file.name}  # every log this process wrote
+        self.names: set[str] = {self._current.name}  # every log this process wrote
+        self._checked = time.monotonic()
+        self.unwritable: str | None = None  # why no log could be created at start
+        try:
+            self._current.created()
+        except DatastoreError as exc:  # e.g. a read-only directory: kept until it can
+            self.unwritable = str(exc)
+
+    def _new_log(self) -> _Log:
+        return _Log(self.datastore, self.fingerprint, not self.keep)
 
     # ---- the learned index's side ----------------------------------------------------
     def begin(self, tenant: str) -> _Output:
@@ -102,37 +152,68 @@ class OutputJournal:
                 self._dirty.append(output)
 
     # ---- the sync's side --------------------------------------------------------------
-    def flush(self) -> None:
-        """Write what sessions added since the last flush, one write per log. A write that
-        fails (a full disk) raises once every log was tried; what it carried goes back to
-        the outputs, ahead of what they gained since, for the next flush."""
+    def unwritten(self) -> tuple[int, int]:
+        """(outputs, tokens) waiting to be written: what a process that cannot write its
+        log now would lose if it stopped."""
+        with self._lock:
+            return len(self._dirty), sum(len(o.pending) for o in self._dirty)
+
+    def flush(self, full_check: bool = False) -> None:
+        """Write what sessions added since the last flush, one write per log, then check
+        the logs (`check_logs`). A write that fails (a full disk, a directory that takes no
+        log) raises once every log was tried; what it carried goes back to the outputs,
+        ahead of what they gained since, for the next flush."""
         with self._write_lock:
             with self._lock:
                 dirty, self._dirty = self._dirty, []
                 batches: dict[int, tuple[_Log, list[_Output], list[Record]]] = {}
                 for out in dirty:
                     out.dirty = False
-                    rec = Record(out.number, out.tenant, out.pending, out.final)
+                    rec = Record(out.number, out.tenant, out.pending, out.final,
+                                 out.written)
                     out.pending = []
                     batch = batches.setdefault(id(out.log), (out.log, [], []))
                     batch[1].append(out)
                     batch[2].append(rec)
-            failed: OSError | None = None
+            failed: Exception | None = None
             written = []
             for log_, outs, records in batches.values():
                 try:
-                    log_.file.append(records)
-                except OSError as exc:
+                    log_.created().append(records)
+                except (OSError, DatastoreError) as exc:
                     failed = failed or exc
                     self._restore(outs, records)
                 else:
-                    written.append((log_, records))
+                    written.append((log_, outs, records))
             with self._lock:
-                for log_, records in written:
+                for log_, outs, records in written:
                     log_.open -= sum(r.final for r in records)
+                    for out, rec in zip(outs, records):
+                        out.written += len(rec.tokens)
+                self.names.update(g.name for g in (self._current, *self._retired)
+                                  if g.file is not None)
                 self._rotate()
+            try:
+                self.check_logs(full_check)
+            except OSError as exc:
+                failed = failed or exc
             if failed is not None:
                 raise failed
+
+    def check_logs(self, full: bool = False) -> None:
+        """Write again from memory any of this process's logs deleted, replaced, cut or
+        changed under it (every byte compared when `full` or every FULL_CHECK_S), saying so
+        in one line each."""
+        now = time.monotonic()
+        full = full or now - self._checked >= FULL_CHECK_S
+        if full:
+            self._checked = now
+        with self._lock:
+            files = [g.file for g in (self._current, *self._retired) if g.file is not None]
+        for f in files:
+            said = f.check(full)
+            if said is not None:
+                log.warning("redraft serve: learned-output log %s", said)
 
     def _restore(self, outs: list[_Output], records: list[Record]) -> None:
         with self._lock:
@@ -143,35 +224,29 @@ class OutputJournal:
                     self._dirty.append(out)
 
     def _rotate(self) -> None:
-        if self._current.file.size >= self.rotate_bytes:
+        if self._current.size >= self.rotate_bytes:
             self._retired.append(self._current)
-            self._current = _Log(self.datastore)
-            self.names.add(self._current.file.name)
+            self._current = self._new_log()
         for log_ in [g for g in self._retired if g.open <= 0]:
             self._retired.remove(log_)
-            if self.keep:
-                log_.file.release()
-            else:
-                log_.file.remove()
+            log_.release(self.keep)
 
     def locked_names(self) -> set[str]:
         """This process's logs it still writes (alive, whatever their lock reads as)."""
         with self._lock:
-            return {g.file.name for g in (self._current, *self._retired)}
+            return {g.name for g in (self._current, *self._retired) if g.file is not None}
 
     def close(self) -> None:
-        """At shutdown, once every session ended: write everything, give the logs up (an
-        output still open then reads as ended by a dead owner), or remove them with
-        `keep=False`."""
+        """At shutdown, once every session ended: write everything, check every byte of the
+        logs, give them up (an output still open then reads as ended by a dead owner), or
+        remove them with `keep=False`."""
         try:
-            self.flush()  # a failure (a full disk) is raised once the logs are given up
+            self.flush(full_check=True)  # a failure (a full disk) is raised once the
+            # logs are given up
         finally:
             with self._write_lock, self._lock:
                 for g in (self._current, *self._retired):
-                    if self.keep:
-                        g.file.release()
-                    else:
-                        g.file.remove()
+                    g.release(self.keep)
                 self._retired = []
 
 
@@ -182,14 +257,21 @@ class LogFollower:
     this process loaded the persisted outputs (so it is in the index already). `admit(key)`:
     whether outputs of tenant key `key` may enter this process's index at all. An output
     with a record `records.record_problem` refuses (ids past `vocab_size`, a tenant key no
-    session could have) is dropped from there on, with one line per log.
+    session could have) is dropped from there on, with one line per log. A log whose header
+    names another tokenizer than `fingerprint` is not replayed at all (one line per log); a
+    memory-only log whose owner is gone is not replayed by a process that finds it so, and
+    is removed (a memory-only run leaves nothing behind).
     """
 
     def __init__(self, datastore: str, index: LearnedIndex, own: set[str],
                  skip: Callable[[str, int], bool] = lambda name, number: False, *,
                  vocab_size: int = 1 << 32,
-                 admit: Callable[[str], bool] = lambda key: True) -> None:
+                 admit: Callable[[str], bool] = lambda key: True,
+                 fingerprint: str = "") -> None:
         self.datastore = datastore
+        self.fingerprint = fingerprint
+        self._foreign: set[str] = set()  # logs of another tokenizer, said once
+        self._left: dict[str, int] = {}  # where reading stopped in logs gone for now
         self.index = index
         self.own = own
         self.skip = skip
@@ -225,12 +307,34 @@ class LogFollower:
                 continue
             tail = self._tails.get(name)
             if tail is None:
-                tail = self._tails[name] = LogTail(path)
-            n += self._apply(name, tail.read())
-            if tail.damaged and name not in self._reported:
+                tail = self._tails[name] = LogTail(path, self._left.pop(name, 0))
+            fresh = tail.header is None
+            records = tail.read()
+            header = tail.header
+            if header is not None and header.fingerprint and \
+                    header.fingerprint != self.fingerprint:
+                if name not in self._foreign:
+                    self._foreign.add(name)
+                    log.error("redraft serve: learned-output log %s was written for another "
+                              "tokenizer (%s; this datastore's is %s): not replayed", path,
+                              header.fingerprint, self.fingerprint)
+                continue
+            if header is not None and header.memory_only and not owner_alive(path):
+                # its owner is gone: what it learned went with it (a process following it
+                # while it lived keeps what it read, and reads the rest)
+                n += self._apply(name, [] if fresh else records)
+                self._forget(name)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            n += self._apply(name, records)
+            if not tail.damaged:
+                self._reported.discard(name)
+            elif name not in self._reported:
                 self._reported.add(name)
                 log.error("redraft serve: learned-output log %s is damaged after byte %d; "
-                          "the rest of it is not replayed", path, tail.offset)
+                          "the rest of it is not replayed until it is written again", path,
+                          tail.offset)
         self.replayed += n
         return n
 
@@ -267,7 +371,12 @@ class LogFollower:
                       problem)
 
     def _forget(self, name: str) -> None:
-        self._tails.pop(name).close()
+        tail = self._tails.pop(name)
+        tail.close()
+        if tail.header is not None:  # were it written again under its name: go on there
+            self._left[name] = tail.offset
+            while len(self._left) > 4096:
+                del self._left[next(iter(self._left))]
         self._reported.discard(name)
         self._quarantined.discard(name)
         self._dropped = {k for k in self._dropped if k[0] != name}
