@@ -1,0 +1,162 @@
+"""The block kernel (decoder/native/_blocks.cpp) on every path this CPU has: against a float64
+reference, and bit for bit the same for a row whatever the rows and threads sharing its call
+(the property that keeps tree verification lossless). A failure names the CPU and the path."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from redraft.decoder.block_linear import BlockLinear, BlockWeight, kernel_path
+from redraft.decoder.budget import MAX_TREE_NODES
+from redraft.decoder.native import _blocks
+
+# The default model's linear shapes (out, in): fused query/key/value, attention output,
+# fused gate/up, down, and the LM head (the Q8_0 embedding).
+SHAPES = [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1"),
+          (49152, 576, "Q8_0")]
+# every tree size up to 64 rows, then the size classes up to the largest fixed tree
+ROWS = [*range(1, 65), 96, 128, 192, MAX_TREE_NODES, MAX_TREE_NODES + 1]
+THREADS = sorted({1, 2, os.cpu_count() or 1})
+KINDS = {torch.float32: _blocks.KIND_F32, torch.bfloat16: _blocks.KIND_BF16}
+
+
+def random_blocks(n: int, k: int, fmt: str, seed: int = 0) -> BlockWeight:
+    """n rows of random blocks with the scales a real model's have."""
+    rng = np.random.default_rng(seed)
+    blocks = k // 32
+    d = rng.uniform(0.002, 0.02, (n, blocks, 1)).astype(np.float16).view(np.uint8)
+    if fmt == "Q4_1":
+        m = rng.uniform(-0.12, -0.01, (n, blocks, 1)).astype(np.float16).view(np.uint8)
+        qs = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
+        raw = np.concatenate([d, m, qs], axis=2)
+    elif fmt == "Q8_0":
+        raw = np.concatenate([d, rng.integers(0, 256, (n, blocks, 32), dtype=np.uint8)], axis=2)
+    elif fmt == "BF16":
+        dense = torch.from_numpy(rng.normal(0, 0.05, (n, k)).astype(np.float32))
+        raw = dense.to(torch.bfloat16).view(torch.uint8).numpy()
+    else:  # F32
+        raw = rng.normal(0, 0.05, (n, k)).astype(np.float32).view(np.uint8)
+    return BlockWeight(torch.from_numpy(raw.reshape(n, -1).copy()), getattr(_blocks, fmt), n, k)
+
+
+def machine(dtype: torch.dtype) -> str:
+    """The CPU and the path, for failure messages."""
+    return (f"CPU capability {torch.backends.cpu.get_cpu_capability()}, paths "
+            f"{_blocks.paths()}, {dtype} on {kernel_path(dtype)}")
+
+
+@pytest.fixture(params=["default", "scalar"])
+def path(request):
+    """Each dtype on its default path, then on the scalar one; restored afterwards."""
+    before = {kind: _blocks.path(kind) for kind in KINDS.values()}
+    if request.param == "scalar":
+        for kind in KINDS.values():
+            _blocks.use_path(kind, "scalar")
+    yield request.param
+    for kind, name in before.items():
+        _blocks.use_path(kind, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "BF16", "F32"])
+def test_matches_a_float64_matmul_of_the_dequantized_weights(path, dtype, fmt):
+    weight = random_blocks(200, 1536 if fmt == "Q4_1" else 576, fmt)
+    x = torch.randn(7, weight.k).to(dtype)
+    got = BlockLinear(weight, dtype)(x).double()
+    dense = weight.dense().to(dtype).double()  # a bf16 model's weights are rounded so
+    want = x.double() @ dense.T
+    # float32: summation error only; bfloat16: the output's own rounding (2^-8) dominates
+    tol = (1e-5 if dtype == torch.float32 else 8e-3) * want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= tol, f"{fmt} {dtype}: error {err:.3g} > {tol:.3g} ({machine(dtype)})"
+
+
+def test_dequantized_weights_are_the_gguf_formula():
+    """Q4_1: d * q + m (rounded after the product and after the sum); Q8_0: d * q."""
+    w = random_blocks(3, 64, "Q4_1")
+    raw = w.data.numpy().reshape(3, 2, 20)
+    d = raw[..., 0:2].copy().view(np.float16).astype(np.float32)
+    m = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
+    qs = raw[..., 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
+    assert np.array_equal(w.dense().numpy(), ((d * q) + m).reshape(3, 64))
+    w8 = random_blocks(3, 64, "Q8_0")
+    raw8 = w8.data.numpy().reshape(3, 2, 34)
+    d8 = raw8[..., 0:2].copy().view(np.float16).astype(np.float32)
+    q8 = raw8[..., 2:].copy().view(np.int8).astype(np.float32)
+    assert np.array_equal(w8.dense().numpy(), (d8 * q8).reshape(3, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_bits_never_depend_on_the_rows_or_threads_sharing_its_call(dtype):
+    """Every linear shape of the default model, every row count 1..64 and the size classes up
+    to MAX_TREE_NODES, at 1, 2 and the machine's thread count: each row of a k-row call is
+    bitwise that row of the largest call (so row 0 is the one-row call's)."""
+    if kernel_path(dtype) == "scalar":
+        pytest.skip(f"{dtype} runs on the scalar path on this CPU: tested on small shapes "
+                    f"by test_the_scalar_path_is_row_invariant_too ({machine(dtype)})")
+    before = torch.get_num_threads()
+    torch.manual_seed(0)
+    try:
+        for n, k, fmt in SHAPES:
+            linear = BlockLinear(random_blocks(n, k, fmt), dtype)
+            x = torch.randn(ROWS[-1], k).to(dtype)
+            torch.set_num_threads(1)
+            full = linear(x)
+            for threads in THREADS:
+                torch.set_num_threads(threads)
+                for rows in ROWS if threads == 1 else [1, 2, 3, 16, 33, 64, ROWS[-1]]:
+                    got = linear(x[:rows])
+                    assert torch.equal(got, full[:rows]), (
+                        f"[{n}, {k}] {fmt}: {rows} rows at {threads} threads differ from the "
+                        f"same rows of a {ROWS[-1]}-row call at 1 thread ({machine(dtype)})")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_scalar_path_is_row_invariant_too(dtype):
+    before = _blocks.path(KINDS[dtype])
+    _blocks.use_path(KINDS[dtype], "scalar")
+    try:
+        linear = BlockLinear(random_blocks(9, 576, "Q4_1"), dtype)
+        x = torch.randn(17, 576).to(dtype)
+        full = linear(x)
+        for rows in range(1, 18):
+            assert torch.equal(linear(x[:rows]), full[:rows]), machine(dtype)
+    finally:
+        _blocks.use_path(KINDS[dtype], before)
+
+
+def test_the_bf16_paths_agree():
+    """The AVX512-BF16 path against the scalar one, which writes out VDPBF16PS's documented
+    semantics: equal bits on the CPUs this was built on (AMD Zen 4); on any CPU within the
+    accumulation's rounding, so a bf16 model on either path decodes alike."""
+    if _blocks.path(_blocks.KIND_BF16) == "scalar":
+        pytest.skip(f"no bf16 SIMD path on this CPU ({machine(torch.bfloat16)})")
+    linear = BlockLinear(random_blocks(64, 1536, "Q4_1"), torch.bfloat16)
+    x = torch.randn(5, 1536).to(torch.bfloat16)
+    simd = linear(x)
+    _blocks.use_path(_blocks.KIND_BF16, "scalar")
+    try:
+        scalar = linear(x)
+    finally:
+        _blocks.use_path(_blocks.KIND_BF16, "avx512bf16")
+    diff = (simd.float() - scalar.float()).abs().max().item()
+    assert diff <= 1e-2 * scalar.float().abs().max().item(), machine(torch.bfloat16)
+
+
+def test_bad_shapes_and_formats_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _blocks.row_bytes(_blocks.Q4_1, 40)
+    with pytest.raises(ValueError, match="unsupported weight type"):
+        _blocks.row_bytes(2, 64)  # Q4_0: not a format the kernel reads
+    with pytest.raises(ValueError, match="does not run"):
+        _blocks.use_path(_blocks.KIND_F32, "avx512bf16")
+    with pytest.raises(ValueError, match="expected"):
+        BlockLinear(random_blocks(4, 64, "Q8_0"), torch.float32)(torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="uint8"):
+        BlockWeight(torch.zeros(4, 68, dtype=torch.uint8), _blocks.Q8_0, 4, 96)
