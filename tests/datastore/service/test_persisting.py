@@ -1,6 +1,7 @@
 """Learned outputs persisted exactly once, with real `redraft serve` processes: replicas and
 workers persisting at the same moment, a replica killed with SIGKILL in the middle of a
-persist, another writer holding the datastore's lock through persists and a shutdown.
+persist, another writer holding the datastore's lock through persists and a shutdown, a
+log damaged or deleted under its server or after it, a log of another tokenizer.
 Every output is found once in the datastore afterwards, by its name (each test session has
 its own tenant, and a persisted output is named by its tenant's key)."""
 
@@ -247,3 +248,85 @@ def test_a_server_over_marks_of_another_shape_says_so_once_and_keeps_serving(
     (log,) = list_logs(store)  # and nothing lost: the outputs wait in their log
     assert sorted(o.tenant for o in read_log(log)[0].values()) == ["t:after", "t:kept-0",
                                                                    "t:kept-1"]
+
+
+def finals(path) -> int:
+    return sum(o.final for o in read_log(path)[0].values())
+
+
+def flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("harm", ["flip", "cut", "delete"])
+def test_a_live_server_s_log_damaged_or_deleted_under_it_loses_nothing_and_says_so(
+        store, servers, until, harm):
+    # one bit flipped, the log cut to half (the writer goes on at the new end), or the log
+    # deleted (a cleanup job, `rsync --delete`): the server still holds what it wrote
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "600")
+    learn(a.address, ["early-0", "early-1", "early-2"])
+    (path,) = list_logs(store)
+    until(lambda: finals(path) == 3)
+    size = os.path.getsize(path)
+    if harm == "flip":
+        flip(path, size // 2)
+    elif harm == "cut":
+        os.truncate(path, size // 2)
+    else:
+        os.unlink(path)
+    learn(a.address, ["late-0", "late-1", "late-2"])
+    assert a.stop() == 0
+    assert persisted(store) == Counter(["early-0", "early-1", "early-2", "late-0", "late-1",
+                                        "late-2"])
+    assert list_logs(store) == []
+    said = [line for line in a.stderr.splitlines() if "written again from memory" in line]
+    assert len(said) == 1 and path.name in said[0], a.stderr
+    assert "Traceback" not in a.stderr
+
+
+def test_a_damaged_log_of_a_gone_owner_is_persisted_past_the_damage_kept_and_counted(
+        store, servers, until):
+    log = OwnedLog(store, FP)
+    ends = []
+    for n in range(6):
+        log.append([Record(n, f"t:logged-{n}", PROMPT[-16:] + output_of(f"logged-{n}", 24),
+                           True)])
+        ends.append(log.size)
+    log.release()  # its owner is gone
+    flip(log.path, ends[0] + 60)  # inside output 1: every later output is still whole
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
+    until(lambda: "kept as" in a.stderr, timeout=15)
+    assert persisted(store) == Counter([f"logged-{n}" for n in (0, 2, 3, 4, 5)])
+    assert a.stop() == 0
+    assert list_logs(store) == []  # never read again, and never removed:
+    assert (log.path.parent / f"{log.name}.damaged").exists()
+    (said,) = [line for line in a.stderr.splitlines() if "kept as" in line]
+    assert "1 output(s) lost whole (output 1)" in said and "bytes unreadable" in said
+    assert persisted(store) == Counter([f"logged-{n}" for n in (0, 2, 3, 4, 5)])
+
+
+def test_outputs_learned_for_another_tokenizer_are_neither_replayed_nor_persisted(
+        store, servers, until, tmp_path):
+    # the datastore rebuilt with another tokenizer of the same vocabulary size while an
+    # old replica still serves the old snapshot
+    old = servers.start(store, "--port", "0", "--learn-persist-seconds", "600")
+    build_datastore(None, store, documents=DOCS, fingerprint=FP + "-new", vocab_size=VOCAB,
+                    corpus="c")
+    learn(old.address, ["old-0", "old-1"])  # ids of the old tokenizer
+    (path,) = list_logs(store)
+    until(lambda: finals(path) == 2)
+    new = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.2")
+    until(lambda: "another tokenizer" in new.stderr)
+    assert old.stop() == 0  # its shutdown persist, or the new server's, sets its log aside
+    aside = path.parent / f"{path.name}.other-tokenizer"
+    until(aside.exists, timeout=10)
+    with DraftClient(new.address) as c:
+        assert c.stats()["learned_docs"] == 0
+    assert new.stop() == 0
+    assert persisted(store) == Counter() and list_logs(store) == []
+    assert "2 output(s) not persisted" in old.stderr + new.stderr
+    assert "Traceback" not in old.stderr + new.stderr

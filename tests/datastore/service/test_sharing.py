@@ -1,10 +1,12 @@
 """What one serving process learns drafts on the others: two `redraft serve` replicas (two
 processes, two ports, one datastore directory) and `--workers 2`, each with a session; the
-second drafts (source `learned`) what the first is learning, within the default bound."""
+second drafts (source `learned`) what the first is learning, within the default bound; a
+memory-only server killed with SIGKILL leaves nothing any later server uses."""
 
 from __future__ import annotations
 
 import errno
+import os
 import random
 import subprocess
 import sys
@@ -198,3 +200,35 @@ def test_a_log_write_failing_on_a_full_disk_keeps_its_outputs_for_the_next_write
     assert {o.tenant: (o.tokens, o.final) for o in outputs.values()} == {
         "t:a": (list(range(1, 50)), True), "t:b": (list(range(100, 400)), True),
         "t:c": ([7, 8, 9], True)}
+
+
+def killed_memory_only_server(store, servers, until, tenant: str):
+    """A memory-only server that learned one output of `tenant`, then was SIGKILLed (it
+    could not remove its log): the log it leaves."""
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0")
+    with DraftClient(a.address) as c:
+        learn(c, tenant)
+    (path,) = list_logs(store)
+    until(lambda: any(o.final for o in read_log(path)[0].values()))
+    a.kill()
+    return path
+
+
+def test_a_killed_memory_only_server_leaves_nothing_a_later_server_replays_or_persists(
+        store, servers, until):
+    path = killed_memory_only_server(store, servers, until, "alice")
+    later = servers.start(store, "--port", "0", "--learn-persist-seconds", "0")
+    until(lambda: path not in list_logs(store))  # the next server removes it
+    with DraftClient(later.address) as c:
+        stats = c.stats()
+        assert stats["learned_docs"] == 0 and stats["learned_records_replayed"] == 0
+        alice = watcher(c, "alice")  # drafts nothing of it
+        alice.close()
+    assert later.stop() == 0 and list_logs(store) == []
+    path = killed_memory_only_server(store, servers, until, "bob")
+    persisting = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.2")
+    until(lambda: path not in list_logs(store))
+    assert persisting.stop() == 0 and list_logs(store) == []
+    with Reader(store) as r:
+        assert "learned" not in r.corpora  # nothing of either run reached the datastore
+    assert not any(n.startswith(path.name) for n in os.listdir(path.parent))
