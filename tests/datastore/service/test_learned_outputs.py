@@ -1,16 +1,20 @@
 """The service learns from what it serves: drafts for the same tenant only, bounded memory,
-persisted as the datastore corpus `learned` and reloaded after a restart. Real servers on
-real ports."""
+persisted as the datastore corpus `learned` and reloaded after a restart, on a read-only
+datastore too (drafted from memory, persisted once it is writable). Real servers on real
+ports."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import subprocess
 import time
 
 import grpc
 import pytest
-from redraft.datastore import Reader, build_datastore
+from redraft.datastore import Reader, build_datastore, persist_learned
 from redraft.datastore.service.client import DraftClient, DraftParams, InvalidRequest
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.server import ServerThread
@@ -153,3 +157,57 @@ def test_bad_tenant_is_invalid_argument(store):
             list(stub.Session(iter([opening]), timeout=10))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "tenant" in err.value.details()
+
+
+@contextlib.contextmanager
+def small_file_system(path):
+    """A tmpfs at `path` that a test can remount read-only and back (root only)."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
+            capture_output=True).returncode != 0:
+        pytest.skip("needs to mount a file system (root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def remount(path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
+
+
+def learned_names(store) -> list[str]:
+    with Reader(store) as r:
+        if "learned" not in r.corpora:
+            return []
+        return sorted(name for _, name, _ in r.documents("learned"))
+
+
+def test_a_read_only_datastore_drafts_what_it_holds_and_persists_what_it_learns_later(
+        tmp_path, servers, until):
+    with small_file_system(tmp_path / "fs") as fs:
+        store = str(fs / "ds")
+        build_datastore(None, store, documents=DOCS, fingerprint=FP, vocab_size=VOCAB,
+                        corpus="c")
+        persist_learned(store, [("t:alice", PROMPT[-16:] + SECRET)], {}, fingerprint=FP)
+        remount(fs, "ro")
+        a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
+        with DraftClient(a.address) as c:
+            until(lambda: c.stats()["learned_docs"] == 1)  # what it already holds loads
+            assert secret_drafted(c, "alice") > 30
+            generate(c, "bob", text=SECRET[::-1])  # learned while nothing can be written
+            assert secret_drafted(c, "carol") == 0
+        assert "learned outputs stay in this process" in a.stderr
+        remount(fs, "rw")  # writable again: what it learned meanwhile is persisted
+        until(lambda: "t:bob" in learned_names(store), timeout=15)
+        assert a.stop() == 0
+        assert learned_names(store).count("t:bob") == 1
+        remount(fs, "ro")  # and a shutdown that cannot write says what it loses
+        b = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
+        with DraftClient(b.address) as c:
+            generate(c, "dave")
+        assert b.stop() == 0
+        (said,) = [line for line in b.stderr.splitlines() if "are lost" in line]
+        assert "1 output(s)" in said and "Traceback" not in a.stderr + b.stderr
+        remount(fs, "rw")
