@@ -189,7 +189,7 @@ class CostModel:
     @classmethod
     def measure(
         cls, model, sizes: Sequence[int] = DEFAULT_SIZES, prefix: int = 128, rounds: int = 5,
-        packed_kernels: bool = True, choose_kernels: bool = True,
+        packed_kernels: bool = True, choose_kernels: bool = True, block_weights: bool = True,
     ) -> CostModel:
         """Time one forward of n tokens over a cached prefix, for each n (on the verifier's
         `cost_clock`, as decoding's own forwards are timed).
@@ -201,7 +201,8 @@ class CostModel:
         does (its first rounds try both), so each size gets the faster kind's time;
         without it, packed kernels run every forward where they apply.
         """
-        verifier = TreeVerifier(model, packed_kernels, choose_kernels)
+        verifier = TreeVerifier(model, packed_kernels, choose_kernels,
+                                block_weights=block_weights)
         vocab = int(model.config.vocab_size)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).tolist()
@@ -218,12 +219,13 @@ class CostModel:
     @classmethod
     def for_model(
         cls, model, name: str, directory: Path | None = None, packed_kernels: bool = True,
-        choose_kernels: bool = True,
+        choose_kernels: bool = True, block_weights: bool = True,
     ) -> CostModel:
         """The cached curve for this model on this device and kernels, measured on first use."""
         # which forward runs (lean or modules, packed or stock, exact or batched attention):
         # a curve measured on one says little about another
-        kernels = TreeVerifier(model, packed_kernels, choose_kernels).kind
+        kernels = TreeVerifier(model, packed_kernels, choose_kernels,
+                               block_weights=block_weights).kind
         p = next(model.parameters())
         cfg = model.config
         key_src = json.dumps(
@@ -240,7 +242,7 @@ class CostModel:
         except (OSError, ValueError, KeyError, TypeError):
             start = time.perf_counter()
             curve = cls.measure(model, packed_kernels=packed_kernels,
-                                choose_kernels=choose_kernels)
+                                choose_kernels=choose_kernels, block_weights=block_weights)
             curve.source, curve.measure_seconds = "measured", time.perf_counter() - start
             write_cache(path, _json_writer(curve.to_json()))
         curve.path = path

@@ -237,6 +237,7 @@ class Generator:
         persist_state: bool | str | os.PathLike = False,
         packed_kernels: bool = True,
         choose_kernels: bool = True,
+        block_weights: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -262,7 +263,8 @@ class Generator:
         if persist_state and drafter is not None:
             self.state_dir = cache_root() if persist_state is True else Path(persist_state)
             self.load_state()
-        self.verifier = TreeVerifier(model, packed_kernels, choose_kernels)
+        self.verifier = TreeVerifier(model, packed_kernels, choose_kernels,
+                                     block_weights=block_weights)
         self.context_limit = _context_limit(model)
         self.eos_ids = _eos_ids(model, tokenizer)
         self._busy = threading.Lock()  # held for a whole generation (see the class docstring)
@@ -300,6 +302,7 @@ class Generator:
             self._cost = CostModel.for_model(
                 self.model, self.model_name, packed_kernels=self.verifier.kernels is not None,
                 choose_kernels=self.verifier.choice is not None,
+                block_weights=self.verifier.on_blocks,
             )
         return self._cost
 

@@ -121,6 +121,11 @@ class TreeVerifier:
         self.last_forward_cost = 0.0  # the same forward on `cost_clock`
 
     @property
+    def on_blocks(self) -> bool:
+        """Whether the linear layers run on the model file's own blocks (the block kernel)."""
+        return self.runner.name == "lean blocks"
+
+    @property
     def kind(self) -> str:
         """Which forward runs, for cost-curve keys and reports (e.g. "lean exact")."""
         kind = self.runner.name

@@ -38,6 +38,7 @@ from redraft.decoder.bench.methods import (
     drafter_options,
     method_drafters,
     parse_methods,
+    split_dense,
     warm_up,
 )
 from redraft.decoder.bench.questions import BenchError, load_questions, load_sampling_questions
@@ -115,13 +116,18 @@ def run(args: argparse.Namespace) -> int:
     choose = not args.always_packed
     # One forward-cost curve for every drafting method, loaded (or, on a cold cache, measured)
     # before any answer is timed; the methods' timed forwards keep correcting it.
-    cost = None
-    if args.tree_nodes:
-        cost = CostModel.flat(args.tree_nodes)
-    elif any(method_drafters(n) not in (None, "none") for n in names):
-        # (measuring it also packs the kernels redraft's methods share, before any answer)
-        cost = CostModel.for_model(model, model_name, packed_kernels=not args.stock_kernels,
-                                   choose_kernels=choose)
+    # (one per kind of weights: `-dense` methods verify on the dense copy)
+    costs: dict[bool, CostModel | None] = {}
+    for dense in {split_dense(n)[1] for n in names}:
+        costs[dense] = None
+        if args.tree_nodes:
+            costs[dense] = CostModel.flat(args.tree_nodes)
+        elif any(method_drafters(n) not in (None, "none") for n in names
+                 if split_dense(n)[1] == dense):
+            # (measuring it also packs the kernels redraft's methods share, before any answer)
+            costs[dense] = CostModel.for_model(
+                model, model_name, packed_kernels=not args.stock_kernels,
+                choose_kernels=choose, block_weights=not dense)
     run_id = uuid.uuid4().hex[:12]
     methods: list[Method] = []
     drafters = []
@@ -134,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                 methods.append(HFMethod(name, model, tokenizer,
                                         10 if name == "hf-pld" else None))
                 continue
-            options = {**options_from_args(args), **VARIANTS.get(name, ("", {}))[1]}
+            base, dense = split_dense(name)
+            options = {**options_from_args(args), **VARIANTS.get(base, ("", {}))[1]}
             drafter = build_drafter(method_drafters(name, args.model), model=model,
                                     tokenizer=tokenizer, model_name=model_name,
                                     datastore=args.datastore, draft_service=args.draft_service,
@@ -143,9 +150,9 @@ def run(args: argparse.Namespace) -> int:
             drafters.append(drafter)
             # persist_state off: every run starts from the priors, so runs compare
             methods.append(RedraftMethod(name, Generator(
-                model, tokenizer, drafter, model_name=model_name, cost=cost,
+                model, tokenizer, drafter, model_name=model_name, cost=costs[dense],
                 persist_state=False, packed_kernels=not args.stock_kernels,
-                choose_kernels=choose)))
+                choose_kernels=choose, block_weights=not dense)))
         warm_up(methods)
         rounds = args.samples if sampling else args.repeat
         with tqdm(total=len(questions) * len(methods) * rounds, unit="answer", file=sys.stderr,
@@ -179,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"results in {out}/ (records.jsonl, summary.json, summary.md)")
         return 0
     summary = summarize(records)
+    cost = costs.get(False) or costs.get(True)  # the block kernel's, where both ran
     meta = {**common, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
             "repeat": args.repeat, "methods": names, "datastore": args.datastore,
             "draft_service": args.draft_service, "device": str(model.device),

@@ -19,6 +19,9 @@ from redraft.decoder.kernels import packed_calls
 from redraft.decoder.text import chat_ids
 
 NOLEARN = "-nolearn"
+# `X-dense` is X verified on the model's dense copy (packed oneDNN) instead of the blocks its
+# GGUF file ships (the block kernel): the two kernels side by side in one run.
+DENSE = "-dense"
 LLAMA_CPP = "llama-cpp"  # plain llama-cpp-python on the GGUF (`bench.llama_cpp_method`)
 
 
@@ -132,8 +135,8 @@ def redraft_methods(model_name: str | None = None) -> dict[str, str]:
 
 def method_drafters(method: str, model_name: str | None = None) -> str | None:
     """The drafter names of a redraft method for a model, None for an unknown method
-    (`X-nolearn` is X with learned drafts off)."""
-    method = split_learning(method)[0]
+    (`X-nolearn` is X with learned drafts off, `X-dense` X on the dense weights)."""
+    method = split_learning(split_dense(method)[0])[0]
     known = redraft_methods(model_name)
     if method in known:
         return known[method]
@@ -165,6 +168,13 @@ def parse_methods(spec: str, has_retrieval: bool) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def split_dense(method: str) -> tuple[str, bool]:
+    """(the method without a `-dense` suffix, whether it runs on the dense weights)."""
+    if method.endswith(DENSE):
+        return method[: -len(DENSE)], True
+    return method, False
+
+
 def split_learning(method: str) -> tuple[str, bool]:
     """(the method without a `-nolearn` suffix, whether it learns)."""
     if method.endswith(NOLEARN):
@@ -176,7 +186,7 @@ def drafter_options(method: str, given: dict, run_id: str) -> dict:
     """A method's drafter options: learning off for `-nolearn`, and a tenant of its own per
     run (so a draft service's learned outputs never cross methods or runs)."""
     options = dict(given)
-    if not split_learning(method)[1]:
+    if not split_learning(split_dense(method)[0])[1]:
         options["learn"] = "off"
     if not options.get("tenant"):
         options["tenant"] = f"bench-{run_id}-{method}"

@@ -88,6 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stock-kernels", action="store_true",
                    help="run the target on PyTorch's stock CPU kernels instead of packed oneDNN "
                         "weights (to isolate what drafting alone gains)")
+    p.add_argument("--dense-weights", action="store_true",
+                   help="verify on the model's dense copy (packed oneDNN) instead of the blocks "
+                        "its GGUF file ships (the block kernel, the default where it runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_client_options(p)
     add_options(p)
@@ -180,10 +183,12 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate_all(args, prompts: list[list[str]], drafter, model, tokenizer, name: str) -> int:
     packed = not args.stock_kernels
     cost = CostModel.flat(args.tree_nodes) if args.tree_nodes else None
+    blocks = not args.dense_weights
     gen = Generator(model, tokenizer, drafter, model_name=name, cost=cost,
-                    max_nodes=args.max_nodes, persist_state=True, packed_kernels=packed)
-    plain = (Generator(model, tokenizer, None, model_name=name, packed_kernels=packed)
-             if args.baseline else None)
+                    max_nodes=args.max_nodes, persist_state=True, packed_kernels=packed,
+                    block_weights=blocks)
+    plain = (Generator(model, tokenizer, None, model_name=name, packed_kernels=packed,
+                       block_weights=blocks) if args.baseline else None)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, typical=args.typical,
                   chat=not args.raw)

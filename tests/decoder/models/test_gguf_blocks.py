@@ -70,7 +70,8 @@ def test_the_verifier_runs_on_blocks_and_computes_the_dense_copys_logits(default
     argmax is the same at every row."""
     model, _ = default_model
     if not block_linear.fast(torch.float32):
-        pytest.skip(f"float32 has no SIMD block path here ({block_linear.kernel_path(torch.float32)})")
+        path = block_linear.kernel_path(torch.float32)
+        pytest.skip(f"float32 has no SIMD block path on this CPU ({path})")
     on_blocks, dense = TreeVerifier(model), TreeVerifier(model, block_weights=False)
     assert "blocks" in on_blocks.kind and "blocks" not in dense.kind
     ids = list(range(1000, 1040))

@@ -1,0 +1,161 @@
+"""The verifier's forward against the floor of the bytes it reads, per stage, at 1..64 rows.
+
+On the CPU at hand and in one run: the bytes of weights one forward reads (the GGUF's blocks,
+or the dense copy in the model's dtype), this core's measured read bandwidth (a sum over a
+512 MB array, the same threads), the floor those give, and the forward's time split into its
+linear layers, its attention and the rest (norms, rotary, the cache, Python), for the block
+kernel and the dense packed kernels, interleaved round by round (the fastest round kept:
+noise only adds time). Each forward verifies a tree of branches up to DEPTH deep, as drafts
+are, over a cached prefix.
+
+    python -m tools.bench_forward --threads 1
+    python -m tools.bench_forward --threads 1 --dtype float32 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEPTH = 8  # the trees' branches: a draft tree's shape, not one 64-deep chain
+
+
+def tree(tokens: list[int]):
+    """Branches of up to DEPTH nodes each hanging from the root: n - 1 drafted nodes."""
+    from redraft.proto.tree import Tree
+
+    parents = [-1 if i % DEPTH == 0 else i - 1 for i in range(len(tokens))]
+    return Tree(list(tokens), parents, [0.5] * len(tokens), ["bench"] * len(tokens))
+
+
+def read_bandwidth(seconds: float = 1.0) -> float:
+    """Bytes per second one sum over a 512 MB float32 array reads (the best of a few)."""
+    data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds or best == float("inf"):
+        t = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t)
+    return data.numel() * 4 / best
+
+
+class Timed:
+    """A stage's callable, its time added to a shared clock."""
+
+    def __init__(self, inner, clock: dict, stage: str) -> None:
+        self.inner, self.clock, self.stage = inner, clock, stage
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        out = self.inner(*args)
+        self.clock[self.stage] += time.perf_counter() - t
+        return out
+
+    def __getattr__(self, name):  # the attention strategy's `prepare`, a linear's `refresh`
+        return getattr(self.inner, name)
+
+
+def instrument(verifier, clock: dict) -> None:
+    """Time the verifier's linear layers and attention (the lean forward only)."""
+    stack = verifier.runner.stack
+    stack.lm_head = Timed(stack.lm_head, clock, "linear")
+    for layer in stack.layers:
+        for name in ("qkv", "out", "gate_up", "down"):
+            setattr(layer, name, Timed(getattr(layer, name), clock, "linear"))
+    run = stack.run
+    stack.run = lambda tokens, positions, attention: run(
+        tokens, positions, Timed(attention, clock, "attention"))
+
+
+def weight_bytes(verifier) -> int:
+    """Bytes of weights one forward of the verifier reads."""
+    total = 0
+    for linear in verifier.runner.stack.linears:
+        run = getattr(linear, "run", linear)
+        weight = getattr(run, "weight", None)
+        if hasattr(weight, "nbytes") and not isinstance(weight, torch.Tensor):
+            total += weight.nbytes  # a BlockWeight
+        else:
+            total += sum(m.weight.numel() * m.weight.element_size() for m in linear.modules)
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default: auto)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prefix", type=int, default=128, help="cached tokens before each forward")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from redraft.decoder import block_linear
+    from redraft.decoder.bench.driver import machine_state
+    from redraft.decoder.models.loading import load_model
+    from redraft.decoder.verify import TreeVerifier
+
+    model, _ = load_model(args.model, device="cpu", dtype=args.dtype)
+    dtype = next(model.parameters()).dtype
+    kinds = {"blocks": TreeVerifier(model), "dense": TreeVerifier(model, block_weights=False)}
+    if "blocks" not in kinds["blocks"].kind:
+        del kinds["blocks"]  # no blocks for this model, or no fast path for its dtype here
+    clocks = {k: {"linear": 0.0, "attention": 0.0} for k in kinds}
+    for kind, v in kinds.items():
+        instrument(v, clocks[kind])
+    ids = torch.randint(0, int(model.config.vocab_size), (args.prefix + max(SIZES),),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    best: dict[tuple[str, int], dict[str, float]] = {}
+    for v in kinds.values():
+        v.prefill(ids[: args.prefix])
+    for rnd in range(args.rounds + 1):
+        for n in SIZES:
+            for kind, v in kinds.items():
+                clock = clocks[kind]
+                clock.update(linear=0.0, attention=0.0)
+                t = time.perf_counter()
+                v.tree_forward(ids[args.prefix], tree(ids[args.prefix + 1 : args.prefix + n]))
+                total = time.perf_counter() - t
+                v.commit([])
+                stages = {"total": total, "linear": clock["linear"],
+                          "attention": clock["attention"],
+                          "rest": total - clock["linear"] - clock["attention"]}
+                if rnd and ((kind, n) not in best or total < best[(kind, n)]["total"]):
+                    best[(kind, n)] = stages  # round 0 warms up
+    bandwidth = read_bandwidth()
+    state = machine_state()
+    print(f"{dtype}, {args.threads} thread(s), block kernel path "
+          f"{block_linear.kernel_path(dtype) if block_linear.supports(dtype) else '-'}; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    report: dict = {"dtype": str(dtype), "threads": args.threads, "bandwidth": bandwidth,
+                    "machine": state, "kinds": {}}
+    for kind, v in kinds.items():
+        nbytes = weight_bytes(v)
+        floor = nbytes / bandwidth
+        print(f"\n{kind}: {nbytes / 1e6:.1f} MB of weights per forward, floor "
+              f"{floor * 1e3:.1f} ms")
+        print("| rows | forward ms | x floor | x one row | linear ms | attention ms | rest ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        one = best[(kind, 1)]["total"]
+        for n in SIZES:
+            s = best[(kind, n)]
+            print(f"| {n} | {s['total'] * 1e3:.1f} | {s['total'] / floor:.2f} | "
+                  f"{s['total'] / one:.2f} | {s['linear'] * 1e3:.1f} | "
+                  f"{s['attention'] * 1e3:.1f} | {s['rest'] * 1e3:.1f} |")
+        report["kinds"][kind] = {"bytes": nbytes, "floor": floor, "verifier": v.kind,
+                                 "sizes": {n: best[(kind, n)] for n in SIZES}}
+    print(f"\nmachine: {json.dumps(state)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
