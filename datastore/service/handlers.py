@@ -166,21 +166,29 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def _session(self, context, tenant: str) -> None:
         self._check_serving()
         sessions = self.sessions
+        slot = self.checks.slot(tenant)  # the token's share of max_sessions
+        # counted from the stream's start, open or not: streams that never send `open`
+        # would otherwise cost memory without bound (and are given OPEN_WAIT_S to send it)
+        session_id = sessions.open(slot)
+        try:
+            await self._opened_session(context, tenant, slot, session_id)
+        finally:
+            sessions.close(slot)
+            self.learning.publish()
+
+    async def _opened_session(self, context, tenant: str, slot: int, session_id: str) -> None:
+        sessions = self.sessions
         waiter = sessions.waiter()
+        waiter.limit = sessions.open_wait_s
         first = await sessions.read(context, waiter)
+        waiter.limit = None
         if first is None:
             return
         opening = wire.session_open(first)
         self.checks.check_fingerprint(opening.tokenizer_fingerprint, required=True)
         p = self.checks.settings(opening.params)
-        slot = self.checks.slot(tenant)  # the token's share of max_sessions
         tenant = self.checks.tenant(tenant, opening.tenant)
         drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
-        try:
-            session_id = sessions.open(slot)
-        except Refusal:
-            drafter.close()
-            raise
         try:
             # Headers go out on their own first: gRPC marks them sent only when a write
             # completes, so ending a session whose first write was interrupted (by the
@@ -211,8 +219,6 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
             drafter.close()
-            sessions.close(slot)
-            self.learning.publish()
 
     async def Batch(self, request, context):
         try:

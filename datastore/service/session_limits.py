@@ -1,6 +1,7 @@
 """Streaming sessions as the server keeps them in bounds: the max_sessions limit (each
-token's share of it too), and the idle sweeper that ends a session waiting too long for its
-client.
+token's share of it too; a stream counts from its start, before its `open`), and the idle
+sweeper that ends a session waiting too long for its client (a new stream waits for its
+`open` at most OPEN_WAIT_S).
 
 A session waits either for its client's next request or for its client to read a reply
 (HTTP/2 flow control blocks the write of a client that stops reading). Both count: without
@@ -16,6 +17,8 @@ import grpc
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, check_parsed
 from redraft.datastore.service.stats import ServiceStats
+
+OPEN_WAIT_S = 10.0  # a Session stream that sends no `open` this long is ended
 
 
 def take_slot(stats: ServiceStats, config: ServiceConfig, slot: int) -> None:
@@ -38,12 +41,13 @@ class Waiter:
     """A session as the idle sweeper and shutdown see it: its task, since when it has been
     waiting, and whether for the client's next request or for the client to read a reply."""
 
-    __slots__ = ("task", "since", "writing", "reason")
+    __slots__ = ("task", "since", "writing", "reason", "limit")
 
     def __init__(self, task: asyncio.Task | None) -> None:
         self.task = task
         self.since = time.monotonic()
         self.writing = False
+        self.limit: float | None = None  # a wait shorter than the idle timeout (the open)
         self.reason: tuple[grpc.StatusCode, str] | None = None
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
@@ -63,6 +67,8 @@ class Sessions:
         self._waiting: dict[int, Waiter] = {}  # sessions now waiting for a request
         self._sweeper: asyncio.Future | None = None
         self._next_id = 0
+        # how long a new stream may take to send its `open`: a client sends it at once
+        self.open_wait_s = min(OPEN_WAIT_S, config.idle_timeout_s)
 
     def waiter(self) -> Waiter:
         """The waiter of the session now starting on this task (the sweeper starts with the
@@ -112,12 +118,16 @@ class Sessions:
         client to read a reply."""
         idle = self.config.idle_timeout_s
         while True:
-            await asyncio.sleep(min(1.0, idle / 4))
+            await asyncio.sleep(min(1.0, idle / 4, self.open_wait_s / 4))
             now = time.monotonic()
             for w in list(self._waiting.values()):
-                if now - w.since <= idle or w.reason is not None:
+                if now - w.since <= (w.limit or idle) or w.reason is not None:
                     continue
-                if w.writing:
+                if w.limit is not None:
+                    self.stats.add(sessions_idle_closed=1)
+                    w.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"no open within {w.limit:g} s of the stream's start; closed")
+                elif w.writing:
                     self.stats.add(sessions_unread_closed=1)
                     w.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"replies not read for more than {idle:g} s; session closed")

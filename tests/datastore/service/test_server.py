@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -492,3 +493,47 @@ def test_damaged_token_arrays_served_without_verification_are_unavailable_never_
     assert srv.stop() == 0
     lines = [x for x in srv.stderr.splitlines() if "NOT_SERVING" in x]
     assert len(lines) == 1 and "65535" in lines[0], srv.stderr
+
+
+def test_streams_that_never_open_count_against_max_sessions_and_are_ended_soon(
+        store, servers, until):
+    """20 Session streams that send nothing: before, none counted (20,000 of them took a
+    server from 64 to 311 MB with `sessions_active` 0, held until the idle sweep)."""
+    serve = servers.start(store, "--port", "0", "--max-sessions", "4", "--idle-timeout", "1")
+    hold = threading.Event()
+
+    def nothing():
+        hold.wait(30)
+        yield from ()
+
+    channel = grpc.insecure_channel(serve.address)
+    stub = draft_pb2_grpc.DrafterStub(channel)
+    calls = [stub.Session(nothing()) for _ in range(20)]
+    codes: list = []
+
+    def outcome(call) -> None:
+        try:
+            list(call)
+            codes.append(None)
+        except grpc.RpcError as exc:
+            codes.append((exc.code(), exc.details()))
+
+    threads = [threading.Thread(target=outcome, args=(c,)) for c in calls]
+    try:
+        for t in threads:
+            t.start()
+        with DraftClient(serve.address, reconnect=False) as c:
+            until(lambda: c.stats()["refused_sessions"] >= 16)
+            assert c.stats()["sessions_active"] == 4  # the first four hold the slots
+            until(lambda: len(codes) == 20, timeout=15)  # ended within the open wait
+            until(lambda: c.stats()["sessions_active"] == 0)
+            with c.session([1, 2, 3], None, FP) as s:  # the slots are free again
+                s.step([4])
+        assert all(code[0] == grpc.StatusCode.RESOURCE_EXHAUSTED for code in codes)
+        assert sum("no open within 1 s" in code[1] for code in codes) == 4, codes
+    finally:
+        hold.set()
+        for t in threads:
+            t.join(10)
+        channel.close()
+    assert serve.stop() == 0
