@@ -226,6 +226,9 @@ def check(m: dict) -> None:
         raise TypeError("learned must be an object")
     if not isinstance(m["build"], dict) or not isinstance(m["build"].get("history", []), list):
         raise TypeError("build.history must be a list")
+    for field in ("shard_tokens", "history_dropped"):  # None or 0: the default
+        if m["build"].get(field) is not None:
+            _count(m["build"][field], f"build.{field}")
 
 
 def _check_corpora(corpora, what: str) -> None:

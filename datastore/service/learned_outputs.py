@@ -26,6 +26,14 @@ from redraft.proto.errors import RedraftError
 log = logging.getLogger("redraft.serve")
 
 
+def _said(exc: BaseException) -> str:
+    """An error in one line: the project's own and OS errors say what happened; anything
+    else also says what it is (it is a bug, but a line, not a traceback, and no stop)."""
+    if isinstance(exc, (RedraftError, OSError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 async def run_in_thread(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
@@ -110,8 +118,8 @@ class LearnedOutputs:
             snapshot = load_persisted(str(self.path), self.index.max_tokens, self.token_keys,
                                       self.config.learn_persist_wait_s,
                                       opened=self.follower.open_all)
-        except (RedraftError, OSError) as exc:
-            log.error("redraft serve: could not reload learned outputs: %s", exc)
+        except Exception as exc:  # whatever it is, serving goes on
+            log.error("redraft serve: could not reload learned outputs: %s", _said(exc))
         else:
             if snapshot.damaged is not None:
                 self._say_marks_damaged(snapshot.damaged)
@@ -129,14 +137,14 @@ class LearnedOutputs:
             self._syncing = asyncio.ensure_future(run_in_thread(self._sync))
             try:
                 await asyncio.shield(self._syncing)
-            except (OSError, RedraftError) as exc:  # e.g. a full disk: the next sync
+            except Exception as exc:  # e.g. a full disk: the next sync
                 # writes what this one could not (the journal keeps it)
-                if str(exc) != self._sync_failing:
+                if _said(exc) != self._sync_failing:
                     outputs, tokens = self.journal.unwritten()
                     log.error("redraft serve: could not share learned outputs: %s; %d "
-                              "output(s) (%d tokens) wait in memory for the next sync", exc,
-                              outputs, tokens)
-                self._sync_failing = str(exc)
+                              "output(s) (%d tokens) wait in memory for the next sync",
+                              _said(exc), outputs, tokens)
+                self._sync_failing = _said(exc)
             else:
                 if self._sync_failing is not None:
                     log.warning("redraft serve: learned outputs are written to the datastore "
@@ -170,9 +178,10 @@ class LearnedOutputs:
         except PersistBusy as exc:
             log.warning("redraft serve: learned outputs not persisted yet (%s); "
                         "the next persist retries", exc)
-        except (RedraftError, OSError) as exc:
+        except Exception as exc:  # one persist's failure, whatever it is,
+            # must not end the persisting: the outputs wait in their logs for the next one
             log.error("redraft serve: could not persist learned outputs: %s; "
-                      "the next persist retries", exc)
+                      "the next persist retries", _said(exc))
         else:
             if done.outputs:
                 self.stats.add(learned_persisted=done.outputs)
@@ -198,10 +207,11 @@ class LearnedOutputs:
         await asyncio.gather(*pending, return_exceptions=True)
         try:
             await run_in_thread(self.journal.close)
-        except (OSError, RedraftError) as exc:  # what is in the logs is persisted below
+        except Exception as exc:  # what is in the logs is persisted below
             outputs, tokens = self.journal.unwritten()
             log.error("redraft serve: could not write the last learned outputs: %s; %d "
-                      "output(s) (%d tokens) learned here are lost", exc, outputs, tokens)
+                      "output(s) (%d tokens) learned here are lost", _said(exc), outputs,
+                      tokens)
         self.follower.close()
         if self.config.learn_persist_s > 0:
             await self._persist(set())

@@ -364,6 +364,9 @@ COMMIT_DAMAGE = {
     "a string where a count belongs": (
         lambda s, t, mk: _edit_manifest(s, lambda m: m["segments"][0].update(n_docs="2")),
         "n_docs must be a non-negative integer"),
+    "a string as the shard size": (  # a hand edit: was a 26-line traceback from --append
+        lambda s, t, mk: _edit_manifest(s, lambda m: m["build"].update(shard_tokens="x")),
+        "build.shard_tokens must be a non-negative integer"),
     "another version": (lambda s, t, mk: _edit_manifest(s, lambda m: m.update(version=4)),
                         "format version 4"),
     "another tokenizer": (

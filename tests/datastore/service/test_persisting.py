@@ -8,6 +8,7 @@ its own tenant, and a persisted output is named by its tenant's key)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import random
 import signal
@@ -19,6 +20,8 @@ import pytest
 from redraft.datastore import Reader, build_datastore, persist_learned
 from redraft.datastore.format import WRITE_LOCK
 from redraft.datastore.learned_log import OwnedLog, Record, list_logs, read_log
+from redraft.datastore.manifest import MANIFEST_FILE
+from redraft.datastore.manifest import encode as encode_manifest
 from redraft.datastore.service.client import DraftClient, DraftParams
 from redraft.datastore.service.persisting import MarksDamaged, Ranges, log_marks
 
@@ -330,3 +333,36 @@ def test_outputs_learned_for_another_tokenizer_are_neither_replayed_nor_persiste
     assert persisted(store) == Counter() and list_logs(store) == []
     assert "2 output(s) not persisted" in old.stderr + new.stderr
     assert "Traceback" not in old.stderr + new.stderr
+
+
+def set_shard_tokens(store: str, value) -> None:
+    """Edit the manifest by hand (its crc32 sealed again): the shard size `value`."""
+    path = os.path.join(store, MANIFEST_FILE)
+    with open(path) as f:
+        m = json.load(f)
+    m["build"]["shard_tokens"] = value
+    with open(path + ".edit", "wb") as f:
+        f.write(encode_manifest(m))
+    os.replace(path + ".edit", path)
+
+
+def test_a_manifest_field_of_the_wrong_type_stops_no_persister_and_no_shutdown(
+        store, servers, until):
+    # before: the persist raised a ValueError, which ended the persisting silently; the
+    # shutdown then exited 1 with a traceback, the outputs unpersisted
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
+    with open(os.path.join(store, MANIFEST_FILE)) as f:
+        size = json.load(f)["build"]["shard_tokens"]
+    set_shard_tokens(store, "x")
+    learn(a.address, ["typed-0", "typed-1"])
+    until(lambda: "could not persist learned outputs" in a.stderr, timeout=10)
+    set_shard_tokens(store, size)  # repaired: the same persister goes on
+    until(lambda: persisted(store) == Counter(["typed-0", "typed-1"]), timeout=10)
+    set_shard_tokens(store, "x")
+    learn(a.address, ["typed-2"])
+    assert a.stop() == 0
+    assert "Traceback" not in a.stderr and "build.shard_tokens" in a.stderr
+    set_shard_tokens(store, size)
+    b = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
+    until(lambda: persisted(store) == Counter(["typed-0", "typed-1", "typed-2"]), timeout=10)
+    assert b.stop() == 0
