@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
 from redraft.decoder.engines.streams import DraftSource, DraftStream, LocalStream
 from redraft.proto.tree import Chain, Tree, best_chain, source_label
 
 _LABELS = [source_label(bits) for bits in range(8)]
+MAX_ID = 1 << 31  # the wire carries ids in [0, 2^31)
 
 log = logging.getLogger("redraft.engines")
 
@@ -40,6 +42,7 @@ class BatchedDrafts:
         self._batch = None  # the SequenceBatch on the service, made when first needed
         self._local: dict[Hashable, list] = {}  # key -> [stream, tokens fed]
         self._refused: set[Hashable] = set()  # keys whose service entry failed (warned once)
+        self._bad: set[Hashable] = set()  # keys holding ids no token can have: no drafts
 
     def step(self, contexts: Mapping[Hashable, Sequence[int]],
              end: Iterable[Hashable] = ()) -> dict[Hashable, Tree]:
@@ -58,6 +61,7 @@ class BatchedDrafts:
     def _step(self, contexts: Mapping[Hashable, Sequence[int]], end: Iterable[Hashable],
               tokens_only: bool) -> dict:
         end = self._forget(end)
+        contexts = self._without_bad(contexts)
         if self.source.client is None:
             return self._local_step(contexts, tokens_only)
         if not self.source.service_usable():
@@ -66,8 +70,10 @@ class BatchedDrafts:
         try:
             drafts = self._sequence_batch().draft(contexts, end=end)
         except Exception as exc:  # any failure: prompt lookup, the service later
-            self.source.service_failed(exc)
             self._batch = None
+            if self._find_bad(contexts):  # a row's ids, not the service: the others again
+                return self._step(contexts, end, tokens_only)
+            self.source.service_failed(exc)
             self.local_steps += 1
             return self._local_step(contexts, tokens_only)
         self.calls += 1
@@ -97,6 +103,7 @@ class BatchedDrafts:
         (`SequenceBatch.send`; `contexts` must not change after), streams in this process
         are extended. Never raises for a service failure."""
         end = self._forget(end)
+        contexts = self._without_bad(contexts)
         if self.source.client is None or not self.source.service_usable():
             for key, ctx in contexts.items():
                 entry = self._local.get(key)
@@ -106,8 +113,11 @@ class BatchedDrafts:
         try:
             self._sequence_batch().send(contexts, end)
         except Exception as exc:  # any failure: prompt lookup, the service later
-            self.source.service_failed(exc)
             self._batch = None
+            if self._find_bad(contexts):
+                self.learn(contexts, end)
+                return
+            self.source.service_failed(exc)
 
     def close(self) -> None:
         """End every sequence (an engine shutting down) and release the source."""
@@ -159,7 +169,31 @@ class BatchedDrafts:
         for key in end:
             self._drop_local(key)
             self._refused.discard(key)
+            self._bad.discard(key)
         return end
+
+    def _without_bad(self, contexts: Mapping[Hashable, Sequence[int]]
+                     ) -> Mapping[Hashable, Sequence[int]]:
+        if not self._bad:
+            return contexts
+        return {k: v for k, v in contexts.items() if k not in self._bad}
+
+    def _find_bad(self, contexts: Mapping[Hashable, Sequence[int]]) -> bool:
+        """After a failed call: mark the keys whose contexts hold an id outside [0, 2^31)
+        (what the wire refuses for the whole call, and prompt lookup too), so that such a
+        row costs itself alone; whether there were any. Checked only after a failure: the
+        step pays nothing for it."""
+        found = False
+        for key, ctx in contexts.items():
+            ids = np.asarray(ctx)
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= MAX_ID):
+                self._bad.add(key)
+                self._drop_local(key)
+                found = True
+                log.warning("redraft: sequence %r holds token id %d, which no token has; it "
+                            "gets no drafts (the other sequences draft as usual)", key,
+                            int(ids.min()) if int(ids.min()) < 0 else int(ids.max()))
+        return found
 
     def _drop_local(self, key: Hashable) -> None:
         entry = self._local.pop(key, None)

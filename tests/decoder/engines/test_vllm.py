@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from redraft.datastore import build_datastore
 from redraft.datastore.drafting import DraftSettings, new_session_drafter
 from redraft.datastore.service.client import DraftClient
 from redraft.decoder.engines.streams import EngineConfigError
@@ -438,3 +439,34 @@ def test_the_module_loads_without_vllm_or_torch():
             "assert m.RedraftProposer\n"
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("bad", [-5, 1 << 32])
+def test_a_row_holding_an_id_the_wire_cannot_carry_costs_that_row_alone(
+        monkeypatch, servers, tmp_path, bad):
+    """A negative id (int32 rows) or one past 2^32 (int64 rows) in one row: before, the
+    client refused the whole call, counted it as a service failure for every row, and the
+    local fallback raised too, so no row drafted at any step."""
+    rng = np.random.default_rng(13)
+    docs = [rng.integers(1, 500, 60).tolist() for _ in range(10)]
+    store = str(tmp_path / "ds")
+    build_datastore(None, store, documents=docs, fingerprint="sha256:rows", vocab_size=512)
+    serve = servers.start(store, "--port", "0")
+    monkeypatch.setenv("REDRAFT_SERVICE", serve.address)
+    monkeypatch.setenv("REDRAFT_ADAPTIVE", "0")
+    k = 4
+    proposer = create_proposer(vllm_config(k))
+    batch = InputBatch()
+    if bad >= 1 << 31:
+        batch.token_ids_cpu = batch.token_ids_cpu.astype(np.int64)
+    batch.add_request("good", docs[0][:20])
+    batch.add_request("bad", docs[1][:10] + [bad] + docs[1][10:20])
+    client = DraftClient(serve.address, timeout=10)
+    for i in range(3):
+        drafts = engine_step(proposer, batch, {"good": docs[0][20 + i:21 + i],
+                                               "bad": docs[1][20 + i:21 + i]})
+        assert drafts["good"] == service_chain(client, proposer, batch.context("good"), k)
+        assert drafts["good"] and drafts["bad"] == []
+    assert proposer.drafts.source.failures == 0 and proposer.stats["errors"] == 0
+    client.close()
+    proposer.close()
