@@ -324,13 +324,36 @@ def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
     ("--idle-timeout", "inf"), ("--idle-timeout", "nan"), ("--idle-timeout", "1e10"),
     ("--max-sessions", str(1 << 32)), ("--max-budget", str(1 << 32)),
     ("--max-message-bytes", "99999999999"), ("--grace", "nan"),
+    # accepted before, and then unworkable: a server answering nothing (health included), a
+    # batched call stalling every other caller for seconds, probabilities of infinity
+    ("--max-message-bytes", "1"), ("--max-message-bytes", "100"),
+    ("--max-batch-entries", "4294967295"), ("--rest-calibration", "1,inf"),
+    ("--rest-calibration", "1,nan"),
 ])
 def test_serve_refuses_limits_it_cannot_honour(store, taken_port, capsys, flag, value):
     # on a port in use: were the limit accepted, the command would fail there, not serve
     argv = ["serve", "--datastore", store, "--port", str(taken_port), flag, value]
     assert redraft_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{flag} must be" in err
+    assert err.count("\n") == 1 and (f"{flag} must be" in err or f"{flag} needs" in err), err
+
+
+@pytest.mark.parametrize("garbage", ["cert", "key", "both"])
+def test_serve_refuses_tls_files_that_are_no_certificate_or_key_in_one_line(
+        store, taken_port, tls_cert, tmp_path, capsys, garbage):
+    # before: gRPC said "Failed to bind" (or the server started and every handshake failed)
+    cert, key = tls_cert
+    junk = tmp_path / "junk.pem"
+    junk.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n")
+    if garbage in ("cert", "both"):
+        cert = str(junk)
+    if garbage in ("key", "both"):
+        key = str(junk)
+    argv = ["serve", "--datastore", store, "--port", str(taken_port), "--tls-cert", cert,
+            "--tls-key", key]
+    assert redraft_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a PEM certificate chain" in err, err
 
 
 @pytest.fixture()
