@@ -226,3 +226,26 @@ def as_legacy(store) -> Path:
 def files():
     return SimpleNamespace(segment_files=segment_files, only_segment=only_segment,
                            directory_bytes=directory_bytes, resync=resync, as_legacy=as_legacy)
+
+
+@pytest.fixture
+def core_only_damage(tmp_path):
+    """A datastore with one id past the vocabulary (517 of 512) written into its token
+    array, where the compiled core's retrieval reads it on a session over document 6 (from
+    about its 26th token on) and the Python reference's lookup of the same context does
+    not: (path, docs, 6). Found by a fuzzer; such damage is what the background check
+    finds, but a step may read it first."""
+    import random
+
+    rng = random.Random(317)
+    docs = [[rng.randrange(1, 12) for _ in range(200)] for _ in range(30)]
+    path = tmp_path / "damaged"
+    build_datastore(None, path, documents=docs, fingerprint="sha256:core-only-damage",
+                    vocab_size=512)
+    seg = only_segment(path)
+    with LmdbFile(str(seg)) as lm:
+        off = lm.locate(fmt.shard_key(0, "tokens"))[0]
+    with open(seg, "r+b") as f:
+        f.seek(off + 2 * 5657)  # a token of document 28
+        f.write(b"\x02\x05")
+    return str(path), docs, 6

@@ -21,7 +21,7 @@ from redraft.datastore.drafting.native.native_learned import NativeLearnedIndex,
 from redraft.datastore.drafting.retrieval import retrieval_tree
 from redraft.datastore.drafting.session_drafter import DraftSettings, retrieval_corpora
 from redraft.datastore.lmdbfile import faults
-from redraft.proto.errors import DatastoreError
+from redraft.proto.errors import DatastoreCorrupt, DatastoreError
 from redraft.proto.tree import LEARNED, PLD, REST, Tree
 
 _ERR_REST, _ERR_TOKENS = _core.ERR_REST, _core.ERR_TOKENS  # the core's error codes
@@ -168,6 +168,13 @@ class NativeSessionDrafter:
                     corpora=self._corpora)
             except Exception as exc:  # noqa: BLE001 - whatever the reference raises
                 return exc
+            # the reference takes the same inputs, so what the core refused is the one
+            # thing it checks that the reference may not have read: a continuation holding
+            # an id past the vocabulary (damaged token arrays, not verified yet)
+            return DatastoreCorrupt(
+                f"{getattr(self.reader, 'path', 'the datastore')}: damaged token arrays (a "
+                f"continuation holds an id past the vocabulary [0, {self.reader.vocab_size})"
+                f"); verify it with `redraft stats`")
         return RuntimeError(f"the compiled core refused a step (code {code}) that the "
                             "reference drafts")
 

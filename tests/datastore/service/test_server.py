@@ -537,3 +537,28 @@ def test_streams_that_never_open_count_against_max_sessions_and_are_ended_soon(
             t.join(10)
         channel.close()
     assert serve.stop() == 0
+
+
+def test_damage_the_core_reads_before_the_check_is_unavailable_and_marks_the_datastore(
+        core_only_damage, servers):
+    """Issue 41.12: a step on damage only the compiled core reads (the background check
+    has not found it yet: here it is off). Before, the Session client got UNKNOWN with a
+    RuntimeError's text and a Batch entry INTERNAL, and the datastore was not marked."""
+    from redraft.datastore.service.client import SequenceOpen
+
+    path, docs, i = core_only_damage
+    fp = "sha256:core-only-damage"
+    srv = servers.start(path, "--port", "0", "--no-verify", "--learn", "off",
+                        "--drafting", "native")
+    rest = DraftParams(budget=16, max_depth=16, sources=("rest",))
+    with DraftClient(srv.address, timeout=10, reconnect=False) as c:
+        got = c.batch([SequenceOpen("a", docs[i][:28])], rest, fp, client_id="e")
+        assert isinstance(got.errors[0], ServiceUnavailable), got.errors
+        assert "damaged token arrays" in str(got.errors[0])
+        with pytest.raises(ServiceUnavailable, match="damaged"):
+            with c.session(docs[i][:20], rest, fp) as s:
+                s.step(docs[i][20:28])
+        assert c.stats()["checksums"].startswith("failed: ")
+        assert health_status(srv.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert srv.stop() == 0
+    assert "Traceback" not in srv.stderr

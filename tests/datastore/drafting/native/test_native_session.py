@@ -12,7 +12,7 @@ from redraft.datastore import Reader, build_datastore
 from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
 from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
-from redraft.proto.errors import DatastoreError, InvalidQuery
+from redraft.proto.errors import DatastoreCorrupt, DatastoreError, InvalidQuery
 from redraft.proto.tree import LEARNED, PLD, REST
 
 ALL = frozenset({REST, PLD, LEARNED})
@@ -345,3 +345,15 @@ def test_the_implementation_is_chosen_by_setting(narrow_store, monkeypatch):
         monkeypatch.setenv(drafting.DRAFTING_ENV, "fast")
         with pytest.raises(ValueError, match="REDRAFT_DRAFTING"):
             drafting.new_learned_index(10)
+
+
+def test_damage_only_the_core_reads_is_datastore_corrupt_not_a_runtime_error(
+        core_only_damage):
+    """Before: RuntimeError ("the compiled core refused a step ... that the reference
+    drafts"), which the service passed on as UNKNOWN, never marking the datastore damaged."""
+    path, docs, i = core_only_damage
+    settings = DraftSettings(budget=16, max_depth=16, sources=frozenset({REST}))
+    with Reader(path) as r:
+        with pytest.raises(DatastoreCorrupt, match="damaged token arrays"):
+            NativeSessionDrafter(docs[i][:28], settings, r).propose()
+        SessionDrafter(docs[i][:28], settings, r).propose()  # the reference reads no damage
