@@ -272,6 +272,7 @@ class LogScan:
     damaged_bytes: int = 0
     damage_at: int | None = None
     tail_bytes: int = 0
+    size: int = 0  # the log's bytes as read
 
     @property
     def damaged(self) -> bool:
@@ -292,8 +293,8 @@ def scan_log(path: str | os.PathLike) -> LogScan | None:
     header, pos, damaged = parse_header(data)
     if header is None:
         return LogScan(None, damaged_bytes=len(data) if damaged else 0,
-                       damage_at=0 if damaged else None)
-    scan = LogScan(header)
+                       damage_at=0 if damaged else None, size=len(data))
+    scan = LogScan(header, size=len(data))
     nexts: dict[int, int] = {}  # per output: the start its next record must have
     while True:
         got = _record_at(data, pos, len(data), header.version)

@@ -160,10 +160,10 @@ def persist_outputs(datastore: str, alive: set[str], fingerprint: str,
             if scan is None:
                 continue  # removed since it was listed
             header = scan.header
-            if header is None:  # its header is damaged (or still being written)
-                if not live and scan.damaged_bytes:
-                    aside.append((path, "damaged", f"its header is damaged: every output "
-                                  f"in it is lost ({scan.damaged_bytes} bytes)"))
+            if header is None:  # its header is damaged or cut (or still being written)
+                if not live:
+                    aside.append((path, "damaged", f"its header is damaged or cut: every "
+                                  f"output in it is lost ({scan.size} bytes)"))
                 continue
             if header.memory_only:  # never persisted; gone with its owner
                 if not live:

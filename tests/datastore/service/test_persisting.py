@@ -366,3 +366,15 @@ def test_a_manifest_field_of_the_wrong_type_stops_no_persister_and_no_shutdown(
     b = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
     until(lambda: persisted(store) == Counter(["typed-0", "typed-1", "typed-2"]), timeout=10)
     assert b.stop() == 0
+
+
+def test_a_gone_owner_s_log_cut_inside_its_header_is_kept_and_said(store, servers, until):
+    log = OwnedLog(store, FP)
+    log.append([Record(0, "t:cut-0", PROMPT[-16:] + output_of("cut-0", 24), True)])
+    log.release()
+    os.truncate(log.path, 30)  # inside the header: nothing in it can be read
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
+    until(lambda: "kept as" in a.stderr, timeout=15)
+    assert a.stop() == 0
+    assert list_logs(store) == [] and (log.path.parent / f"{log.name}.damaged").exists()
+    assert "header is damaged or cut" in a.stderr and persisted(store) == Counter()
