@@ -157,10 +157,11 @@ _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def fused(blocks: dict, dtype: torch.dtype, modules: Sequence[torch.nn.Linear]):
     """The lean forward's `LinearFactory` over a model's blocks (`gguf_blocks`): layers with
-    blocks of one format run on them, any other group on packed dense weights."""
+    blocks of one format and no bias run on them, any other group on packed dense weights."""
     modules = tuple(modules)
     weights = [blocks.get(m) for m in modules]
-    if any(w is None for w in weights) or len({(w.fmt, w.k) for w in weights}) != 1:
+    if (any(w is None for w in weights) or len({(w.fmt, w.k) for w in weights}) != 1
+            or any(m.bias is not None for m in modules)):
         return PackedFused(modules)
     entries = _FUSED.setdefault(modules[0], {})
     key = tuple(id(m) for m in modules)

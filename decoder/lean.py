@@ -18,20 +18,23 @@ rounded to the model's dtype first, so nothing is lost, and CPU attention in bfl
 slower than in float32 for a few queries.
 
 Attention is a strategy the caller passes per forward: `CausalAttention` (a prompt chunk,
-drafting), `MaskedAttention` (tree verification, one batched attention) or `ExactAttention`
-(tree verification whose every row computes exactly what a one-token forward computes; see
-its docstring). Only the plain pre-norm Llama/Qwen2 layer (RMSNorm, rotary attention with
-grouped keys, SiLU-gated MLP, full attention everywhere) is built this way: `plain_stack`
-says whether a model is one, and other models run through their modules.
+drafting), `MaskedAttention` (tree verification, one batched attention), `RowAttention`
+(tree verification in the compiled kernel, every row exactly what a one-token forward
+computes, by construction) or `ExactAttention` (the same property arranged around torch's
+matmuls; the modules' path uses it). Only the plain pre-norm Llama/Qwen2 layer (RMSNorm,
+rotary attention with grouped keys, SiLU-gated MLP, full attention everywhere) is built this
+way: `plain_stack` says whether a model is one, and other models run through their modules.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from redraft.decoder.native import _blocks
 
 _FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -210,6 +213,44 @@ class CausalAttention:
 
     def __call__(self, stack: LeanStack, layer: int, q: torch.Tensor) -> torch.Tensor:
         return _sdpa(stack, layer, q, self.end, self.mask)
+
+
+class RowAttention:
+    """Each row attends to exactly its own keys, the cached prefix then the new rows `rows[i]`
+    lists (a draft tree's ancestors and itself), in that order, in the compiled kernel
+    (`redraft.decoder.native`): every row runs the same operations whatever the other rows of
+    the forward and the threads sharing it, so a tree row's output is bitwise what a
+    one-token forward at its position computes, on any CPU, by construction. Float32, the
+    keys and values read in place (each once for all the rows that share them)."""
+
+    LANES = 16  # the kernel's head width must be a multiple of this
+
+    def __init__(self, rows: Sequence[Sequence[int]]) -> None:
+        self.rows = rows
+
+    @classmethod
+    def fits(cls, stack: LeanStack) -> bool:
+        """Whether the kernel runs this model's heads (else `ExactAttention` does)."""
+        return stack.head_dim % cls.LANES == 0 and stack.heads // stack.kv_heads <= 64
+
+    def prepare(self, stack: LeanStack, start: int, n: int) -> None:
+        self.past = start
+        self.slots = torch.tensor([start + c for cols in self.rows for c in cols],
+                                  dtype=torch.int32)
+        self.offsets = torch.tensor([0, *itertools.accumulate(len(c) for c in self.rows)],
+                                    dtype=torch.int64)
+        self.scale = stack.head_dim ** -0.5
+
+    def __call__(self, stack: LeanStack, layer: int, q: torch.Tensor) -> torch.Tensor:
+        n, heads, dim = q.shape
+        q = q.float().contiguous()
+        keys, values = stack.keys[layer], stack.values[layer]
+        out = torch.empty((n, heads, dim), dtype=torch.float32)
+        _blocks.attend(q.data_ptr(), n, heads, stack.kv_heads, dim, keys.data_ptr(),
+                       values.data_ptr(), keys.shape[1], values.shape[-1], self.past,
+                       self.slots.data_ptr(), self.offsets.data_ptr(), self.scale,
+                       out.data_ptr(), torch.get_num_threads(), True)
+        return out.view(n, heads * dim)
 
 
 class MaskedAttention:

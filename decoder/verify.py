@@ -10,20 +10,25 @@ own ancestors only, with `position_ids = L + depth`.
 
 Two ways to run the model, chosen per model:
 
-- the lean forward (`redraft.decoder.lean`) for plain Llama/Qwen2 stacks on a CPU with
-  packed oneDNN kernels (float32 or bfloat16): the model's own weights, its own flat cache;
+- the lean forward (`redraft.decoder.lean`) for plain Llama/Qwen2 stacks on a CPU: the
+  model's own flat cache, and its linear layers on the blocks its GGUF file ships (the block
+  kernel, `redraft.decoder.block_linear`, where it has a fast path for the model's dtype on
+  this CPU) or on packed oneDNN weights of the dense copy (float32 or bfloat16);
 - its Hugging Face modules otherwise, with a 4-D additive float mask `[1, 1, N, L + N]` in
   the model's dtype (transformers 5.x: a bool mask is silently misread under eager
   attention, and the cache is passed as `cache=`), on packed linear layers where they
   apply, and in bfloat16 with attention computed in float32 (CPU attention in bfloat16 is
   5-10x slower for a few queries).
 
-`exact` forwards (the default for bfloat16 and float16) make every row's logits bitwise what
-a one-token forward at its position computes, whatever else the forward holds: one-row
-linear calls run as two, and attention is `lean.ExactAttention`. Plain decoding (a
-one-token forward per step, through the same verifier) and speculative decoding then give
-the same tokens by construction, although low-precision logits tie or nearly tie often. In
-float32 a batched masked attention is used (ties are rare enough there; see the docs).
+`exact` forwards make every row's logits bitwise what a one-token forward at its position
+computes, whatever else the forward holds. They are the default on blocks (any dtype: the
+block kernel and `lean.RowAttention` compute each row alone by construction, at no cost)
+and for bfloat16 and float16 elsewhere (one-row packed linear calls run as two, and
+attention is `lean.RowAttention` in the lean forward, `lean.ExactAttention` through the
+modules). Plain decoding (a one-token forward per step, through the same verifier) and
+speculative decoding then give the same tokens by construction, although low-precision
+logits tie or nearly tie often. Dense float32 uses a batched masked attention (ties are
+rare enough there; see the docs).
 
 After acceptance, `commit` keeps the root's and the accepted nodes' key/value entries and
 drops every rejected node, so the cache always equals what a plain sequential decode would
@@ -50,6 +55,7 @@ from redraft.decoder.lean import (
     ExactPlan,
     LeanStack,
     MaskedAttention,
+    RowAttention,
     exact_attention,
     plain_stack,
 )
@@ -104,11 +110,13 @@ class TreeVerifier:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.exact = self.dtype in (torch.bfloat16, torch.float16) if exact is None else exact
         if lean is None:
             lean = packed_kernels and can_pack(self.dtype, self.device) and plain_stack(model)
         blocks = (model_blocks(model, self.dtype) if lean and packed_kernels and block_weights
                   else None)
+        # on blocks every dtype is exact: its kernels make it so at no cost
+        low = self.dtype in (torch.bfloat16, torch.float16) or blocks is not None
+        self.exact = low if exact is None else exact
         self.runner = (_LeanRunner(model, self.exact, blocks) if lean else
                        _ModuleRunner(model, packed_kernels, choose_kernels, self.exact))
         self.kernels = self.runner.kernels
@@ -290,7 +298,12 @@ class _LeanRunner:
     def forward(self, ids: list[int], depths: list[int], rows: list[list[int]], last: int,
                 exact: bool) -> ForwardOutput:
         past = self.stack.length
-        attention = ExactAttention(rows) if exact else MaskedAttention(rows)
+        if not exact:
+            attention = MaskedAttention(rows)
+        elif RowAttention.fits(self.stack):
+            attention = RowAttention(rows)
+        else:  # heads the kernel does not take (tiny test models)
+            attention = ExactAttention(rows)
         hidden = self.stack.run(ids, [past + d for d in depths], attention)[-last:]
         normed = self.stack.final(hidden)
         return ForwardOutput(self.stack.logits(normed), normed)

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -502,6 +503,225 @@ void run_call(const Call& c, int threads) {
     });
 }
 
+// -- attention, one row at a time -------------------------------------------------------------
+//
+// Each query row attends to exactly its own keys (the cached prefix, then the slots it lists:
+// a tree row's ancestors and itself), in that order, with its own reductions: nothing a row
+// computes depends on another row, so a tree row's output is what a one-token forward at its
+// position computes. Threads split (row, head) pairs. Float32 throughout; the sums run over
+// LANES interleaved partial sums added pairwise at the end (a fixed order the compiler
+// vectorizes without reassociating), and exp is a polynomial evaluated the same way at every
+// width, so the SSE2 and AVX2 builds below give the same bits.
+
+constexpr int LANES = 16;  // two AVX2 registers: two independent chains per sum
+constexpr size_t ROW_CHUNK = 8;  // rows whose queries share each loaded key and value
+
+struct Attention {
+    const float* q;        // [n, heads, dim]
+    const float* keys;     // [kv, capacity, dim]
+    const float* values;   // [kv, capacity, vwidth] (the first dim columns are used)
+    const int32_t* slots;  // each row's slots after the prefix, rows one after another
+    const int64_t* offsets;  // [n + 1] into slots
+    float* out;            // [n, heads, dim]
+    size_t n, heads, kv, dim, capacity, vwidth, past;
+    float scale;
+};
+
+// The primitives, written twice with the same operations in the same order: plain C++ (any
+// CPU) and AVX2 + FMA intrinsics. Sums over LANES partial sums added pairwise (i + i+8,
+// i + i+4, i + i+2, 0 + 1); products accumulated with fused multiply-adds (std::fma is the
+// same operation); exp(x) for x <= 0 as 2^k p(r), r = x - k ln 2, p Cephes' degree-6
+// polynomial.
+constexpr float EXP_MIN = -87.0f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
+                LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+struct Plain {
+    static float lanes_sum(const float* a) {
+        float t[LANES];
+        for (int i = 0; i < LANES; ++i) t[i] = a[i];
+        for (int width = LANES / 2; width >= 1; width /= 2)
+            for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
+        return t[0];
+    }
+    static float dot(const float* q, const float* k, size_t dim) {
+        float acc[LANES] = {0};
+        for (size_t d = 0; d < dim; d += LANES)
+            for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[d + l], k[d + l], acc[l]);
+        return lanes_sum(acc);
+    }
+    static void axpy(float* out, float w, const float* v, size_t dim) {
+        for (size_t d = 0; d < dim; ++d) out[d] = std::fma(w, v[d], out[d]);
+    }
+    static void exp_shifted(float* x, size_t count, float shift) {  // exp(x - shift)
+        for (size_t i = 0; i < count; ++i) {
+            const float y = x[i] - shift;
+            const float v = y < EXP_MIN ? EXP_MIN : y;
+            const float k = std::floor(v * LOG2E + 0.5f);
+            float r = v - k * LN2_HI;
+            r = r - k * LN2_LO;
+            float p = EXP_P[0];
+            for (int c = 1; c < 6; ++c) p = p * r + EXP_P[c];
+            p = p * r * r + r + 1.0f;
+            const int32_t e = ((int32_t)k + 127) << 23;
+            float two_k;
+            std::memcpy(&two_k, &e, 4);
+            x[i] = y < EXP_MIN ? 0.0f : p * two_k;
+        }
+    }
+    static float sum(const float* x, size_t count) {
+        float part[LANES] = {0};
+        size_t j = 0;
+        for (; j + LANES <= count; j += LANES)
+            for (int l = 0; l < LANES; ++l) part[l] = part[l] + x[j + l];
+        for (int l = 0; j < count; ++j, ++l) part[l] = part[l] + x[j];
+        return lanes_sum(part);
+    }
+};
+
+#ifdef REDRAFT_X86
+#define AVX2_ONLY __attribute__((target("avx2,fma")))
+struct Avx2 {
+    AVX2_ONLY static float hsum(__m256 lo, __m256 hi) {  // 16 lanes: i + i+8 first
+        const __m256 v = _mm256_add_ps(lo, hi);
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+    AVX2_ONLY static float dot(const float* q, const float* k, size_t dim) {
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (size_t d = 0; d < dim; d += LANES) {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), hi);
+        }
+        return hsum(lo, hi);
+    }
+    AVX2_ONLY static void axpy(float* out, float w, const float* v, size_t dim) {
+        const __m256 wv = _mm256_set1_ps(w);
+        for (size_t d = 0; d < dim; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d),
+                                                      _mm256_loadu_ps(out + d)));
+    }
+    AVX2_ONLY static void exp_shifted(float* x, size_t count, float shift) {
+        size_t i = 0;
+        const __m256 lo = _mm256_set1_ps(EXP_MIN), sh = _mm256_set1_ps(shift);
+        for (; i + 8 <= count; i += 8) {
+            const __m256 y = _mm256_sub_ps(_mm256_loadu_ps(x + i), sh);
+            const __m256 v = _mm256_max_ps(y, lo);  // y < EXP_MIN ? EXP_MIN : y (no NaNs here)
+            const __m256 k = _mm256_floor_ps(
+                _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(LOG2E)), _mm256_set1_ps(0.5f)));
+            __m256 r = _mm256_sub_ps(v, _mm256_mul_ps(k, _mm256_set1_ps(LN2_HI)));
+            r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(LN2_LO)));
+            __m256 p = _mm256_set1_ps(EXP_P[0]);
+            for (int c = 1; c < 6; ++c)
+                p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P[c]));
+            p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r),
+                              _mm256_set1_ps(1.0f));
+            const __m256i e = _mm256_slli_epi32(
+                _mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+            const __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+            _mm256_storeu_ps(x + i, _mm256_andnot_ps(_mm256_cmp_ps(y, lo, _CMP_LT_OQ), out));
+        }
+        Plain::exp_shifted(x + i, count - i, shift);
+    }
+    AVX2_ONLY static float sum(const float* x, size_t count) {
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        size_t j = 0;
+        for (; j + LANES <= count; j += LANES) {
+            lo = _mm256_add_ps(lo, _mm256_loadu_ps(x + j));
+            hi = _mm256_add_ps(hi, _mm256_loadu_ps(x + j + 8));
+        }
+        float lanes[LANES];
+        _mm256_storeu_ps(lanes, lo);
+        _mm256_storeu_ps(lanes + 8, hi);
+        for (int l = 0; j < count; ++j, ++l) lanes[l] = lanes[l] + x[j];
+        return Plain::lanes_sum(lanes);
+    }
+};
+#endif
+
+// The rows [r0, r1) of the query heads that share key head kvh. Each (row, head) pair runs
+// the same operations in the same order as it would alone (its prefix keys, then its own
+// slots): keys and values are only loaded once for all of them.
+template <class Ops>
+inline __attribute__((always_inline)) void attend_block(const Attention& a, size_t kvh, size_t r0,
+                                                        size_t r1, std::vector<float>& scores) {
+    const size_t dim = a.dim, group = a.heads / a.kv, pairs = (r1 - r0) * group;
+    const float* keys = a.keys + kvh * a.capacity * dim;
+    const float* values = a.values + kvh * a.capacity * a.vwidth;
+    size_t width = 0;  // the longest row's keys
+    for (size_t r = r0; r < r1; ++r)
+        width = std::max<size_t>(width, a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]));
+    scores.resize(pairs * width);
+    const float* qs[ROW_CHUNK * 64];
+    float* outs[ROW_CHUNK * 64];
+    const int32_t* tails[ROW_CHUNK * 64];
+    size_t totals[ROW_CHUNK * 64];
+    float sums[ROW_CHUNK * 64];
+    for (size_t p = 0; p < pairs; ++p) {
+        const size_t r = r0 + p / group, at = (r * a.heads + kvh * group + p % group) * dim;
+        qs[p] = a.q + at;
+        outs[p] = a.out + at;
+        tails[p] = a.slots + a.offsets[r];
+        totals[p] = a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]);
+    }
+    for (size_t j = 0; j < a.past; ++j)
+        for (size_t p = 0; p < pairs; ++p)
+            scores[p * width + j] = Ops::dot(qs[p], keys + j * dim, dim) * a.scale;
+    for (size_t p = 0; p < pairs; ++p) {
+        float* s = &scores[p * width];
+        for (size_t j = a.past; j < totals[p]; ++j)
+            s[j] = Ops::dot(qs[p], keys + (size_t)tails[p][j - a.past] * dim, dim) * a.scale;
+        float best = -INFINITY;
+        for (size_t j = 0; j < totals[p]; ++j) best = s[j] > best ? s[j] : best;
+        Ops::exp_shifted(s, totals[p], best);
+        sums[p] = Ops::sum(s, totals[p]);
+        std::memset(outs[p], 0, dim * sizeof(float));
+    }
+    for (size_t j = 0; j < a.past; ++j)
+        for (size_t p = 0; p < pairs; ++p)
+            Ops::axpy(outs[p], scores[p * width + j], values + j * a.vwidth, dim);
+    for (size_t p = 0; p < pairs; ++p) {
+        for (size_t j = a.past; j < totals[p]; ++j)
+            Ops::axpy(outs[p], scores[p * width + j],
+                      values + (size_t)tails[p][j - a.past] * a.vwidth, dim);
+        for (size_t d = 0; d < dim; ++d) outs[p][d] = outs[p][d] / sums[p];
+    }
+}
+
+// Work units: (key head, chunk of ROW_CHUNK rows); threads take contiguous runs of them.
+template <class Ops>
+inline __attribute__((always_inline)) void attend_units(const Attention& a, size_t u0, size_t u1) {
+    thread_local std::vector<float> scores;
+    const size_t chunks = (a.n + ROW_CHUNK - 1) / ROW_CHUNK;
+    for (size_t u = u0; u < u1; ++u) {
+        const size_t kvh = u / chunks, r0 = u % chunks * ROW_CHUNK;
+        attend_block<Ops>(a, kvh, r0, std::min(a.n, r0 + ROW_CHUNK), scores);
+    }
+}
+
+void attend_plain(const Attention& a, size_t u0, size_t u1) { attend_units<Plain>(a, u0, u1); }
+#ifdef REDRAFT_X86
+AVX2_ONLY void attend_avx2(const Attention& a, size_t u0, size_t u1) { attend_units<Avx2>(a, u0, u1); }
+#endif
+
+// `simd`: the AVX2 build where the CPU has it (the tests compare both builds).
+void attend(const Attention& a, int threads, bool simd) {
+    const size_t units = a.kv * ((a.n + ROW_CHUNK - 1) / ROW_CHUNK);
+    threads = (int)std::max<size_t>(1, std::min<size_t>(threads, units));
+#ifdef REDRAFT_X86
+    simd = simd && supported(AVX2);  // AVX2 and FMA
+#endif
+    g_pool->run(threads, [&](int t) {
+        const size_t p0 = units * t / threads, p1 = units * (t + 1) / threads;
+#ifdef REDRAFT_X86
+        if (simd) return attend_avx2(a, p0, p1);
+#endif
+        attend_plain(a, p0, p1);
+    });
+}
+
 // -- the CPython glue ----------------------------------------------------------------------
 
 bool check_shape(int fmt, int kind, size_t k) {
@@ -604,12 +824,42 @@ PyObject* py_use_path(PyObject*, PyObject* args) {
     return nullptr;
 }
 
+PyObject* py_attend(PyObject*, PyObject* args) {
+    unsigned long long q, k, v, slots, offsets, out;
+    Py_ssize_t n, heads, kv, dim, capacity, vwidth, past;
+    float scale;
+    int threads, simd;
+    if (!PyArg_ParseTuple(args, "KnnnnKKnnnKKfKip", &q, &n, &heads, &kv, &dim, &k, &v, &capacity,
+                          &vwidth, &past, &slots, &offsets, &scale, &out, &threads, &simd))
+        return nullptr;
+    if (n < 0 || heads <= 0 || kv <= 0 || heads % kv != 0 || heads / kv > 64 || dim <= 0 ||
+        dim % LANES != 0 ||
+        vwidth < dim || past < 0 || past > capacity) {
+        PyErr_SetString(PyExc_ValueError, "attend: inconsistent shapes");
+        return nullptr;
+    }
+    const Attention a{reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k),
+                      reinterpret_cast<const float*>(v), reinterpret_cast<const int32_t*>(slots),
+                      reinterpret_cast<const int64_t*>(offsets), reinterpret_cast<float*>(out),
+                      (size_t)n, (size_t)heads, (size_t)kv, (size_t)dim, (size_t)capacity,
+                      (size_t)vwidth, (size_t)past, scale};
+    if (n > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        attend(a, threads, simd);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
 PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(x_ptr, m, k, w_ptr, fmt, n, y_ptr, kind, threads): y[m, n] = x[m, k] W[n, k]^T"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(w_ptr, fmt, n, k, out_ptr): the weights as float32 [n, k] (scalar, exact)"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(fmt, k): bytes of one weight row"},
+    {"attend", py_attend, METH_VARARGS,
+     "attend(q, n, heads, kv, dim, keys, values, capacity, vwidth, past, slots, offsets, scale, "
+     "out, threads, simd): each row's attention over the prefix and its own slots"},
     {"paths", py_paths, METH_NOARGS, "the paths this CPU can run"},
     {"path", py_path, METH_VARARGS, "path(kind): the path that kind runs on"},
     {"use_path", py_use_path, METH_VARARGS, "use_path(kind, name): run that kind on that path"},
