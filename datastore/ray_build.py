@@ -62,6 +62,10 @@ MIN_BATCH_BYTES = 64 << 10
 BATCHES_PER_CPU = 4  # enough batches that every CPU of the cluster gets several
 CANCEL_WAIT_S = 10.0  # after a failure, how long to wait for cancelled tasks to end
 CONNECT_TIMEOUT_S = 10.0
+# A Ray head answers an HTTP/2 client preface at once; a port that accepts and stays silent
+# would hold ray.init for minutes (it retries without a deadline).
+ANSWER_TIMEOUT_S = 3.0
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _HOST_PORT = re.compile(r"(?:ray://)?([\w.-]+|\[[0-9a-fA-F:.]+\]):([0-9]{1,5})")
 
 
@@ -102,10 +106,22 @@ def _check_reachable(address: str | None) -> None:
         return  # "auto", "local", none: Ray finds the cluster (or fails) by itself
     host, port = match.group(1).strip("[]"), int(match.group(2))
     try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
     except OSError as exc:
         raise DatastoreError(f"cannot connect to the Ray cluster at {address}: "
                              f"{exc.strerror or exc}") from None
+    with sock:  # Ray's GCS and client server speak HTTP/2 (gRPC): they answer a preface
+        sock.settimeout(ANSWER_TIMEOUT_S)
+        try:
+            sock.sendall(_HTTP2_HELLO)
+            sock.recv(1)  # their SETTINGS, a TLS alert or a close: anything is an answer
+        except TimeoutError:
+            raise DatastoreError(
+                f"cannot connect to the Ray cluster at {address}: it accepts connections but "
+                f"answered nothing within {ANSWER_TIMEOUT_S:g} s (is it a Ray head's GCS "
+                f"port?)") from None
+        except OSError:
+            pass  # reset: something answered; ray.init says what
 
 
 @contextlib.contextmanager

@@ -307,6 +307,28 @@ def test_a_cluster_that_answers_nothing_is_one_line_at_once(corpus, inputs, tmp_
     assert not (tmp_path / "ds").exists()
 
 
+def test_a_port_that_accepts_and_never_answers_is_one_line_in_seconds(corpus, inputs,
+                                                                     tmp_path, capsys):
+    """Before: `ray.init` waited on it for more than 155 s."""
+    pytest.importorskip("ray")
+    from redraft.decoder.cli import main
+
+    with socket.socket() as s:  # the kernel accepts connections; nobody reads or answers
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        rc = main(["index", "--out", str(tmp_path / "ds"), "--ray", f"127.0.0.1:{port}",
+                   "extra"])
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and took < 10, took
+    assert err.strip().splitlines() == [
+        f"redraft index: error: cannot connect to the Ray cluster at 127.0.0.1:{port}: it "
+        "accepts connections but answered nothing within 3 s (is it a Ray head's GCS port?)"]
+    assert not (tmp_path / "ds").exists()
+
+
 def test_pretokenized_documents_are_not_built_on_ray(tmp_path):
     with pytest.raises(DatastoreError, match="not pre-tokenized documents"):
         build_datastore(None, tmp_path / "ds", documents=[[1, 2, 3]], fingerprint="x",
