@@ -160,3 +160,83 @@ def test_bad_shapes_and_formats_are_refused():
         BlockLinear(random_blocks(4, 64, "Q8_0"), torch.float32)(torch.zeros(2, 32))
     with pytest.raises(ValueError, match="uint8"):
         BlockWeight(torch.zeros(4, 68, dtype=torch.uint8), _blocks.Q8_0, 4, 96)
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+KV, HEADS, DIM, CAPACITY = 3, 9, 64, 1400  # the default model's heads
+
+
+def attend(q, keys, values, past, rows, threads=1, simd=True):
+    """The kernel's attention of q [n, HEADS, DIM] over the prefix and each row's slots."""
+    n = q.shape[0]
+    slots = torch.tensor([past + c for cols in rows for c in cols], dtype=torch.int32)
+    offsets = torch.tensor(np.cumsum([0] + [len(c) for c in rows]), dtype=torch.int64)
+    out = torch.empty(n, HEADS, DIM)
+    q = q.contiguous()
+    _blocks.attend(q.data_ptr(), n, HEADS, KV, DIM, keys.data_ptr(), values.data_ptr(), CAPACITY,
+                   values.shape[-1], past, slots.data_ptr(), offsets.data_ptr(), DIM ** -0.5,
+                   out.data_ptr(), threads, simd)
+    return out
+
+
+def tree_rows(n: int, branch: int = 5) -> list[list[int]]:
+    """Root, then branches of up to `branch` nodes: each row's visible rows, itself last."""
+    rows = [[0]]
+    for i in range(n - 1):
+        parent = -1 if i % branch == 0 else i - 1
+        rows.append(rows[parent + 1] + [i + 1])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def cache():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(KV, CAPACITY, DIM, generator=g), torch.randn(KV, CAPACITY, DIM + 1,
+                                                                   generator=g)
+
+
+def test_attention_matches_a_float64_masked_softmax(cache):
+    keys, values = cache
+    past, rows = 300, tree_rows(20)
+    n = len(rows)
+    q = torch.randn(n, HEADS, DIM)
+    got = attend(q, keys, values, past, rows)
+    mask = torch.zeros(n, past + n, dtype=torch.bool)
+    mask[:, :past] = True
+    for r, cols in enumerate(rows):
+        mask[r, [past + c for c in cols]] = True
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0).double(), keys[:, : past + n].unsqueeze(0).double(),
+        values[:, : past + n, :DIM].unsqueeze(0).double(), attn_mask=mask, enable_gqa=True)
+    assert (got.double() - want[0].transpose(0, 1)).abs().max().item() < 1e-5
+
+
+def test_an_attention_rows_bits_never_depend_on_the_rows_threads_or_build(cache):
+    """Each row of a tree forward of 1..64 rows (and the size classes past it) equals that row
+    computed alone, at 1, 2 and the machine's thread count, on the AVX2 and plain builds."""
+    keys, values = cache
+    past = 700
+    rows = tree_rows(ROWS[-1])
+    q = torch.randn(len(rows), HEADS, DIM)
+    alone = torch.stack([attend(q[r : r + 1], keys, values, past, [rows[r]])[0]
+                         for r in range(len(rows))])
+    assert torch.equal(attend(q, keys, values, past, rows, simd=False), alone), \
+        "the plain build differs from the AVX2 one"
+    for threads in THREADS:
+        for n in ROWS if threads == 1 else [2, 16, 64, ROWS[-1]]:
+            got = attend(q[:n], keys, values, past, rows[:n], threads=threads)
+            assert torch.equal(got, alone[:n]), (
+                f"{n} rows at {threads} threads differ from each row alone "
+                f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
+
+
+def test_attention_refuses_inconsistent_shapes(cache):
+    keys, values = cache
+    q = torch.zeros(1, HEADS, DIM)
+    slots = torch.zeros(1, dtype=torch.int32)
+    offsets = torch.tensor([0, 1], dtype=torch.int64)
+    with pytest.raises(ValueError, match="inconsistent"):
+        _blocks.attend(q.data_ptr(), 1, HEADS, 4, DIM, keys.data_ptr(), values.data_ptr(),
+                       CAPACITY, DIM + 1, 0, slots.data_ptr(), offsets.data_ptr(), 1.0,
+                       q.data_ptr(), 1, True)  # 9 heads over 4 key heads
