@@ -5,8 +5,9 @@ or the dense copy in the model's dtype), this core's measured read bandwidth (a 
 512 MB array, the same threads), the floor those give, and the forward's time split into its
 linear layers, its attention and the rest (norms, rotary, the cache, Python), for the block
 kernel and the dense packed kernels, interleaved round by round (the fastest round kept:
-noise only adds time). Each forward verifies a tree of branches up to DEPTH deep, as drafts
-are, over a cached prefix.
+noise only adds time). At one thread every time is this thread's CPU time (as the cost curve
+reads it): a shared machine's descheduling does not count, its memory traffic does. Each
+forward verifies a tree of branches up to DEPTH deep, as drafts are, over a cached prefix.
 
     python -m tools.bench_forward --threads 1
     python -m tools.bench_forward --threads 1 --dtype float32 --json out.json
@@ -44,6 +45,11 @@ def read_bandwidth(seconds: float = 1.0) -> float:
     return data.numel() * 4 / best
 
 
+def clock() -> float:
+    """This thread's CPU time at one torch thread, else the wall clock."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 class Timed:
     """A stage's callable, its time added to a shared clock."""
 
@@ -51,9 +57,9 @@ class Timed:
         self.inner, self.clock, self.stage = inner, clock, stage
 
     def __call__(self, *args):
-        t = time.perf_counter()
+        t = clock()
         out = self.inner(*args)
-        self.clock[self.stage] += time.perf_counter() - t
+        self.clock[self.stage] += clock() - t
         return out
 
     def __getattr__(self, name):  # the attention strategy's `prepare`, a linear's `refresh`
@@ -119,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             for kind, v in kinds.items():
                 clock = clocks[kind]
                 clock.update(linear=0.0, attention=0.0)
-                t = time.perf_counter()
+                t = clock()
                 v.tree_forward(ids[args.prefix], tree(ids[args.prefix + 1 : args.prefix + n]))
-                total = time.perf_counter() - t
+                total = clock() - t
                 v.commit([])
                 stages = {"total": total, "linear": clock["linear"],
                           "attention": clock["attention"],
