@@ -22,6 +22,7 @@ import signal
 import socket
 import ssl
 import sys
+import time
 
 from redraft.datastore.drafting import uses_native
 from redraft.datastore.reader import Reader
@@ -48,7 +49,11 @@ UINT32 = (1 << 32) - 1
 # The largest --max-batch-entries: a call of this many entries keeps the event loop about a
 # second on a CPU core (200,000 closes held every other caller for 5.5 s).
 MAX_BATCH_ENTRIES = 65536
-MIN_MESSAGE_BYTES = 65536  # Info of a datastore of many segments, a tree of 1,024 nodes
+MIN_MESSAGE_BYTES = 65536
+# A worker that dies is restarted, unless more than RESTART_LIMIT died within
+# RESTART_WINDOW_S: then something kills every worker (memory, a bug) and the server stops.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 60.0  # Info of a datastore of many segments, a tree of 1,024 nodes
 UINT64 = (1 << 64) - 1
 INT32 = (1 << 31) - 1
 
@@ -310,12 +315,16 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     stats = ServiceStats(ctx, workers=args.workers, tenants=len(config.tokens()))
     errors = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(target=_worker, name=f"redraft-serve-{i}",
-                    args=(args.datastore, args.host, args.port, config, stats, tls, True,
-                          errors))
-        for i in range(args.workers)
-    ]
+
+    def new_worker(i: int):
+        return ctx.Process(target=_worker, name=f"redraft-serve-{i}",
+                           args=(args.datastore, args.host, args.port, config, stats, tls, True,
+                                 errors))
+
+    procs = [new_worker(i) for i in range(args.workers)]
+    replaced: set[int] = set()  # ids of the processes of workers that died and were restarted
+    deaths: list[float] = []  # when workers died, for the restart limit
+    gave_up = False
     stopping = False
 
     def forward(signum, _frame) -> None:
@@ -337,8 +346,33 @@ def run(args: argparse.Namespace) -> int:
         mp.connection.wait([p.sentinel for p in running])
         for proc in [p for p in running if not p.is_alive()]:
             running.remove(proc)
-            if proc.exitcode:  # one worker failed: stop the others rather than limp on
+            if not proc.exitcode or stopping:
+                continue
+            if not errors.empty() or gave_up:  # a user error (said by the worker): stop
                 forward(signal.SIGTERM, None)
+                continue
+            # killed (the OOM killer) or crashed: its outputs are in its log, its sessions
+            # reconnect; a worker takes its place unless workers keep dying
+            now = time.monotonic()
+            deaths[:] = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
+            given = stats.release_worker(proc.pid)
+            if len(deaths) > RESTART_LIMIT:
+                gave_up = True
+                print(f"redraft serve: worker {proc.pid} died ({_death(proc.exitcode)}); "
+                      f"{len(deaths)} workers died within {RESTART_WINDOW_S:g} s, giving up",
+                      file=sys.stderr, flush=True)
+                forward(signal.SIGTERM, None)
+                continue
+            stats.add(worker_restarts=1)
+            replaced.add(id(proc))
+            fresh = new_worker(len(procs))
+            procs.append(fresh)
+            fresh.start()
+            running.append(fresh)
+            print(f"redraft serve: worker {proc.pid} died ({_death(proc.exitcode)}; "
+                  f"{given or 0} session(s) it held were closed); started worker "
+                  f"{fresh.pid} in its place ({int(stats.get('worker_restarts'))} restart(s) "
+                  f"so far)", file=sys.stderr, flush=True)
     for proc in procs:
         if proc.pid is not None:
             proc.join()
@@ -346,11 +380,21 @@ def run(args: argparse.Namespace) -> int:
         raise RedraftError(errors.get())
     # a worker stopped by the signal before it could handle it was stopped as asked
     failed = [p.exitcode for p in procs
-              if p.exitcode and not (stopping and p.exitcode == -signal.SIGTERM)]
+              if p.exitcode and id(p) not in replaced
+              and not (stopping and not gave_up and p.exitcode == -signal.SIGTERM)]
     if failed:
         print(f"redraft serve: workers exited with {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def _death(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}"
 
 
 def print_server_stats(address: str, token: str | None = None, token_file: str | None = None,

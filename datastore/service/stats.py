@@ -39,6 +39,7 @@ FIELDS = (
     "batch_calls",
     "batch_steps",
     "refused_tenant_sessions",
+    "worker_restarts",
 )
 _SLOT = {name: i for i, name in enumerate(FIELDS)}
 _BUCKETS_PER_OCTAVE = 8
@@ -59,7 +60,10 @@ class ServiceStats:
         sessions (one per configured token; one for a server without auth)."""
         self._tenant0 = _WORKER0 + workers * len(WORKER_FIELDS)
         self.tenants = max(1, tenants)
-        size = self._tenant0 + self.tenants
+        # per worker and tenant slot, the sessions it holds: what a worker that died held
+        # is given back (`release_worker`), never leaked from max_sessions
+        self._held0 = self._tenant0 + self.tenants
+        size = self._held0 + workers * self.tenants
         if ctx is None:
             self._arr: Any = [0.0] * size
             self._lock: Any = threading.Lock()
@@ -68,16 +72,54 @@ class ServiceStats:
             self._lock = ctx.Lock()
         self.workers = workers
         self.started = time.time()
+        self._slot = -1  # this process's worker slot, once claimed
 
     def claim_worker(self) -> int:
-        """This process's worker slot (once per server process; -1 when all are taken)."""
+        """This process's worker slot (once per server process; -1 when all are taken): a
+        slot a dead worker left (`release_worker`), else the next one."""
+        k = len(WORKER_FIELDS)
         with self._lock:
-            slot = int(self._arr[_CLAIMED])
-            if slot >= self.workers:
+            claimed = int(self._arr[_CLAIMED])
+            free = [w for w in range(claimed) if self._arr[_WORKER0 + w * k] == 0]
+            if free:
+                slot = free[0]
+            elif claimed < self.workers:
+                slot = claimed
+                self._arr[_CLAIMED] = claimed + 1
+            else:
                 return -1
-            self._arr[_CLAIMED] = slot + 1
-            self._arr[_WORKER0 + slot * len(WORKER_FIELDS)] = os.getpid()
+            self._arr[_WORKER0 + slot * k] = os.getpid()
+            self._slot = slot
             return slot
+
+    def release_worker(self, pid: int, wait_s: float = 2.0) -> int | None:
+        """A worker process `pid` died: give back the sessions it held (to max_sessions and
+        its tenants' shares) and free its slot for the worker started in its place; the
+        sessions given back (None: `pid` held no slot). A worker killed while it held the
+        lock (for microseconds at a time) never releases it: after `wait_s` it is taken
+        from the dead."""
+        if not self._lock.acquire(timeout=wait_s):
+            self._lock.release()  # the dead worker's: nobody else holds it this long
+            self._lock.acquire()
+        try:
+            k = len(WORKER_FIELDS)
+            for w in range(int(self._arr[_CLAIMED])):
+                if self._arr[_WORKER0 + w * k] != pid:
+                    continue
+                given = 0
+                for t in range(self.tenants):
+                    at = self._held0 + w * self.tenants + t
+                    n = int(self._arr[at])
+                    self._arr[at] = 0
+                    self._arr[self._tenant0 + t] -= n
+                    self._arr[_SLOT["sessions_active"]] -= n
+                    given += n
+                for i in range(k):
+                    self._arr[_WORKER0 + w * k + i] = 0
+                return given
+            return None
+        finally:
+            self._lock.release()
 
     def publish_worker(self, slot: int, figures: dict[str, float]) -> None:
         """Worker `slot`'s own figures (its learned index's sizes), replacing earlier ones."""
@@ -95,7 +137,7 @@ class ServiceStats:
             values = list(self._arr[_WORKER0:_WORKER0 + n * len(WORKER_FIELDS)])
         k = len(WORKER_FIELDS)
         return [{name: int(values[w * k + i]) for i, name in enumerate(WORKER_FIELDS)}
-                for w in range(n)]
+                for w in range(n) if values[w * k]]  # a dead worker's slot, freed: none
 
     def add(self, **counts: float) -> None:
         with self._lock:
@@ -123,12 +165,16 @@ class ServiceStats:
             a[_SLOT["sessions_active"]] += 1
             a[_SLOT["sessions_opened"]] += 1
             a[at] += 1
+            if self._slot >= 0:
+                a[self._held0 + self._slot * self.tenants + tenant] += 1
             return None
 
     def close_session(self, tenant: int = 0) -> None:
         with self._lock:
             self._arr[_SLOT["sessions_active"]] -= 1
             self._arr[self._tenant0 + tenant] -= 1
+            if self._slot >= 0:
+                self._arr[self._held0 + self._slot * self.tenants + tenant] -= 1
 
     def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str],
                kind: str | None = None) -> None:
