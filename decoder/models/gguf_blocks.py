@@ -32,6 +32,7 @@ _SAMPLE_ROWS = 4
 
 _FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> GGUF path
 _BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {module: weight}
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the target it shares
 
 
 def attach(model, gguf_path: str | Path) -> None:
@@ -39,9 +40,18 @@ def attach(model, gguf_path: str | Path) -> None:
     _FILES[model] = Path(gguf_path)
 
 
+def share(target, model) -> None:
+    """`model` is made of `target`'s own layers (a draft model of its first layers): it
+    runs on the target's blocks."""
+    if target in _FILES or target in _SHARED:
+        _SHARED[model] = target
+
+
 def block_weights(model) -> dict[torch.nn.Module, BlockWeight] | None:
     """The model's linear layers' blocks, or None when the model was not loaded from a GGUF
     file, or the file's architecture, formats or layout are not ones the kernel runs."""
+    if model in _SHARED:
+        return block_weights(_SHARED[model])  # keyed by layer: the shared ones are found
     if model not in _BLOCKS:
         path = _FILES.get(model)
         _BLOCKS[model] = None if path is None else _read(model, path)
