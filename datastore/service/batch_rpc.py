@@ -63,11 +63,12 @@ def _too_long(name: str) -> bool:
 class BatchedSequence:
     """One sequence held between calls."""
 
-    __slots__ = ("key", "drafter", "since", "busy", "length")
+    __slots__ = ("key", "drafter", "since", "busy", "length", "slot")
 
-    def __init__(self, key: tuple, drafter, length: int | None = None) -> None:
+    def __init__(self, key: tuple, drafter, length: int | None = None, slot: int = 0) -> None:
         self.key = key
         self.drafter = drafter
+        self.slot = slot  # the tenant slot it counts against
         self.since = time.monotonic()  # last used
         self.busy = False  # a call is drafting it on a thread
         # tokens of its context (kept here: no call per check)
@@ -78,10 +79,10 @@ class SequenceTable:
     """The open sequences of one server process: their slots and the idle sweeper."""
 
     def __init__(self, config: ServiceConfig, stats: ServiceStats,
-                 slot: Callable[[str], int]) -> None:
+                 slot: Callable[[str, str], int]) -> None:
         self.config = config
         self.stats = stats
-        self.slot = slot  # a caller's tenant slot, from its token's key (key[0])
+        self.slot = slot  # a caller's tenant slot: its token's (key[0]) or declared tenant
         self.open: dict[tuple, BatchedSequence] = {}
         self.swept: OrderedDict[tuple, float] = OrderedDict()  # recently swept: when
         self._sweeper: asyncio.Future | None = None
@@ -90,15 +91,19 @@ class SequenceTable:
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())
 
-    def add(self, key: tuple, drafter, length: int | None = None) -> BatchedSequence:
+    def add(self, key: tuple, drafter, length: int | None = None,
+            slot: int = 0) -> BatchedSequence:
         """Hold a new sequence (its slot was taken by `take_slot`)."""
-        seq = self.open[key] = BatchedSequence(key, drafter, length)
+        seq = self.open[key] = BatchedSequence(key, drafter, length, slot)
         self.swept.pop(key, None)
         return seq
 
-    def take_slot(self, auth: str) -> None:
-        """A slot under max_sessions and the caller's token's share of it (or a Refusal)."""
-        take_slot(self.stats, self.config, self.slot(auth))
+    def take_slot(self, auth: str, tenant: str) -> int:
+        """A slot under max_sessions and the caller's token's (or, without auth, declared
+        tenant's) share of it, or a Refusal; the tenant slot taken."""
+        slot = self.slot(auth, tenant)
+        take_slot(self.stats, self.config, slot)
+        return slot
 
     def end(self, seq: BatchedSequence) -> None:
         """The sequence is over: its output is final, its slot free."""
@@ -106,7 +111,7 @@ class SequenceTable:
             try:
                 seq.drafter.close()
             finally:
-                self.stats.close_session(self.slot(seq.key[0]))
+                self.stats.close_session(seq.slot)
 
     def missing(self, key: tuple, sequence: str) -> Refusal:
         """NOT_FOUND for a sequence this process does not hold, saying why if it knows."""
@@ -273,13 +278,13 @@ class BatchDrafting:
         old = self._held(entry.sequence, key, required=False)
         if old is not None:
             self.table.end(old)  # opened again: the earlier generation is over
-        self.table.take_slot(defaults.auth)
+        slot = self.table.take_slot(defaults.auth, tenant)
         try:
             drafter = self.service.new_drafter(prompt, settings, tenant)
         except BaseException:
-            self.service.stats.close_session(self.table.slot(defaults.auth))
+            self.service.stats.close_session(slot)
             raise
-        entry.seq = self.table.add(key, drafter)
+        entry.seq = self.table.add(key, drafter, slot=slot)
         entry.drafts = True
 
     def _close(self, entry: _Entry, key: tuple, close: draft_pb2.SequenceClose) -> None:

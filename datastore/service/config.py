@@ -74,6 +74,11 @@ class ServiceConfig:
         tokens = self.token if isinstance(self.token, tuple) else (self.token,)
         return [t for t in tokens if t]
 
+    def tenant_slots(self) -> int:
+        """Tenant slots sessions count against: one per token with auth; without, declared
+        tenants hashed into TENANT_BUCKETS (each bounded by --tenant-sessions apart)."""
+        return len(self.tokens()) or TENANT_BUCKETS
+
     def tenant_share(self) -> int:
         """The sessions and sequences one token may hold (see `tenant_sessions`)."""
         if self.tenant_sessions > 0:
@@ -81,6 +86,11 @@ class ServiceConfig:
         n = len(self.tokens())
         return max(1, self.max_sessions // n) if n > 1 else self.max_sessions
 
+
+# Without auth, declared tenants (and the default one) count against --tenant-sessions in
+# this many slots, by a hash of their name: bounded memory whatever names clients declare
+# (two tenants in one slot share its share).
+TENANT_BUCKETS = 64
 
 # The longest client or sequence id a Batch call may name, in UTF-8 bytes: the server keeps
 # every held id, and those of recently swept sequences, so their memory is bounded by it.

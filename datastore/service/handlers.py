@@ -52,6 +52,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         if stats.tenants < len(self.checks.token_keys):
             raise ValueError(f"ServiceStats counts {stats.tenants} tenant slots for "
                              f"{len(self.checks.token_keys)} tokens")
+        self.checks.buckets = min(self.checks.buckets, stats.tenants)
         self.sessions = Sessions(config, stats)
         self.verification = BackgroundVerification(reader, config.verify_checksums)
         self.learning = LearnedOutputs(reader, config, stats, self.verification,
@@ -166,17 +167,20 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def _session(self, context, tenant: str) -> None:
         self._check_serving()
         sessions = self.sessions
-        slot = self.checks.slot(tenant)  # the token's share of max_sessions
+        # the token's share of max_sessions; without auth, the declared tenant's, once the
+        # open says which
+        slot = [self.checks.slot(tenant)]
         # counted from the stream's start, open or not: streams that never send `open`
         # would otherwise cost memory without bound (and are given OPEN_WAIT_S to send it)
-        session_id = sessions.open(slot)
+        session_id = sessions.open(slot[0])
         try:
             await self._opened_session(context, tenant, slot, session_id)
         finally:
-            sessions.close(slot)
+            sessions.close(slot[0])
             self.learning.publish()
 
-    async def _opened_session(self, context, tenant: str, slot: int, session_id: str) -> None:
+    async def _opened_session(self, context, tenant: str, slot: list[int],
+                              session_id: str) -> None:
         sessions = self.sessions
         waiter = sessions.waiter()
         waiter.limit = sessions.open_wait_s
@@ -188,6 +192,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.checks.check_fingerprint(opening.tokenizer_fingerprint, required=True)
         p = self.checks.settings(opening.params)
         tenant = self.checks.tenant(tenant, opening.tenant)
+        if slot[0] < 0:  # without auth: its declared tenant's share from now on
+            sessions.join(self.checks.slot("", tenant))
+            slot[0] = self.checks.slot("", tenant)
         drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
         try:
             # Headers go out on their own first: gRPC marks them sent only when a write

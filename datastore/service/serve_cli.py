@@ -309,11 +309,13 @@ def run(args: argparse.Namespace) -> int:
     with Reader(args.datastore):  # fail fast, with the datastore's own error
         pass
     check_port_free(args.host, args.port)
+    for line in limit_warnings(config):
+        print(f"redraft serve: warning: {line}", file=sys.stderr, flush=True)
     if args.workers == 1:
         _worker(args.datastore, args.host, args.port, config, None, tls, False)
         return 0
     ctx = mp.get_context("spawn")
-    stats = ServiceStats(ctx, workers=args.workers, tenants=len(config.tokens()))
+    stats = ServiceStats(ctx, workers=args.workers, tenants=config.tenant_slots())
     errors = ctx.SimpleQueue()
 
     def new_worker(i: int):
@@ -386,6 +388,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"redraft serve: workers exited with {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def limit_warnings(config: ServiceConfig) -> list[str]:
+    """What the session limits leave some caller without, said at start (they are legal,
+    and an operator may mean them, but a token that can never open a session is a surprise
+    to find in production)."""
+    tokens = len(config.tokens())
+    if tokens > config.max_sessions:
+        return [f"--max-sessions {config.max_sessions} is fewer than the {tokens} tokens in "
+                f"--token-file: while the others hold theirs, {tokens - config.max_sessions} "
+                "token(s) find no slot at all"]
+    share = config.tenant_share()
+    if tokens > 1 and share * tokens > config.max_sessions:
+        return [f"--tenant-sessions {share} for {tokens} tokens is more than --max-sessions "
+                f"{config.max_sessions}: while some tokens hold their share, the others may "
+                "find no slot"]
+    return []
 
 
 def _death(exitcode: int) -> str:

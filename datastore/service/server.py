@@ -54,7 +54,7 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, DrafterService, health.aio.HealthServicer, int]:
     """Build and start a server on host:port (0 = any free port); returns the bound port."""
     config = config or ServiceConfig()
-    stats = stats or ServiceStats(tenants=len(config.tokens()))
+    stats = stats or ServiceStats(tenants=config.tenant_slots())
     server = grpc.aio.server(options=server_options(config, reuse_port))
     service = DrafterService(reader, config, stats)
     add_drafter_service(service, server)
@@ -139,7 +139,7 @@ class ServerThread:
         self.port = port
         self.config = config or ServiceConfig()
         self.tls = tls
-        self.stats = ServiceStats(tenants=len(self.config.tokens()))
+        self.stats = ServiceStats(tenants=self.config.tenant_slots())
         self.service: DrafterService | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None

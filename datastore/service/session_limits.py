@@ -31,10 +31,17 @@ def take_slot(stats: ServiceStats, config: ServiceConfig, slot: int) -> None:
                       f"server has max_sessions={config.max_sessions} sessions and sequences "
                       "open; try later")
     if full is not None:
-        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"this token holds its share of {config.tenant_share()} sessions and "
-                      "sequences (of max_sessions="
-                      f"{config.max_sessions}); close some or try later")
+        raise share_refusal(config)
+
+
+def share_refusal(config: ServiceConfig) -> Refusal:
+    """RESOURCE_EXHAUSTED: the caller's token (with auth) or declared tenant (without)
+    holds its share of max_sessions."""
+    who = "this token" if config.tokens() else "this tenant"
+    return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"{who} holds its share of {config.tenant_share()} sessions and "
+                   f"sequences (of max_sessions={config.max_sessions}); close some or try "
+                   "later")
 
 
 class Waiter:
@@ -82,6 +89,11 @@ class Sessions:
         take_slot(self.stats, self.config, slot)
         self._next_id += 1
         return f"{id(self):x}-{self._next_id}"
+
+    def join(self, slot: int) -> None:
+        """Count a session opened without a tenant slot (-1) against `slot` now."""
+        if not self.stats.join_tenant(slot, self.config.tenant_share()):
+            raise share_refusal(self.config)
 
     def close(self, slot: int = 0) -> None:
         self.stats.close_session(slot)

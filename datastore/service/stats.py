@@ -60,10 +60,11 @@ class ServiceStats:
         sessions (one per configured token; one for a server without auth)."""
         self._tenant0 = _WORKER0 + workers * len(WORKER_FIELDS)
         self.tenants = max(1, tenants)
-        # per worker and tenant slot, the sessions it holds: what a worker that died held
-        # is given back (`release_worker`), never leaked from max_sessions
+        # per worker, the sessions it holds and, per tenant slot, those counted there: what
+        # a worker that died held is given back (`release_worker`), never leaked
         self._held0 = self._tenant0 + self.tenants
-        size = self._held0 + workers * self.tenants
+        self._held_per_worker = self.tenants + 1  # [0]: all its sessions
+        size = self._held0 + workers * self._held_per_worker
         if ctx is None:
             self._arr: Any = [0.0] * size
             self._lock: Any = threading.Lock()
@@ -106,14 +107,14 @@ class ServiceStats:
             for w in range(int(self._arr[_CLAIMED])):
                 if self._arr[_WORKER0 + w * k] != pid:
                     continue
-                given = 0
+                base = self._held0 + w * self._held_per_worker
+                given = int(self._arr[base])
+                self._arr[base] = 0
+                self._arr[_SLOT["sessions_active"]] -= given
                 for t in range(self.tenants):
-                    at = self._held0 + w * self.tenants + t
-                    n = int(self._arr[at])
-                    self._arr[at] = 0
+                    n = int(self._arr[base + 1 + t])
+                    self._arr[base + 1 + t] = 0
                     self._arr[self._tenant0 + t] -= n
-                    self._arr[_SLOT["sessions_active"]] -= n
-                    given += n
                 for i in range(k):
                     self._arr[_WORKER0 + w * k + i] = 0
                 return given
@@ -149,32 +150,56 @@ class ServiceStats:
 
     def try_open_session(self, max_sessions: int, tenant: int = 0,
                          tenant_share: int | None = None) -> str | None:
-        """Take a session slot atomically across processes, for tenant slot `tenant`: None
-        when taken, else what is full ("server", or "tenant" when the tenant already holds
-        `tenant_share` sessions)."""
+        """Take a session slot atomically across processes, for tenant slot `tenant` (-1:
+        none yet, `join_tenant` later): None when taken, else what is full ("server", or
+        "tenant" when the tenant already holds `tenant_share` sessions)."""
         a = self._arr
         at = self._tenant0 + tenant
+        held = self._held0 + self._slot * self._held_per_worker
         with self._lock:
             if a[_SLOT["sessions_active"]] >= max_sessions:
                 a[_SLOT["refused_sessions"]] += 1
                 return "server"
-            if tenant_share is not None and a[at] >= tenant_share:
+            if tenant >= 0 and tenant_share is not None and a[at] >= tenant_share:
                 a[_SLOT["refused_sessions"]] += 1
                 a[_SLOT["refused_tenant_sessions"]] += 1
                 return "tenant"
             a[_SLOT["sessions_active"]] += 1
             a[_SLOT["sessions_opened"]] += 1
-            a[at] += 1
             if self._slot >= 0:
-                a[self._held0 + self._slot * self.tenants + tenant] += 1
+                a[held] += 1
+            if tenant >= 0:
+                a[at] += 1
+                if self._slot >= 0:
+                    a[held + 1 + tenant] += 1
             return None
 
+    def join_tenant(self, tenant: int, tenant_share: int | None = None) -> bool:
+        """Count a session taken without a tenant slot (-1) against `tenant` now; False
+        (and it stays without) when that tenant already holds `tenant_share`."""
+        a = self._arr
+        at = self._tenant0 + tenant
+        with self._lock:
+            if tenant_share is not None and a[at] >= tenant_share:
+                a[_SLOT["refused_sessions"]] += 1
+                a[_SLOT["refused_tenant_sessions"]] += 1
+                return False
+            a[at] += 1
+            if self._slot >= 0:
+                a[self._held0 + self._slot * self._held_per_worker + 1 + tenant] += 1
+            return True
+
     def close_session(self, tenant: int = 0) -> None:
+        """A session of tenant slot `tenant` (-1: none) ended."""
+        held = self._held0 + self._slot * self._held_per_worker
         with self._lock:
             self._arr[_SLOT["sessions_active"]] -= 1
-            self._arr[self._tenant0 + tenant] -= 1
             if self._slot >= 0:
-                self._arr[self._held0 + self._slot * self.tenants + tenant] -= 1
+                self._arr[held] -= 1
+            if tenant >= 0:
+                self._arr[self._tenant0 + tenant] -= 1
+                if self._slot >= 0:
+                    self._arr[held + 1 + tenant] -= 1
 
     def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str],
                kind: str | None = None) -> None:

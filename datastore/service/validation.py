@@ -4,6 +4,7 @@ stands for), token ids, the tokenizer, and the drafting parameters against the l
 from __future__ import annotations
 
 import hmac
+import zlib
 from collections.abc import Sequence
 
 import grpc
@@ -32,11 +33,17 @@ class RequestValidator:
         # a digest, not the secret itself: tenant keys are logged and persisted
         self.token_keys = [token_key(t) for t in tokens]
         self._slots = {key: i for i, key in enumerate(self.token_keys)}
+        self.buckets = config.tenant_slots()  # the tenant slots the server's stats count
 
-    def slot(self, authenticated: str) -> int:
+    def slot(self, authenticated: str, tenant_key: str | None = None) -> int:
         """The tenant slot whose share of max_sessions a caller's sessions count against:
-        its token's (`auth`'s key), 0 without auth."""
-        return self._slots.get(authenticated, 0)
+        its token's (`auth`'s key); without auth, its declared tenant's (`tenant_key`, by a
+        hash: `config.TENANT_BUCKETS`), or none yet (-1) while it is not known."""
+        if self._tokens:
+            return self._slots.get(authenticated, 0)
+        if tenant_key is None:
+            return -1
+        return zlib.crc32(tenant_key.encode("utf-8", "surrogatepass")) % self.buckets
 
     def auth(self, context: grpc.aio.ServicerContext) -> str:
         """Check the bearer token; returns the tenant key it stands for ("" without auth)."""

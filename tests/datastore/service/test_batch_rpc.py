@@ -760,3 +760,42 @@ def test_a_reply_over_the_message_limit_fails_only_the_entries_past_it(store, se
         again = c.batch([SequenceStep("0", [1]), SequenceStep(str(len(ok)), [1])],
                         client_id="e")
         assert again.errors[0] is None and isinstance(again.errors[1], UnknownSequence)
+
+
+def test_without_auth_tenant_sessions_bounds_each_declared_tenant_not_the_server(
+        store, servers):
+    """Before: every anonymous caller shared one share, so `--tenant-sessions 3` capped the
+    whole server at 3 of 8, and the refusal spoke of "this token"."""
+    srv = servers.start(store, "--port", "0", "--max-sessions", "8", "--tenant-sessions", "3")
+    good = DOCS[1][:12]
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch([SequenceOpen(str(i), good) for i in range(5)], None, FP, client_id="e")
+        assert r.errors[:3] == [None] * 3
+        assert "this tenant holds its share of 3 sessions and sequences (of max_sessions=8)" \
+            in str(r.errors[3])
+        r = c.batch([SequenceOpen(str(i), good) for i in range(3)], None, FP, client_id="f",
+                    tenant="bob")  # another declared tenant: its own share
+        assert r.errors == [None] * 3
+        with c.session(good, DraftParams(), FP, tenant="carol"), \
+                c.session(good, DraftParams(), FP, tenant="carol"):  # the server's 7th and 8th
+            assert c.stats()["sessions_active"] == 8
+            with pytest.raises(LimitExceeded, match="server has max_sessions=8"):
+                c.session(good, DraftParams(), FP, tenant="dave").open()
+        with pytest.raises(LimitExceeded, match="this tenant holds its share of 3"):
+            c.session(good, DraftParams(), FP, tenant="bob").open()
+        with c.session(good, DraftParams(), FP, tenant="dave"):
+            assert c.stats()["sessions_active"] == 7
+
+
+def test_limits_that_leave_a_token_no_slot_are_said_at_start(store, servers, tmp_path,
+                                                              until):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-a\ntoken-b\ntoken-c\n")
+    srv = servers.start(store, "--port", "0", "--token-file", str(tokens),
+                        "--max-sessions", "2")
+    until(lambda: "warning" in srv.stderr)
+    assert srv.stop() == 0
+    (said,) = [line for line in srv.stderr.splitlines() if "warning" in line]
+    assert "--max-sessions 2 is fewer than the 3 tokens" in said
+    fair = servers.start(store, "--port", "0", "--token-file", str(tokens))
+    assert fair.stop() == 0 and "warning" not in fair.stderr
