@@ -74,6 +74,36 @@ def stacked(weights: Sequence[BlockWeight]) -> BlockWeight:
                        sum(w.n for w in weights), first.k)
 
 
+# model -> a function giving its layers' blocks (or None), read on first use; a model made of
+# another's layers -> that model. Filled by the model loaders (`redraft.decoder.models`), read
+# by the verifier: the loop never imports the loaders.
+_PROVIDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def attach(model, provider: Callable[[object], dict | None]) -> None:
+    """`provider(model)` gives the model's {layer: BlockWeight} (or None), on first use."""
+    _PROVIDERS[model] = provider
+
+
+def share(target, model) -> None:
+    """`model` is made of `target`'s own layers (a draft model of its first layers): it runs
+    on the target's blocks, which are keyed by layer."""
+    if target in _PROVIDERS or target in _SHARED:
+        _SHARED[model] = target
+
+
+def model_blocks(model) -> dict | None:
+    """The model's {layer: BlockWeight}, or None when nothing provides blocks for it."""
+    if model in _SHARED:
+        return model_blocks(_SHARED[model])
+    if model not in _BLOCKS:
+        provider = _PROVIDERS.get(model)
+        _BLOCKS[model] = None if provider is None else provider(model)
+    return _BLOCKS[model]
+
+
 def row_bytes(fmt: int, k: int) -> int:
     """Bytes of one weight row of width k in that format."""
     return _blocks.row_bytes(fmt, k)

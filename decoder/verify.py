@@ -59,7 +59,6 @@ from redraft.decoder.lean import (
     exact_attention,
     plain_stack,
 )
-from redraft.decoder.models import gguf_blocks
 from redraft.proto.errors import RedraftError
 from redraft.proto.tree import Tree
 from transformers import DynamicCache
@@ -252,11 +251,11 @@ class LeanKernels:
 
 
 def model_blocks(model, dtype: torch.dtype) -> dict | None:
-    """The model's linear layers as the blocks its GGUF file ships (`gguf_blocks`), where the
-    block kernel has a fast path for `dtype` on this CPU; else None (the dense copy runs)."""
+    """The model's linear layers as the blocks its file ships (`block_linear.model_blocks`),
+    where the block kernel has a fast path for `dtype` on this CPU; else None (dense)."""
     if not block_linear.fast(dtype):
         return None
-    return gguf_blocks.block_weights(model)
+    return block_linear.model_blocks(model)
 
 
 class _LeanRunner:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 
 import torch
+from redraft.decoder import block_linear
 from redraft.decoder.drafter import UnknownDrafter
-from redraft.decoder.models import gguf_blocks
 
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
@@ -45,5 +45,5 @@ def first_layers(target, layers: int):
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise UnknownDrafter(f"--draft-model skip:L: cannot share {leftover[0]} with the target")
-    gguf_blocks.share(target, model)  # its verifier runs on the target's blocks too
+    block_linear.share(target, model)  # its verifier runs on the target's blocks too
     return model.eval()

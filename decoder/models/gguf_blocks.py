@@ -14,12 +14,12 @@ logits.
 from __future__ import annotations
 
 import struct
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from redraft.decoder import block_linear
 from redraft.decoder.block_linear import FORMATS, BlockWeight, row_bytes
 
 # Hugging Face's module names (after "model.layers.N.") -> the GGUF's (after "blk.N.")
@@ -30,32 +30,16 @@ _LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
 _ARCHITECTURES = ("llama", "qwen2")  # the plain stacks `lean` runs
 _SAMPLE_ROWS = 4
 
-_FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> GGUF path
-_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {module: weight}
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the target it shares
-
-
 def attach(model, gguf_path: str | Path) -> None:
-    """Remember the file a model was loaded from (its blocks are read on first use)."""
-    _FILES[model] = Path(gguf_path)
-
-
-def share(target, model) -> None:
-    """`model` is made of `target`'s own layers (a draft model of its first layers): it
-    runs on the target's blocks."""
-    if target in _FILES or target in _SHARED:
-        _SHARED[model] = target
+    """Have the verifier run `model` on the blocks of the file it was loaded from (read on
+    first use)."""
+    block_linear.attach(model, lambda m: _read(m, Path(gguf_path)))
 
 
 def block_weights(model) -> dict[torch.nn.Module, BlockWeight] | None:
     """The model's linear layers' blocks, or None when the model was not loaded from a GGUF
     file, or the file's architecture, formats or layout are not ones the kernel runs."""
-    if model in _SHARED:
-        return block_weights(_SHARED[model])  # keyed by layer: the shared ones are found
-    if model not in _BLOCKS:
-        path = _FILES.get(model)
-        _BLOCKS[model] = None if path is None else _read(model, path)
-    return _BLOCKS[model]
+    return block_linear.model_blocks(model)
 
 
 def _read(model, path: Path) -> dict[torch.nn.Module, BlockWeight] | None:
