@@ -45,7 +45,7 @@ def read_bandwidth(seconds: float = 1.0) -> float:
     return data.numel() * 4 / best
 
 
-def clock() -> float:
+def cpu_clock() -> float:
     """This thread's CPU time at one torch thread, else the wall clock."""
     return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
@@ -57,9 +57,9 @@ class Timed:
         self.inner, self.clock, self.stage = inner, clock, stage
 
     def __call__(self, *args):
-        t = clock()
+        t = cpu_clock()
         out = self.inner(*args)
-        self.clock[self.stage] += clock() - t
+        self.clock[self.stage] += cpu_clock() - t
         return out
 
     def __getattr__(self, name):  # the attention strategy's `prepare`, a linear's `refresh`
@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             for kind, v in kinds.items():
                 clock = clocks[kind]
                 clock.update(linear=0.0, attention=0.0)
-                t = clock()
+                t = cpu_clock()
                 v.tree_forward(ids[args.prefix], tree(ids[args.prefix + 1 : args.prefix + n]))
-                total = clock() - t
+                total = cpu_clock() - t
                 v.commit([])
                 stages = {"total": total, "linear": clock["linear"],
                           "attention": clock["attention"],
