@@ -61,7 +61,8 @@ class LearnedOutputs:
         self.follower: LogFollower | None = None
         if self.index is not None and self.path is not None:
             self.journal = OutputJournal(str(self.path), keep=config.learn_persist_s > 0,
-                                         fingerprint=self.fingerprint)
+                                         fingerprint=self.fingerprint,
+                                         max_pending_tokens=config.learn_max_tokens)
             if self.journal.unwritable is not None:  # e.g. a read-only datastore
                 log.warning("redraft serve: learned outputs stay in this process until the "
                             "datastore takes a log: %s", self.journal.unwritable)
@@ -75,7 +76,10 @@ class LearnedOutputs:
         self._in_flight: asyncio.Future | None = None  # a persist running on a thread
         self._loading: asyncio.Future | None = None
         self._syncing: asyncio.Future | None = None  # a sync running on a thread
-        self._sync_failing: str | None = None  # a failing sync is said once until it works
+        # a failing sync is said once until it works (a log that could not be created at
+        # start was said then)
+        self._sync_failing = None if self.journal is None else self.journal.unwritable
+        self._dropped_said = 0  # outputs given up while no log could be written, said
 
     def admits(self, key: str) -> bool:
         """Whether an output of `key` (persisted, or logged by another process) may enter
@@ -145,6 +149,13 @@ class LearnedOutputs:
                               "output(s) (%d tokens) wait in memory for the next sync",
                               _said(exc), outputs, tokens)
                 self._sync_failing = _said(exc)
+                dropped, tokens = self.journal.dropped
+                if dropped > self._dropped_said:
+                    self._dropped_said = dropped
+                    log.error("redraft serve: %d learned output(s) (%d tokens) so far will "
+                              "never be persisted: no log could be written while more than "
+                              "--learn-max-tokens waited (they still draft from memory)",
+                              dropped, tokens)
             else:
                 if self._sync_failing is not None:
                     log.warning("redraft serve: learned outputs are written to the datastore "
@@ -209,9 +220,10 @@ class LearnedOutputs:
             await run_in_thread(self.journal.close)
         except Exception as exc:  # what is in the logs is persisted below
             outputs, tokens = self.journal.unwritten()
-            log.error("redraft serve: could not write the last learned outputs: %s; %d "
-                      "output(s) (%d tokens) learned here are lost", _said(exc), outputs,
-                      tokens)
+            if self.config.learn_persist_s > 0:  # memory only: nothing was to be kept
+                log.error("redraft serve: could not write the last learned outputs: %s; %d "
+                          "output(s) (%d tokens) learned here are lost", _said(exc),
+                          outputs, tokens)
         self.follower.close()
         if self.config.learn_persist_s > 0:
             await self._persist(set())

@@ -39,7 +39,7 @@ FULL_CHECK_S = 2.0  # every byte of this process's logs compared with its copy t
 class _Output:
     """A journaled output: its log, its number there, what is not written yet."""
 
-    __slots__ = ("log", "number", "tenant", "pending", "final", "dirty", "written")
+    __slots__ = ("log", "number", "tenant", "pending", "final", "dirty", "written", "dropped")
 
     def __init__(self, log: _Log, number: int, tenant: str) -> None:
         self.log = log
@@ -49,6 +49,7 @@ class _Output:
         self.final = False
         self.dirty = False
         self.written = 0  # tokens in the log so far (the next record's start)
+        self.dropped = False  # given up while no log could be written (`_bound`)
 
 
 class _Log:
@@ -97,9 +98,14 @@ class OutputJournal:
     """
 
     def __init__(self, datastore: str, keep: bool = True,
-                 rotate_bytes: int = ROTATE_BYTES, fingerprint: str = "") -> None:
+                 rotate_bytes: int = ROTATE_BYTES, fingerprint: str = "",
+                 max_pending_tokens: int = 1 << 20) -> None:
         self.datastore = datastore
         self.keep = keep
+        # tokens kept in memory while no log can be written; past it the oldest waiting
+        # outputs are given up (counted in `dropped`): they still draft from memory
+        self.max_pending_tokens = max_pending_tokens
+        self.dropped = [0, 0]  # outputs, tokens given up so far
         self.fingerprint = fingerprint
         self.rotate_bytes = rotate_bytes
         self._lock = threading.Lock()
@@ -129,6 +135,8 @@ class OutputJournal:
 
     def append(self, output: _Output, tokens: Sequence[int]) -> None:
         with self._lock:
+            if output.dropped:
+                return
             output.pending.extend(tokens)
             if not output.dirty:
                 output.dirty = True
@@ -139,6 +147,8 @@ class OutputJournal:
         with self._lock:
             dirty = self._dirty
             for output, tokens in pairs:
+                if output.dropped:
+                    continue
                 output.pending.extend(tokens)
                 if not output.dirty:
                     output.dirty = True
@@ -146,6 +156,8 @@ class OutputJournal:
 
     def end(self, output: _Output) -> None:
         with self._lock:
+            if output.dropped:
+                return
             output.final = True
             if not output.dirty:
                 output.dirty = True
@@ -183,6 +195,7 @@ class OutputJournal:
                 except (OSError, DatastoreError) as exc:
                     failed = failed or exc
                     self._restore(outs, records)
+                    self._bound()
                 else:
                     written.append((log_, outs, records))
             with self._lock:
@@ -222,6 +235,21 @@ class OutputJournal:
                 if not out.dirty:
                     out.dirty = True
                     self._dirty.append(out)
+
+    def _bound(self) -> None:
+        """While nothing can be written, keep at most max_pending_tokens waiting: the
+        outputs waiting longest are given up whole (a part given up would leave a gap in
+        what the log says of them), counted in `dropped`."""
+        with self._lock:
+            total = sum(len(o.pending) for o in self._dirty)
+            while total > self.max_pending_tokens and self._dirty:
+                out = self._dirty.pop(0)
+                total -= len(out.pending)
+                self.dropped[0] += 1
+                self.dropped[1] += len(out.pending)
+                out.dropped, out.dirty, out.pending = True, False, []
+                if not out.final:
+                    out.log.open -= 1  # never ends in its log: the log may be released
 
     def _rotate(self) -> None:
         if self._current.size >= self.rotate_bytes:

@@ -19,6 +19,7 @@ from redraft.datastore.learned_log import list_logs, read_log
 from redraft.datastore.service.client import DraftClient, DraftParams
 from redraft.datastore.service.persisting import persist_outputs
 from redraft.datastore.service.sharing import LogFollower, OutputJournal
+from redraft.proto.errors import DatastoreError
 
 FP = "sha256:sharing-test"
 VOCAB = 3000
@@ -232,3 +233,33 @@ def test_a_killed_memory_only_server_leaves_nothing_a_later_server_replays_or_pe
     with Reader(store) as r:
         assert "learned" not in r.corpora  # nothing of either run reached the datastore
     assert not any(n.startswith(path.name) for n in os.listdir(path.parent))
+
+
+def test_a_journal_that_cannot_write_keeps_its_bound_counts_what_it_gives_up_then_writes(
+        tmp_path):
+    """A datastore that takes no log (here a file stands where the log folder goes): what
+    is learned waits in memory, at most `max_pending_tokens` of it (the outputs waiting
+    longest are given up whole and counted), and is written once a log can be."""
+    store = tmp_path / "ds"
+    store.mkdir()
+    (store / "learned").write_text("in the way")
+    journal = OutputJournal(str(store), max_pending_tokens=100)
+    assert "cannot create a learned-output log" in journal.unwritable
+    outs = []
+    for i in range(5):
+        out = journal.begin(f"t:{i}")
+        journal.append(out, list(range(40 * i, 40 * i + 40)))
+        journal.end(out)
+        outs.append(out)
+        with pytest.raises(DatastoreError, match="cannot create"):
+            journal.flush()
+    assert journal.dropped == [3, 120] and journal.unwritten() == (2, 80)
+    journal.append(outs[0], [1, 2, 3])  # given up: it takes nothing more
+    (store / "learned").unlink()
+    journal.flush()
+    journal.close()
+    (path,) = list_logs(store)
+    outputs, damaged = read_log(path)
+    assert not damaged
+    assert {o.tenant: o.tokens for o in outputs.values()} == {
+        "t:3": list(range(120, 160)), "t:4": list(range(160, 200))}
