@@ -59,28 +59,41 @@ lint: install
 SANITIZE_DIR ?= build/sanitize
 SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	-fno-omit-frame-pointer -O1 -g -D_GLIBCXX_ASSERTIONS -D_GLIBCXX_SANITIZE_VECTOR
-# The core against the reference, and the core meeting damaged and truncated arrays.
+# The core against the reference, the core meeting damaged and truncated arrays, and the
+# verifier's kernel against its references (its large row sweeps run in the normal build).
+BLOCK_TESTS := tests/decoder/native/test_blocks.py
 SANITIZE_TESTS ?= tests/datastore/drafting/native \
+	$(BLOCK_TESTS)::test_matches_a_float64_matmul_of_the_dequantized_weights \
+	$(BLOCK_TESTS)::test_the_scalar_path_is_row_invariant_too \
+	$(BLOCK_TESTS)::test_the_bf16_paths_agree $(BLOCK_TESTS)::test_bad_shapes_and_formats_are_refused \
+	$(BLOCK_TESTS)::test_attention_matches_a_float64_masked_softmax \
+	$(BLOCK_TESTS)::test_an_attention_rows_bits_never_depend_on_the_rows_threads_or_build \
+	$(BLOCK_TESTS)::test_attention_refuses_inconsistent_shapes \
 	tests/datastore/test_corrupt.py::test_ids_past_the_vocabulary_in_unverified_arrays_are_never_drafted \
 	tests/datastore/test_mapping.py::test_a_segment_truncated_under_the_compiled_core_is_refused \
 	tests/datastore/test_mapping.py::test_a_segment_truncated_under_a_reader_is_refused_not_a_sigbus
 SANITIZE_CORE := $(SANITIZE_DIR)/redraft/datastore/drafting/native/_core
+SANITIZE_BLOCKS := $(SANITIZE_DIR)/redraft/decoder/native/_blocks
 sanitize: install
 	rm -rf $(SANITIZE_DIR) && mkdir -p $(SANITIZE_DIR)/redraft
 	cp -rs $(CURDIR)/datastore $(SANITIZE_DIR)/redraft/datastore
 	ln -s $(CURDIR)/proto $(SANITIZE_DIR)/redraft/proto
-	ln -s $(CURDIR)/decoder $(SANITIZE_DIR)/redraft/decoder
+	cp -rs $(CURDIR)/decoder $(SANITIZE_DIR)/redraft/decoder
 	find $(SANITIZE_DIR) -name __pycache__ -prune -exec rm -rf {} +
-	rm -f $(SANITIZE_CORE).*so
+	rm -f $(SANITIZE_CORE).*so $(SANITIZE_BLOCKS).*so
+	INCLUDE="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" && \
+	SUFFIX="$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" && \
 	$(CXX) -std=c++17 -ffp-contract=off -fvisibility=hidden -fPIC -shared $(SANITIZE_FLAGS) \
-		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-		datastore/drafting/native/_core.cpp \
-		-o $(SANITIZE_CORE)$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+		-I"$$INCLUDE" datastore/drafting/native/_core.cpp -o $(SANITIZE_CORE)$$SUFFIX && \
+	$(CXX) -std=c++17 -ffp-contract=off -fvisibility=hidden -fPIC -shared -pthread \
+		$(SANITIZE_FLAGS) -I"$$INCLUDE" decoder/native/_blocks.cpp -o $(SANITIZE_BLOCKS)$$SUFFIX
 	export PYTHONPATH=$(abspath $(SANITIZE_DIR)) LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so)" \
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 && \
-	$(PY) -c 'import sys, redraft.datastore.drafting.native._core as c; \
-		sys.exit(None if c.__file__.startswith("$(abspath $(SANITIZE_DIR))/") else \
-		"sanitize: the tests would not load the sanitized core but " + c.__file__)' && \
+	$(PY) -c 'import sys, redraft.datastore.drafting.native._core as c, \
+		redraft.decoder.native._blocks as b; \
+		sys.exit(None if all(m.__file__.startswith("$(abspath $(SANITIZE_DIR))/") for m in (c, b)) \
+		else "sanitize: the tests would not load the sanitized extensions but " + c.__file__ \
+		+ " " + b.__file__)' && \
 	$(PY) -m pytest -q -p no:cacheprovider --capture=sys $(SANITIZE_TESTS)
 
 # vLLM's CPU build in an environment of its own (it pins its own torch, which redraft's
