@@ -150,7 +150,7 @@ class LearnedOutputs:
                               _said(exc), outputs, tokens)
                 self._sync_failing = _said(exc)
                 dropped, tokens = self.journal.dropped
-                if dropped > self._dropped_said:
+                if dropped > self._dropped_said and self.config.learn_persist_s > 0:
                     self._dropped_said = dropped
                     log.error("redraft serve: %d learned output(s) (%d tokens) so far will "
                               "never be persisted: no log could be written while more than "
