@@ -16,6 +16,7 @@ from redraft.datastore.build import (
 from redraft.datastore.commit import DEFAULT_WAIT_S, upgrade_datastore
 from redraft.datastore.manifest import PICKUP_BOUND_S
 from redraft.datastore.reader import Reader
+from redraft.proto.config_file import add_config_options, print_config
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.models import DEFAULT_MODEL
 
@@ -63,10 +64,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --ray: how often a task whose worker died is run again "
                    f"(default {DEFAULT_RAY_RETRIES}; 0: the build fails instead)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=cmd_index)
+    add_config_options(p, "index")
+    p.set_defaults(func=cmd_index, config_parser=p)
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    if getattr(args, "print_config", False):
+        print_config(args.config_parser, args)
+        return 0
     progress = not args.quiet
     t0 = time.perf_counter()
     if not args.wait >= 0 or args.wait == float("inf"):

@@ -43,6 +43,7 @@ from redraft.datastore.service.config import (
 )
 from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
+from redraft.proto.config_file import add_config_options, print_config
 from redraft.proto.errors import RedraftError
 
 UINT32 = (1 << 32) - 1
@@ -67,7 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve REST and PLD candidate trees over gRPC (redraft.v1.Drafter), with "
         "health checking and reflection. Binds loopback unless --host says otherwise.",
     )
-    p.add_argument("--datastore", required=True, metavar="DIR", help="datastore directory")
+    p.add_argument("--datastore", metavar="DIR",
+                   help="datastore directory (required, here or in --config)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
@@ -148,7 +150,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"(default {d.max_batch_entries})")
     p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
                    help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
-    p.set_defaults(func=run)
+    add_config_options(p, "serve")
+    p.set_defaults(func=run, config_parser=p)
 
 
 def check_tls_files(cert: str, key: str) -> None:
@@ -305,6 +308,11 @@ def _worker(datastore: str, host: str, port: int, config: ServiceConfig,
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if getattr(args, "print_config", False):
+        print_config(args.config_parser, args)
+        return 0
+    if not args.datastore:
+        raise RedraftError("--datastore is required (on the command line or in --config)")
     tls = TLSFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
     with Reader(args.datastore):  # fail fast, with the datastore's own error
         pass
