@@ -41,6 +41,7 @@ from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
 from redraft.datastore.service import wire
 from redraft.datastore.service.config import MAX_ID_BYTES, THREADS_MIN_SEQUENCES, ServiceConfig
+from redraft.datastore.service.metrics import SOURCE_NAMES, walk_accepted
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.session_limits import take_slot
 from redraft.datastore.service.stats import ServiceStats
@@ -63,7 +64,7 @@ def _too_long(name: str) -> bool:
 class BatchedSequence:
     """One sequence held between calls."""
 
-    __slots__ = ("key", "drafter", "since", "busy", "length", "slot")
+    __slots__ = ("key", "drafter", "since", "busy", "length", "slot", "last")
 
     def __init__(self, key: tuple, drafter, length: int | None = None, slot: int = 0) -> None:
         self.key = key
@@ -73,6 +74,9 @@ class BatchedSequence:
         self.busy = False  # a call is drafting it on a thread
         # tokens of its context (kept here: no call per check)
         self.length = len(drafter) if length is None else length
+        # with metrics on: the tree drafted for it last (_Trees, start, end), which its
+        # next step's accepted tokens are walked down
+        self.last: tuple | None = None
 
 
 class SequenceTable:
@@ -318,6 +322,8 @@ class BatchDrafting:
         else:
             seqs = packed.seqs
             tokens, counts, budgets = packed.ok_tokens, packed.ok_counts, packed.ok_budgets
+        metrics = self.service.stats.metrics
+        walked = _walk(seqs, tokens, counts) if metrics.enabled else None
         reader = self.service.reader
         drafters = [seq.drafter for seq in seqs]
         for d in drafters:
@@ -348,6 +354,12 @@ class BatchDrafting:
         for seq, n in zip(seqs, out.context_lens.tolist()):
             seq.since = now
             seq.length = n
+        if walked is not None:
+            trees = _Trees(out)
+            offsets = out.offsets.tolist()
+            for i, seq in enumerate(seqs):
+                seq.last = (trees, offsets[i], offsets[i + 1])
+            out.counted = (np.array([seq.slot for seq in seqs], np.int64), *walked)
         _fit_reply(out, self._reply_nodes(rows), self.config)
         if out.errors:
             n_entries = len(drafting)
@@ -408,8 +420,78 @@ class BatchDrafting:
                 learned=int(np.count_nonzero(used & 4)))
         if failed:
             self.service.stats.add(errors=failed)
+        metrics = self.service.stats.metrics
+        if metrics.enabled:
+            codes = [x.error.code for x in entries if x.error is not None]
+            if packed is not None:
+                codes += [e.code for e in packed.errors.values()]
+            for code in codes:
+                metrics.refused(code.value[0])
+            self._count(metrics, out, len(entries) + (len(packed.ids) if packed else 0), t0)
         reply.server_us = (time.perf_counter() - t0) * 1e6
         return reply
+
+    def _count(self, metrics, out: BatchStep | None, rows: int, t0: float) -> None:
+        """A call's figures for /metrics: its time and entries, each drafted tree's nodes
+        by tenant slot and source, the draft tokens its steps accepted."""
+        tenants = metrics.tenants
+        empty = np.zeros(0, np.int64)
+        slots = node_slot = node_bits = empty
+        accepted = np.zeros(tenants * len(SOURCE_NAMES), np.int64)
+        depths: list[int] = []
+        counted = getattr(out, "counted", None)
+        if out is not None and counted is not None:
+            seq_slots, accepted, depths = counted
+            seq_slots = np.clip(seq_slots, 0, tenants - 1)
+            sizes = np.diff(out.offsets)
+            slots = seq_slots[sizes > 0]
+            node_slot = np.repeat(seq_slots, sizes)
+            node_bits = out.bits.astype(np.int64)
+        metrics.batch(time.perf_counter() - t0, rows, slots, node_bits, node_slot, accepted,
+                      depths)
+
+
+class _Trees:
+    """A call's trees as lists, made once the first later step walks one of them."""
+
+    __slots__ = ("out", "lists")
+
+    def __init__(self, out: BatchStep) -> None:
+        self.out = out
+        self.lists: tuple | None = None
+
+    def get(self) -> tuple:
+        if self.lists is None:
+            o = self.out
+            self.lists = (o.tokens.tolist(), o.parents.tolist(), o.bits.tolist())
+        return self.lists
+
+
+def _walk(seqs: list[BatchedSequence], tokens: np.ndarray,
+          counts: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """The draft tokens each step of a call accepted: its accepted tokens walked down the
+    tree drafted for its sequence last; counts by (tenant slot, source bits), and each
+    step's depth on its path."""
+    flat = tokens.tolist()
+    ends = np.cumsum(counts).tolist()
+    tenants = max((s.slot for s in seqs), default=0) + 1
+    by = [0] * (max(tenants, 1) * len(SOURCE_NAMES))
+    depths = []
+    start = 0
+    for seq, end in zip(seqs, ends):
+        last = seq.last
+        if last is not None and end > start:
+            trees, a, b = last
+            if b > a:
+                t, p, bits = trees.get()
+                path = walk_accepted(t, p, bits, a, b, flat[start:end])
+                if path:
+                    base = max(seq.slot, 0) * len(SOURCE_NAMES)
+                    for bit in path:
+                        by[base + bit] += 1
+                    depths.append(len(path))
+        start = end
+    return np.array(by, np.int64), depths
 
 
 class _PackedSteps:

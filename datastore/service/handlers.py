@@ -26,6 +26,7 @@ from redraft.datastore.service import wire
 from redraft.datastore.service.batch_rpc import BatchDrafting
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
 from redraft.datastore.service.learned_outputs import LearnedOutputs, run_in_thread
+from redraft.datastore.service.metrics import node_bits, walk_accepted
 from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
 from redraft.datastore.service.reload import SnapshotReloader
 from redraft.datastore.service.session_limits import Sessions
@@ -69,6 +70,18 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.verification = verification
         self.learning.verification = verification
         self.batching.follow(reader)
+        self.publish_snapshot()
+
+    def publish_snapshot(self, ready: bool | None = None) -> None:
+        """This worker's gauges for /metrics: the snapshot it serves (tokens, segments,
+        commit) and, when given, whether it takes sessions (listening, not stopping)."""
+        manifest = getattr(self.reader, "manifest", None) or {}
+        gauges = {"datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
+                  "datastore_segments": len(manifest.get("segments", ()) or ()),
+                  "commit": int(manifest.get("generation", 0) or 0)}
+        if ready is not None:
+            gauges["ready"] = int(ready)
+        self.stats.metrics.set_worker(self.learning.slot, **gauges)
     def _check_serving(self) -> None:
         if self.stopping:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -89,8 +102,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
 
     # ---- drafting ----------------------------------------------------------------------
     def _draft(self, drafter, budget: int, out: draft_pb2.DraftReply,
-               kind: str | None) -> None:
-        """Tree from the session's sources under the budget, count, fill `out`."""
+               kind: str | None):
+        """Tree from the session's sources under the budget, count, fill `out`; the tree."""
         t0 = time.perf_counter()
         self._check_damage()  # an open session's step too
         try:
@@ -105,6 +118,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                                     drafter.learned_match_len, expected))
         sources = {name for label in set(tree.sources) for name in label.split("+")}
         self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
+        return tree
 
     async def _drafter(self, tokens, noun: str, field: str, params: DraftSettings,
                        tenant: str):
@@ -139,6 +153,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     # ---- RPCs --------------------------------------------------------------------------
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Refusal) -> None:
         self.stats.add(errors=1)
+        self.stats.metrics.refused(exc.code.value[0])
         await context.abort(exc.code, exc.message)
 
     async def Propose(self, request, context):
@@ -202,12 +217,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             # sweeper or shutdown) would otherwise send them twice and fail.
             await context.send_initial_metadata(())
             msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(drafter))
-            self._draft(drafter, p.budget, msg.draft, None)
+            tree = self._draft(drafter, p.budget, msg.draft, None)
+            metrics = self.stats.metrics if self.stats.metrics.enabled else None
+            last = _counted(metrics, slot[0], tree, None, ())
             await sessions.wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
                 req = await sessions.read(context, waiter)
                 if req is None:
                     return
+                t0 = time.perf_counter()
                 step = wire.session_step(req, session_id)
                 self.checks.check_tokens(step.accepted, "step.accepted")
                 self.checks.check_budget(step.budget, "step.budget")
@@ -221,7 +239,11 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 await self._extend(drafter, step.accepted)  # learned at once, for every session
                 self.learning.publish()
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=n)
-                self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
+                tree = self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
+                if metrics is not None:
+                    accepted = walk_accepted(last[0], last[1], last[2], 0, len(last[0]),
+                                             step.accepted)
+                    last = _counted(metrics, slot[0], tree, t0, accepted)
                 await sessions.wait(waiter, context.write(msg), writing=True)
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
@@ -282,6 +304,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         datastore's commits."""
         self.verification.start(health_servicer)
         self.learning.start()
+        self.publish_snapshot(ready=True)
         self.reloader = SnapshotReloader(self, health_servicer, self.config.reload_interval_s)
         self.reloader.start()
 
@@ -292,6 +315,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         map, which the caller may close once the server has stopped.
         """
         self.stopping = True
+        self.publish_snapshot(ready=False)
         if self.reloader is not None:
             self.reloader.stop()
         self.sessions.end_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -305,6 +329,20 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         await self.learning.finish()
         if self.reloader is not None:
             await self.reloader.close()
+
+
+def _counted(metrics, slot: int, tree, t0: float | None, accepted: list[int]) -> tuple:
+    """Count a Session reply (with metrics on): its tree's nodes by source, the draft
+    tokens the step it answers accepted, the step's server time since `t0`; the tree
+    as the next step walks it (tokens, parents, source bits)."""
+    if metrics is None:
+        return ((), (), ())
+    tokens = tree.tokens if isinstance(tree.tokens, list) else list(tree.tokens)
+    parents = tree.parents if isinstance(tree.parents, list) else list(tree.parents)
+    bits = node_bits(tree.sources)
+    metrics.drafted(slot, None if t0 is None else time.perf_counter() - t0, bits,
+                    accepted, len(accepted))
+    return tokens, parents, bits
 
 
 def add_drafter_service(service: DrafterService, server: grpc.aio.Server) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import os
+import time
 
 from redraft.datastore.drafting import new_learned_index
 from redraft.datastore.service.config import ServiceConfig
@@ -143,6 +144,7 @@ class LearnedOutputs:
                 await asyncio.shield(self._syncing)
             except Exception as exc:  # e.g. a full disk: the next sync
                 # writes what this one could not (the journal keeps it)
+                self.stats.metrics.add("share_failures")
                 if _said(exc) != self._sync_failing:
                     outputs, tokens = self.journal.unwritten()
                     log.error("redraft serve: could not share learned outputs: %s; %d "
@@ -185,18 +187,22 @@ class LearnedOutputs:
         try:
             done = await asyncio.shield(self._in_flight)
         except MarksDamaged as exc:  # the same every persist until repaired: said once
+            self.stats.metrics.add("persist_failures")
             self._say_marks_damaged(str(exc))
         except PersistBusy as exc:
             log.warning("redraft serve: learned outputs not persisted yet (%s); "
                         "the next persist retries", exc)
         except Exception as exc:  # one persist's failure, whatever it is,
             # must not end the persisting: the outputs wait in their logs for the next one
+            self.stats.metrics.add("persist_failures")
             log.error("redraft serve: could not persist learned outputs: %s; "
                       "the next persist retries", _said(exc))
         else:
             if done.outputs:
                 self.stats.add(learned_persisted=done.outputs)
+            self.stats.metrics.set_worker(self.slot, last_persist_unix=time.time())
             for name, (n, first) in done.rejected.items():
+                self.stats.metrics.add("quarantined_records", n)
                 log.error("redraft serve: learned-output log %s: %d output(s) quarantined, "
                           "neither persisted nor drafted (%s)", name, n, first)
             for line in done.set_aside:

@@ -109,6 +109,7 @@ class SnapshotReloader:
 
     def _refuse(self, stamp: tuple, why: str) -> None:
         if stamp != self.refused:
+            self.service.stats.metrics.add("reload_failures")
             log.error("redraft serve: keeping the datastore snapshot it serves; the new one "
                       "cannot be used: %s", why)
         self.refused = stamp
@@ -122,6 +123,7 @@ class SnapshotReloader:
         self._opened.append(reader)
         self.stamp = getattr(reader, "stamp", None)
         self.reloads += 1
+        service.stats.metrics.add("reloads")
         verification.start(self.health)
         self._watch(verification, reader, recovering=old_verification.damage is not None)
         loading = getattr(service.learning, "_loading", None)  # reads the first snapshot

@@ -41,6 +41,7 @@ from redraft.datastore.service.config import (
     ServiceConfig,
     auto_batch_threads,
 )
+from redraft.datastore.service.probes import ProbeServer
 from redraft.datastore.service.server import STOP_SIGNALS, TLSFiles, serve_forever
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto.config_file import add_config_options, print_config
@@ -150,6 +151,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"(default {d.max_batch_entries})")
     p.add_argument("--grace", type=float, default=d.grace_s, metavar="SECONDS",
                    help=f"time in-flight calls get after SIGTERM (default {d.grace_s:g})")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve HTTP probes and Prometheus metrics on this port: /healthz, "
+                   "/readyz, /metrics, for the whole server (default: off; 0 = any free)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics port binds (default %(default)s)")
     add_config_options(p, "serve")
     p.set_defaults(func=run, config_parser=p)
 
@@ -204,6 +210,12 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                            f"{args.learn_sync_seconds}")
     if not 0 <= args.port < 65536:
         raise RedraftError(f"--port must be in 0..65535, got {args.port}")
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port < 65536:
+            raise RedraftError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+        if args.metrics_port == args.port != 0:
+            raise RedraftError(f"--metrics-port {args.metrics_port} is --port too: gRPC and "
+                               "the HTTP probes need a port each")
     if args.budget > args.max_budget or args.depth > args.max_depth:
         raise RedraftError("--budget/--depth must not exceed --max-budget/--max-depth")
     if args.workers > 1 and args.port == 0:
@@ -296,7 +308,7 @@ def _worker(datastore: str, host: str, port: int, config: ServiceConfig,
     """
     try:
         reader = Reader(datastore)
-        parent = os.getppid() if stats is not None else None
+        parent = os.getppid() if errors is not None else None  # a worker process
         asyncio.run(serve_forever(reader, host, port, config, stats, tls, reuse_port,
                                   _announce, parent_pid=parent))
     except RedraftError as exc:
@@ -319,11 +331,28 @@ def run(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)
     for line in limit_warnings(config):
         print(f"redraft serve: warning: {line}", file=sys.stderr, flush=True)
-    if args.workers == 1:
-        _worker(args.datastore, args.host, args.port, config, None, tls, False)
-        return 0
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if args.workers > 1 else None
     stats = ServiceStats(ctx, workers=args.workers, tenants=config.tenant_slots())
+    probes = None
+    if args.metrics_port is not None:
+        stats.metrics.enabled = True  # counted from the first call on, in every worker
+        probes = ProbeServer(args.metrics_host, args.metrics_port, stats, config).start()
+        host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host
+        _announce(f"redraft serve: probes and metrics at http://{host}:{probes.port} "
+                  "(/healthz, /readyz, /metrics)")
+    try:
+        return _serve(args, config, tls, stats, ctx)
+    finally:
+        if probes is not None:
+            probes.close()
+
+
+def _serve(args: argparse.Namespace, config: ServiceConfig, tls: TLSFiles | None,
+           stats: ServiceStats, ctx) -> int:
+    """Serve in this process (`--workers 1`), or start the workers and watch them."""
+    if args.workers == 1:
+        _worker(args.datastore, args.host, args.port, config, stats, tls, False)
+        return 0
     errors = ctx.SimpleQueue()
 
     def new_worker(i: int):
@@ -340,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
     def forward(signum, _frame) -> None:
         nonlocal stopping
         stopping = True  # workers not started yet never start
+        stats.metrics.set_stopping()  # /readyz: 503 from now on
         for proc in procs:
             if proc.is_alive() and proc.pid:
                 os.kill(proc.pid, signal.SIGTERM)

@@ -64,6 +64,7 @@ class ServeProcess:
         for t in self._drains:
             t.start()
         self.addresses: list[str] = []
+        self.metrics_url: str | None = None  # with --metrics-port: http://HOST:PORT
         try:
             self._wait_listening(timeout)
         except BaseException:
@@ -86,6 +87,8 @@ class ServeProcess:
                 raise ServeFailed(f"serve did not start ({why}): {self.stderr}")
             if "listening on" in line:
                 self.addresses.append(line.split("listening on ")[1].strip())
+            elif "probes and metrics at " in line:
+                self.metrics_url = line.split(" at ")[1].split()[0]
 
     def _copy(self, line: str) -> None:
         if self._log is not None:

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from redraft.datastore.service.metrics import MetricSlots
+
 # Counter slots in the shared array.
 FIELDS = (
     "requests",
@@ -72,6 +74,8 @@ class ServiceStats:
             self._arr = ctx.Array("d", size, lock=False)
             self._lock = ctx.Lock()
         self.workers = workers
+        # what /metrics reports beyond these counters (counted only with metrics on)
+        self.metrics = MetricSlots(ctx, workers=workers, tenants=self.tenants)
         self.started = time.time()
         self._slot = -1  # this process's worker slot, once claimed
 
@@ -117,6 +121,7 @@ class ServiceStats:
                     self._arr[self._tenant0 + t] -= n
                 for i in range(k):
                     self._arr[_WORKER0 + w * k + i] = 0
+                self.metrics.clear_worker(w)
                 return given
             return None
         finally:
@@ -244,6 +249,11 @@ class ServiceStats:
             a[_SLOT["pld_hits"]] += pld
             a[_SLOT["learned_hits"]] += learned
             a[_HIST0 + b] += n
+
+    def open_by_tenant(self) -> list[int]:
+        """Sessions and sequences each tenant slot holds now (all workers)."""
+        with self._lock:
+            return [int(x) for x in self._arr[self._tenant0:self._tenant0 + self.tenants]]
 
     def percentile_us(self, q: float) -> float:
         """Latency percentile from the histogram (the bucket's geometric middle)."""

@@ -1,0 +1,228 @@
+"""`redraft serve --metrics-port`: /metrics scraped with prometheus_client's own parser
+while two workers serve Session steps and Batch calls under two tokens, against what the
+clients saw; /readyz 503 before the workers listen and once shutting down, 200 between
+(real servers on real ports)."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redraft.datastore import build_datastore
+from redraft.datastore.service.client import (
+    AuthenticationFailed,
+    DraftClient,
+    DraftParams,
+    InvalidRequest,
+    SequenceOpen,
+    SequenceStep,
+)
+from redraft.datastore.service.spawn import ServeProcess
+
+FP = "sha256:probes"
+DOCS = [[(11 * i + 3 * j) % 450 + 1 for j in range(120)] for i in range(12)]
+TOKENS = ("alpha-raw-secret-7f3", "beta-raw-secret-9c1")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("probes") / "ds")
+    build_datastore(None, path, documents=DOCS, fingerprint=FP, vocab_size=500)
+    return path
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def scrape(url: str) -> tuple[str, dict[tuple, float]]:
+    """/metrics as text and as {(sample name, sorted labels): value}, by prometheus_client's
+    parser."""
+    status, text = get(url + "/metrics")
+    assert status == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return text, samples
+
+
+def tenant(token: str) -> str:
+    """The label of a token's tenant: its key's first 16 hex digits."""
+    return "k:" + hashlib.sha256(f"Bearer {token}".encode()).hexdigest()[:16]
+
+
+class Seen:
+    """What the clients saw, counted as /metrics should count it: replies with a tree, their
+    nodes by source, and the nodes each step's accepted tokens follow in the tree before."""
+
+    def __init__(self) -> None:
+        self.drafts: Counter = Counter()
+        self.tokens: Counter = Counter()
+        self.accepted: Counter = Counter()
+        self.positions: Counter = Counter()
+
+    def reply(self, who: str, tree) -> None:
+        if len(tree):
+            self.drafts[who] += 1
+        for label in tree.sources:
+            self.tokens[who, label] += 1
+
+    def step(self, who: str, before, accepted) -> None:
+        cur = -1
+        for depth, token in enumerate(accepted):
+            nxt = [i for i in range(len(before)) if before.parents[i] == cur
+                   and before.tokens[i] == token]
+            if not nxt:
+                return
+            cur = nxt[0]
+            self.accepted[who, before.sources[cur]] += 1
+            self.positions[depth] += 1
+
+
+def test_metrics_of_two_workers_and_two_tokens_match_what_clients_saw(store, servers,
+                                                                      tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("\n".join(TOKENS) + "\n")
+    serve = servers.start(store, "--port", str(servers.free_port()), "--workers", "2",
+                          "--token-file", str(tokens), "--metrics-port", "0",
+                          "--learn-persist-seconds", "0")
+    url = serve.metrics_url
+    seen = Seen()
+    steps = batch_calls = entries = 0
+    clients: list[DraftClient] = []
+    held = []
+    try:
+        # connections until both workers serve some client of each token
+        pids: dict[str, set[int]] = {t: set() for t in TOKENS}
+        mine: list[tuple[str, DraftClient]] = []
+        while min(map(len, pids.values())) < 2 and len(clients) < 40:
+            for t in TOKENS:
+                c = DraftClient(serve.address, token=t, own_connection=True, reconnect=False)
+                clients.append(c)
+                pid = c.stats()["pid"]
+                if pid not in pids[t]:
+                    pids[t].add(pid)
+                    mine.append((t, c))
+        assert all(len(p) == 2 for p in pids.values())
+        params = DraftParams(budget=16, max_depth=8)
+        for n, (token, c) in enumerate(mine):
+            who = tenant(token)
+            doc = DOCS[n]
+            with c.session(doc[:20], params, FP) as s:  # Session steps
+                before = s.draft
+                seen.reply(who, before)
+                pos = 20
+                for k in (1, 3, 2, 4, 1, 2):
+                    tree = s.step(doc[pos:pos + k])
+                    seen.step(who, before, doc[pos:pos + k])
+                    seen.reply(who, tree)
+                    before, pos, steps = tree, pos + k, steps + 1
+            doc = DOCS[n + 6]  # Batch calls: an open, then packed steps
+            r = c.batch([SequenceOpen("s", doc[:20])], params, FP)
+            before, pos = r.tree(0), 20
+            seen.reply(who, before)
+            batch_calls, entries = batch_calls + 1, entries + 1
+            for k in (2, 1, 3):
+                r = c.batch([SequenceStep("s", doc[pos:pos + k])], params, FP)
+                seen.step(who, before, doc[pos:pos + k])
+                before, pos = r.tree(0), pos + k
+                seen.reply(who, before)
+                batch_calls, entries = batch_calls + 1, entries + 1
+            r = c.batch([SequenceStep("never-opened", [1])], params, FP)  # NOT_FOUND, alone
+            assert r.errors[0] is not None
+            batch_calls, entries = batch_calls + 1, entries + 1
+        with pytest.raises(AuthenticationFailed):
+            DraftClient(serve.address, token="wrong-token", reconnect=False).info()
+        with mine[0][1].session(DOCS[0][:20], params, FP) as s:
+            seen.reply(tenant(mine[0][0]), s.draft)
+            with pytest.raises(InvalidRequest):
+                s.step([10**6])
+        for token, c in mine[:2]:  # one open session per token at the scrape
+            held.append(c.session(DOCS[1][:20], params, FP).__enter__())
+            seen.reply(tenant(token), held[-1].draft)
+
+        text, m = scrape(url)
+        assert not any(t in text for t in TOKENS)  # the raw tokens never appear
+        for who in map(tenant, TOKENS):
+            assert m["redraft:spec_decode_num_drafts_total", (("tenant", who),)] == \
+                seen.drafts[who] > 0
+        got = {(dict(k)["tenant"], dict(k)["source"]): v for (name, k), v in m.items()
+               if name == "redraft:spec_decode_num_draft_tokens_total"}
+        assert got == dict(seen.tokens)
+        got = {(dict(k)["tenant"], dict(k)["source"]): v for (name, k), v in m.items()
+               if name == "redraft:spec_decode_num_accepted_tokens_total"}
+        assert got == dict(seen.accepted) and sum(got.values()) > 0
+        for depth in range(16):
+            assert m["redraft:spec_decode_num_accepted_tokens_per_pos_total",
+                     (("position", str(depth)),)] == seen.positions[depth]
+        assert m["redraft:session_step_seconds_count", ()] == steps
+        assert 0 < m["redraft:session_step_seconds_sum", ()] < steps
+        assert m["redraft:batch_call_seconds_count", ()] == batch_calls
+        assert m["redraft:batch_call_entries_sum", ()] == entries
+        assert m["redraft:refusals_total", (("code", "UNAUTHENTICATED"),)] == 1
+        assert m["redraft:refusals_total", (("code", "INVALID_ARGUMENT"),)] == 1
+        assert m["redraft:refusals_total", (("code", "NOT_FOUND"),)] == len(mine)
+        # the held sessions, and each client's batched sequence (never closed)
+        assert m["redraft:sessions_open", ()] == 2 + len(mine)
+        for t in TOKENS:
+            assert m["redraft:tenant_sessions_open", (("tenant", tenant(t)),)] == \
+                1 + sum(token == t for token, _ in mine)
+        assert m["redraft:workers_ready", ()] == 2
+        assert m["redraft:datastore_tokens", ()] == sum(map(len, DOCS))
+        assert m["redraft:datastore_segments", ()] == 1
+        assert m["redraft:learned_tokens", ()] > 0
+        assert m["redraft:reloads_total", ()] == 0
+        assert m["redraft:persist_failures_total", ()] == 0
+    finally:
+        for s in held:
+            s.close()
+        for c in clients:
+            c.close()
+    assert serve.stop() == 0
+
+
+def test_readyz_is_503_until_the_workers_listen_and_once_shutting_down(store, servers):
+    port = servers.free_port()
+    base = f"http://127.0.0.1:{port}"
+    started: list[ServeProcess] = []
+    thread = threading.Thread(target=lambda: started.append(servers.start(
+        store, "--port", str(servers.free_port()), "--workers", "2", "--metrics-port",
+        str(port))))
+    thread.start()
+    answers = []
+    try:
+        deadline = time.monotonic() + 60
+        while not started and time.monotonic() < deadline:
+            try:
+                answers.append(get(base + "/readyz")[0])
+            except OSError:  # the probe port is not bound yet
+                pass
+            time.sleep(0.01)
+    finally:
+        thread.join(60)
+    serve = started[0]
+    assert 503 in answers  # before the workers listened
+    assert answers == sorted(answers, reverse=True)  # then 200, never 503 again
+    assert get(base + "/readyz") == (200, "ready\n")
+    assert get(base + "/healthz") == (200, "ok\n")
+    assert get(base + "/nothing")[0] == 404
+    with DraftClient(serve.address) as c:  # a session open keeps the shutdown busy a moment
+        s = c.session(DOCS[0][:20], None, FP).__enter__()
+        serve.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()  # the signal is handled a moment later: 503 from then on
+        while (answer := get(base + "/readyz")) == (200, "ready\n"):
+            assert time.monotonic() - t0 < 5
+        assert answer == (503, "not ready\n")
+        assert get(base + "/healthz")[0] == 200  # the process is still up
+        s.close()
+    assert serve.proc.wait(30) == 0
