@@ -208,40 +208,46 @@ float reduce16(const float* lane) {
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c")))
 
+// One block of 32 weights as bfloat16, the dense copy's values bit for bit.
+BF16_TARGET inline __m512bh dequant_block_bf16(int fmt, const uint8_t* src) {
+    if (fmt == Q4_1) {
+        // The block's 16 possible values, bf16(d * q + m) for q = 0..15, then each weight
+        // picked from them by its nibble: one table per block, not 32 conversions.
+        uint16_t hd, hm;
+        std::memcpy(&hd, src, 2);
+        std::memcpy(&hm, src + 2, 2);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd)), m = _mm512_set1_ps(_cvtsh_ss(hm));
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(iota, d), m));
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 4));
+        const __m128i mask = _mm_set1_epi8(15);
+        const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
+                                                 _mm_and_si128(q, mask));
+        const __m512i idx = _mm512_cvtepu8_epi16(nibbles);
+        return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(table));
+    }
+    __m512 lo, hi;
+    if (fmt == Q8_0) {
+        uint16_t hd;
+        std::memcpy(&hd, src, 2);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd));
+        const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2));
+        const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 18));
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+    } else if (fmt == F32) {
+        lo = _mm512_loadu_ps(reinterpret_cast<const float*>(src));
+        hi = _mm512_loadu_ps(reinterpret_cast<const float*>(src) + 16);
+    } else {  // BF16
+        return (__m512bh)_mm512_loadu_si512(src);
+    }
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 BF16_TARGET void dequant_bf16_avx512(int fmt, const uint8_t* src, size_t k, uint16_t* out) {
     const size_t bb = block_bytes(fmt);
-    for (size_t b = 0; b < k / QK; ++b, src += bb, out += QK) {
-        __m512 lo, hi;
-        if (fmt == Q4_1) {
-            // The block's 16 possible values, bf16(d * q + m) for q = 0..15, then each
-            // weight picked from them by its nibble: one table per block, not 32 conversions.
-            uint16_t hd, hm;
-            std::memcpy(&hd, src, 2);
-            std::memcpy(&hm, src + 2, 2);
-            const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd)), m = _mm512_set1_ps(_cvtsh_ss(hm));
-            const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(iota, d), m));
-            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 4));
-            const __m128i mask = _mm_set1_epi8(15);
-            const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
-                                                     _mm_and_si128(q, mask));
-            const __m512i idx = _mm512_cvtepu8_epi16(nibbles);
-            _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(table)));
-            continue;
-        } else if (fmt == Q8_0) {
-            uint16_t hd;
-            std::memcpy(&hd, src, 2);
-            const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd));
-            const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2));
-            const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 18));
-            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-            hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-        } else {  // F32
-            lo = _mm512_loadu_ps(reinterpret_cast<const float*>(src));
-            hi = _mm512_loadu_ps(reinterpret_cast<const float*>(src) + 16);
-        }
-        _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    for (size_t b = 0; b < k / QK; ++b, src += bb, out += QK)
+        _mm512_storeu_si512(out, (__m512i)dequant_block_bf16(fmt, src));
 }
 
 // The lanes' sum, the order of reduce16 (written out: compilers' reduce intrinsics differ).
