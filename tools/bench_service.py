@@ -11,6 +11,9 @@ Learning is on as `redraft serve` has it (every session's accepted tokens are le
 drafted back, source `learned`), bounded by --learn-max-tokens and never persisted here.
 `--baseline` also starts a server with learning off and alternates the one-session phase's
 steps between the two, so the latency ratio is measured under the same load.
+`--metrics-baseline` does the same with a second server that differs only in serving
+`--metrics-port` (what counting for Prometheus costs a step; server time per step from that
+server's own `redraft:session_step_seconds` histogram).
 
 `--batch 1,8,64` measures the batched RPC instead (`tools.bench_batch_replay`): per batch
 size, the server's time per call (`batch_step_p50_ms`, `batch_step_p99_ms`, from the reply's
@@ -38,10 +41,12 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from redraft.datastore.service.client import DraftClient, DraftParams
 
 from tools import harness
@@ -175,6 +180,8 @@ def main() -> int:
                     help="the server's learning (sessions ask for learned drafts unless off)")
     ap.add_argument("--learn-max-tokens", type=int, default=100_000,
                     help="the learned-output bound (small enough to be reached in the run)")
+    ap.add_argument("--metrics-baseline", action="store_true",
+                    help="also a server with --metrics-port, steps alternated with this one's")
     ap.add_argument("--baseline", action="store_true",
                     help="also serve with learning off; the one-session phase alternates")
     ap.add_argument("--batch", metavar="N,N,...",
@@ -197,7 +204,9 @@ def main() -> int:
 
     with contextlib.ExitStack() as stack:
         servers = [start_server(stack, args, args.learn)]
-        if args.baseline:
+        if args.metrics_baseline:
+            servers.append(start_server(stack, args, args.learn, "--metrics-port", "0"))
+        elif args.baseline:
             servers.append(start_server(stack, args, "off"))
         report = sessions_report(args, servers)
         code = max((serve.stop() for serve, _ in servers), key=abs)
@@ -211,6 +220,13 @@ def main() -> int:
         print(f"one session (learn {args.learn}): {o['steps']} steps, median "
               f"{o['median_ms']:.3f} ms, p90 {o['p90_ms']:.3f} ms, p99 {o['p99_ms']:.3f} ms, "
               f"{o['mean_nodes']:.1f} nodes/tree, hit rate {o['hit_rate']:.2f}")
+        mb = report.get("one_session_metrics")
+        if mb:
+            print(f"  interleaved with --metrics-port: median {mb['median_ms']:.3f} ms, p99 "
+                  f"{mb['p99_ms']:.3f} ms; median ratio {mb['median_ms'] / o['median_ms']:.3f}"
+                  f", server time per step {mb['server_step_mean_us']:.0f} us (mean); "
+                  f"server CPU per step {mb['server_cpu_per_step_us']:.1f} us against "
+                  f"{o['server_cpu_per_step_us']:.1f} us without")
         b = report.get("one_session_learning_off")
         if b:
             print(f"  interleaved with learning off: median {b['median_ms']:.3f} ms, p99 "
@@ -229,6 +245,29 @@ def main() -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a server process and its workers so far."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def step_seconds(metrics_url: str | None) -> tuple[float, float]:
+    """Session steps counted so far and their server time (s), from a server's /metrics."""
+    if metrics_url is None:
+        return 0.0, 0.0
+    with urllib.request.urlopen(metrics_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.name.startswith("redraft:session_step_seconds_")}
+    return got["redraft:session_step_seconds_count"], got["redraft:session_step_seconds_sum"]
+
+
 def sessions_report(args, servers: list[tuple[harness.ServeProcess, str]]) -> dict:
     """The sessions phases (module docstring) on running servers."""
     server, address = servers[0]
@@ -245,18 +284,30 @@ def sessions_report(args, servers: list[tuple[harness.ServeProcess, str]]) -> di
 
     # warm-up, then one session stepping as fast as it can (on each server in turn)
     addresses = [a for _, a in servers]
-    all_params = [params, DraftParams(budget=args.budget, max_depth=args.depth)]
+    metrics_url = servers[1][0].metrics_url if len(servers) > 1 else None
+    second = params if metrics_url else DraftParams(budget=args.budget, max_depth=args.depth)
+    all_params = [params, second]
     run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 0,
                  time.monotonic() + 2, 300)
+    before = step_seconds(metrics_url)
+    cpu_before = [cpu_seconds(serve.pid) for serve, _ in servers]
     results = run_sessions(addresses, docs, info.tokenizer_fingerprint, all_params, 1,
                            time.monotonic() + 240, args.steps)
-    for name, one in zip(("one_session", "one_session_learning_off"), results):
+    cpu = [cpu_seconds(serve.pid) - c for (serve, _), c in zip(servers, cpu_before)]
+    names = ("one_session", "one_session_metrics" if metrics_url else "one_session_learning_off")
+    for name, one in zip(names, results):
         lat_ms = [x * 1e3 for x in one["lat"]]
         report[name] = {
             "steps": len(lat_ms), "median_ms": statistics.median(lat_ms),
             "p90_ms": pct(lat_ms, 0.9), "p99_ms": pct(lat_ms, 0.99),
             "mean_nodes": one["nodes"] / len(lat_ms), "hit_rate": one["hits"] / len(lat_ms),
         }
+    for name, seconds in zip(names, cpu):  # CPU: what load on the machine changes least
+        report[name]["server_cpu_per_step_us"] = seconds / report[name]["steps"] * 1e6
+    if metrics_url:
+        after = step_seconds(metrics_url)
+        report["one_session_metrics"]["server_step_mean_us"] = (
+            (after[1] - before[1]) / max(1.0, after[0] - before[0]) * 1e6)
 
     # many sessions from several client processes; health probed meanwhile
     rss_before = rss_mib(ps)

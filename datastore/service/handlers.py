@@ -26,7 +26,7 @@ from redraft.datastore.service import wire
 from redraft.datastore.service.batch_rpc import BatchDrafting
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
 from redraft.datastore.service.learned_outputs import LearnedOutputs, run_in_thread
-from redraft.datastore.service.metrics import node_bits, walk_accepted
+from redraft.datastore.service.metrics import walk_accepted
 from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
 from redraft.datastore.service.reload import SnapshotReloader
 from redraft.datastore.service.session_limits import Sessions
@@ -61,6 +61,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.reloader: SnapshotReloader | None = None
         self.batching = BatchDrafting(self)
         self.stopping = False
+        self._publishing: asyncio.Future | None = None  # /metrics' counts, every 0.1 s
 
     def swap_reader(self, reader, verification: BackgroundVerification) -> None:
         """Serve `reader`, a newer snapshot of the same datastore, from the next step on
@@ -103,7 +104,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     # ---- drafting ----------------------------------------------------------------------
     def _draft(self, drafter, budget: int, out: draft_pb2.DraftReply,
                kind: str | None):
-        """Tree from the session's sources under the budget, count, fill `out`; the tree."""
+        """Tree from the session's sources under the budget, count, fill `out`; the tree
+        and its nodes' distinct source labels."""
         t0 = time.perf_counter()
         self._check_damage()  # an open session's step too
         try:
@@ -116,9 +118,10 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         expected = tree.expected_accepted
         wire.put_draft(out, Drafted(tree, drafter.rest_match_len, drafter.pld_match_len,
                                     drafter.learned_match_len, expected))
-        sources = {name for label in set(tree.sources) for name in label.split("+")}
+        labels = set(tree.sources)
+        sources = {name for label in labels for name in label.split("+")}
         self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
-        return tree
+        return tree, labels
 
     async def _drafter(self, tokens, noun: str, field: str, params: DraftSettings,
                        tenant: str):
@@ -167,7 +170,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             # learns nothing: no tokens are accepted in a one-off call
             drafter = await self._drafter(request.context, "context", "context", p, tenant)
             reply = draft_pb2.DraftReply()
-            self._draft(drafter, p.budget, reply, "propose_calls")
+            self._draft(drafter, p.budget, reply, "propose_calls")  # counted in Stats only
             return reply
         except Refusal as exc:
             await self._fail(context, exc)
@@ -217,9 +220,10 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             # sweeper or shutdown) would otherwise send them twice and fail.
             await context.send_initial_metadata(())
             msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(drafter))
-            tree = self._draft(drafter, p.budget, msg.draft, None)
+            last, labels = self._draft(drafter, p.budget, msg.draft, None)
             metrics = self.stats.metrics if self.stats.metrics.enabled else None
-            last = _counted(metrics, slot[0], tree, None, ())
+            if metrics is not None:  # each step's accepted tokens walk the tree before
+                metrics.drafted(slot[0], None, last.sources, labels, ())
             await sessions.wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
                 req = await sessions.read(context, waiter)
@@ -239,11 +243,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 await self._extend(drafter, step.accepted)  # learned at once, for every session
                 self.learning.publish()
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=n)
-                tree = self._draft(drafter, step.budget or p.budget, msg.draft, "session_steps")
+                tree, labels = self._draft(drafter, step.budget or p.budget, msg.draft,
+                                           "session_steps")
                 if metrics is not None:
-                    accepted = walk_accepted(last[0], last[1], last[2], 0, len(last[0]),
-                                             step.accepted)
-                    last = _counted(metrics, slot[0], tree, t0, accepted)
+                    tokens = last.tokens
+                    walked = walk_accepted(tokens, last.parents, last.sources, 0, len(tokens),
+                                           step.accepted)
+                    metrics.drafted(slot[0], time.perf_counter() - t0, tree.sources, labels,
+                                    walked)
+                    last = tree
                 await sessions.wait(waiter, context.write(msg), writing=True)
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
@@ -305,6 +313,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.verification.start(health_servicer)
         self.learning.start()
         self.publish_snapshot(ready=True)
+        if self.stats.metrics.enabled:
+            self._publishing = asyncio.ensure_future(self.stats.metrics.publish_every())
         self.reloader = SnapshotReloader(self, health_servicer, self.config.reload_interval_s)
         self.reloader.start()
 
@@ -329,20 +339,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         await self.learning.finish()
         if self.reloader is not None:
             await self.reloader.close()
-
-
-def _counted(metrics, slot: int, tree, t0: float | None, accepted: list[int]) -> tuple:
-    """Count a Session reply (with metrics on): its tree's nodes by source, the draft
-    tokens the step it answers accepted, the step's server time since `t0`; the tree
-    as the next step walks it (tokens, parents, source bits)."""
-    if metrics is None:
-        return ((), (), ())
-    tokens = tree.tokens if isinstance(tree.tokens, list) else list(tree.tokens)
-    parents = tree.parents if isinstance(tree.parents, list) else list(tree.parents)
-    bits = node_bits(tree.sources)
-    metrics.drafted(slot, None if t0 is None else time.perf_counter() - t0, bits,
-                    accepted, len(accepted))
-    return tokens, parents, bits
+        if self._publishing is not None:
+            self._publishing.cancel()
+        self.stats.metrics.publish()  # the last counts, persists included
 
 
 def add_drafter_service(service: DrafterService, server: grpc.aio.Server) -> None:

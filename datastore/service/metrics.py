@@ -1,7 +1,11 @@
 """What `redraft serve --metrics-port` counts, in shared memory, for Prometheus.
 
 Why shared memory, as `stats`: with `--workers N` every process serves its own calls, and
-`/metrics` (served by the parent) must report the whole server. Every label is bounded: the
+`/metrics` (served by the parent) must report the whole server. Why counted in the process
+first: a step must not pay for a lock and shared-memory writes; each worker adds up its
+counts in plain Python containers (the nodes' labels counted in C) and copies them to its
+own region of the shared array every PUBLISH_S (and at shutdown), so a scrape is at most
+that much behind, and the reader adds the regions up. Every label is bounded: the
 tenant is a tenant slot of the service's limits (one per configured token, labelled with its
 key's hash, or one of TENANT_BUCKETS slots of declared tenants without auth), the source a
 combination of the three source bits, the position one of POSITIONS, the status one of
@@ -15,12 +19,12 @@ accepted draft token (vLLM's `num_accepted_tokens`), counted by its source and i
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
-
-import numpy as np
 
 # A node's sources are three bits (proto.tree.SOURCE_BITS: rest 1, pld 2, learned 4), so a
 # source label is one of these seven (a node several sources proposed counts once, under
@@ -42,10 +46,16 @@ WORKER_GAUGES = ("ready", "datastore_tokens", "datastore_segments", "commit",
                  "last_persist_unix")
 
 
+PUBLISH_S = 0.1  # how often a worker copies its counts to shared memory
+
+
 class MetricSlots:
-    """The shared array behind `/metrics`: per tenant slot, steps drafted and draft and
-    accepted tokens by source; accepted tokens by position; histograms; refusals by
-    status; server-wide counters; per worker, its readiness and its datastore's sizes."""
+    """The shared array behind `/metrics` and this process's counts on their way there.
+
+    Per worker region: steps drafted by tenant slot; draft and accepted tokens by tenant
+    slot and source bits; accepted tokens by position; histograms (per bucket, then +Inf,
+    then the sum); refusals by status; COUNTERS. Beside them: each worker's gauges
+    (WORKER_GAUGES, written at once: rare) and the server's `stopping` flag."""
 
     def __init__(self, ctx: Any = None, workers: int = 1, tenants: int = 1) -> None:
         self.workers = max(1, workers)
@@ -55,125 +65,181 @@ class MetricSlots:
                   ("positions", POSITIONS), ("step_hist", len(TIME_BUCKETS) + 2),
                   ("batch_hist", len(TIME_BUCKETS) + 2),
                   ("entries_hist", len(ENTRY_BUCKETS) + 2), ("refusals", STATUS_CODES),
-                  ("counters", len(COUNTERS)), ("stopping", 1),
-                  ("workers", self.workers * len(WORKER_GAUGES))]
+                  ("counters", len(COUNTERS))]
         self.at: dict[str, int] = {}
         size = 0
         for name, n in layout:
             self.at[name] = size
             size += n
+        self.region = size  # per worker
+        self._gauges0 = self.workers * size
+        self._stopping = self._gauges0 + self.workers * len(WORKER_GAUGES)
+        total = self._stopping + 1
         if ctx is None:
-            self._arr: Any = [0.0] * size
+            self._arr: Any = [0.0] * total
             self._lock: Any = threading.Lock()
         else:
-            self._arr = ctx.Array("d", size, lock=False)
+            self._arr = ctx.Array("d", total, lock=False)
             self._lock = ctx.Lock()
         self.enabled = False
+        self.worker = -1  # this process's region, once it serves
+        self._reset_local()
 
-    # ---- counting (worker processes) -----------------------------------------------------
-    def drafted(self, slot: int, seconds: float | None, bits: Sequence[int],
-                accepted: Sequence[int], depth: int) -> None:
-        """One Session reply: its tree's nodes' source bits (`bits`), the accepted draft
-        tokens of the step it answers (their bits, `depth` of them on the path), and the
-        server time of a step (None for the reply to an open)."""
-        slot = slot if 0 <= slot < self.tenants else 0
-        a, at = self._arr, self.at
-        with self._lock:
-            if bits:
-                a[at["drafts"] + slot] += 1
-                base = at["draft_tokens"] + slot * N_BITS
-                for b in bits:
-                    a[base + b] += 1
-            if accepted:
-                base = at["accepted"] + slot * N_BITS
-                for b in accepted:
-                    a[base + b] += 1
-                for p in range(min(depth, POSITIONS)):
-                    a[at["positions"] + p] += 1
-            if seconds is not None:
-                self._observe("step_hist", TIME_BUCKETS, seconds)
+    def __getstate__(self) -> dict:
+        """To a worker process: the shared array, never this process's counts."""
+        state = self.__dict__.copy()
+        for name in _LOCAL:
+            state.pop(name, None)
+        return state
 
-    def batch(self, seconds: float, entries: int, slots: np.ndarray, node_bits: np.ndarray,
-              node_slot: np.ndarray, accepted: np.ndarray, depths: Sequence[int]) -> None:
-        """One Batch call: its server time and entries, the tenant slot of each sequence
-        that drafted (`slots`), every node's bits and slot, and the accepted draft tokens'
-        bits-by-slot counts (`accepted`, tenants x N_BITS) with each step's path depth."""
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_local()
+
+    def _reset_local(self) -> None:
         t = self.tenants
-        drafts = np.bincount(slots, minlength=t) if len(slots) else None
-        tokens = (np.bincount(node_slot * N_BITS + node_bits, minlength=t * N_BITS)
-                  if len(node_bits) else None)
-        positions = [0] * POSITIONS
-        for d in depths:
-            for p in range(min(d, POSITIONS)):
-                positions[p] += 1
-        a, at = self._arr, self.at
-        with self._lock:
-            if drafts is not None:
-                for i in np.flatnonzero(drafts).tolist():
-                    a[at["drafts"] + i] += int(drafts[i])
-            if tokens is not None:
-                for i in np.flatnonzero(tokens).tolist():
-                    a[at["draft_tokens"] + i] += int(tokens[i])
-            for i in np.flatnonzero(accepted).tolist():
-                a[at["accepted"] + i] += int(accepted.flat[i])
-            for p, n in enumerate(positions):
-                if n:
-                    a[at["positions"] + p] += n
-            self._observe("batch_hist", TIME_BUCKETS, seconds)
-            self._observe("entries_hist", ENTRY_BUCKETS, entries)
+        self._drafts = [0] * t
+        self._tokens = [0] * (t * N_BITS)  # draft tokens by slot * N_BITS + source bits
+        self._accepted = [0] * (t * N_BITS)  # accepted draft tokens, the same
+        self._positions = [0] * POSITIONS
+        self._step_hist = [0.0] * (len(TIME_BUCKETS) + 2)
+        self._batch_hist = [0.0] * (len(TIME_BUCKETS) + 2)
+        self._entries_hist = [0.0] * (len(ENTRY_BUCKETS) + 2)
+        self._refusals = [0] * STATUS_CODES
+        self._counters = [0.0] * len(COUNTERS)
 
-    def _observe(self, name: str, bounds: Sequence[float], value: float) -> None:
-        """Under the lock: one observation into histogram `name` (its buckets, then +Inf,
-        then the sum)."""
-        base = self.at[name]
-        i = 0
-        while i < len(bounds) and value > bounds[i]:
-            i += 1
-        self._arr[base + i] += 1
-        self._arr[base + len(bounds) + 1] += value
+    # ---- counting (worker processes, on the event loop) ----------------------------------
+    def serve_as(self, worker: int) -> None:
+        """This process serves as worker slot `worker`: its counts go to that region, on
+        from what a worker that died there had counted (counters never go back)."""
+        self.worker = worker
+        self._reset_local()
+        if not 0 <= worker < self.workers:
+            return
+        with self._lock:
+            region = list(self._arr[worker * self.region:(worker + 1) * self.region])
+        self._base = region  # added to this process's counts when published
+
+    def drafted(self, slot: int, seconds: float | None, sources: list[str],
+                labels: Iterable[str], accepted: Sequence[str]) -> None:
+        """One Session reply: its tree's nodes' source labels (`sources`; `labels`: the
+        distinct ones, which the server has already), the labels of the draft tokens the
+        step it answers accepted (in path order), and the server time of a step (None for
+        the reply to an open). A few C-level counts per step, no Python loop per node."""
+        if not 0 <= slot < self.tenants:
+            slot = 0
+        base = slot * N_BITS
+        if sources:
+            self._drafts[slot] += 1
+            tokens = self._tokens
+            for label in labels:
+                tokens[base + (_LABEL_BITS.get(label) or label_bits(label))] += \
+                    sources.count(label)
+        if accepted:
+            total = self._accepted
+            for label in accepted:
+                total[base + (_LABEL_BITS.get(label) or label_bits(label))] += 1
+            positions = self._positions
+            for p in range(min(len(accepted), POSITIONS)):
+                positions[p] += 1
+        if seconds is not None:
+            hist = self._step_hist
+            hist[bisect.bisect_left(TIME_BUCKETS, seconds)] += 1
+            hist[-1] += seconds
+
+    def batch(self, seconds: float, entries: int, drafts: dict[int, int],
+              tokens: dict[int, int], accepted: dict[int, int], per_depth: Sequence[int]
+              ) -> None:
+        """One Batch call: its server time and entries, its trees of at least one node by
+        tenant slot (`drafts`), their nodes and the draft tokens its steps accepted by
+        slot * N_BITS + source bits (`tokens`, `accepted`), and how many of its steps
+        accepted at least 1, 2, ... draft tokens (`per_depth`)."""
+        for i, n in drafts.items():
+            self._drafts[i] += n
+        for i, n in tokens.items():
+            self._tokens[i] += n
+        for i, n in accepted.items():
+            self._accepted[i] += n
+        positions = self._positions
+        for p, n in enumerate(per_depth[:POSITIONS]):
+            positions[p] += n
+        hist = self._batch_hist
+        hist[bisect.bisect_left(TIME_BUCKETS, seconds)] += 1
+        hist[-1] += seconds
+        hist = self._entries_hist
+        hist[bisect.bisect_left(ENTRY_BUCKETS, entries)] += 1
+        hist[-1] += entries
 
     def refused(self, code: int, n: int = 1) -> None:
         """A call (or a Batch entry) refused with gRPC status `code`."""
         if self.enabled and 0 <= code < STATUS_CODES:
-            with self._lock:
-                self._arr[self.at["refusals"] + code] += n
+            self._refusals[code] += n
 
     def add(self, name: str, n: float = 1) -> None:
         """One of COUNTERS."""
         if self.enabled:
-            with self._lock:
-                self._arr[self.at["counters"] + COUNTERS.index(name)] += n
+            self._counters[COUNTERS.index(name)] += n
+
+    def publish(self) -> None:
+        """Copy this process's counts to its region of the shared array (every PUBLISH_S
+        and at shutdown): whole values, so a copy missed is caught up by the next."""
+        w = self.worker
+        if not self.enabled or not 0 <= w < self.workers:
+            return
+        values = [0.0] * self.region
+        at = self.at
+        for key, local in (("drafts", self._drafts), ("draft_tokens", self._tokens),
+                           ("accepted", self._accepted),
+                           ("positions", self._positions), ("step_hist", self._step_hist),
+                           ("batch_hist", self._batch_hist),
+                           ("entries_hist", self._entries_hist),
+                           ("refusals", self._refusals), ("counters", self._counters)):
+            values[at[key]:at[key] + len(local)] = local
+        base = getattr(self, "_base", None)
+        if base is not None:
+            values = [a + b for a, b in zip(values, base)]
+        with self._lock:
+            self._arr[w * self.region:(w + 1) * self.region] = values
+
+    async def publish_every(self, seconds: float = PUBLISH_S) -> None:
+        """Publish until cancelled (a worker's background task)."""
+        while True:
+            await asyncio.sleep(seconds)
+            self.publish()
 
     def set_worker(self, worker: int, **gauges: float) -> None:
         """Worker slot `worker`'s gauges (WORKER_GAUGES), replacing earlier values."""
         if not 0 <= worker < self.workers:
             return
-        base = self.at["workers"] + worker * len(WORKER_GAUGES)
+        base = self._gauges0 + worker * len(WORKER_GAUGES)
         with self._lock:
             for name, value in gauges.items():
                 self._arr[base + WORKER_GAUGES.index(name)] = value
 
     def clear_worker(self, worker: int) -> None:
-        """A worker that died: its gauges are no one's (a new one publishes its own)."""
+        """A worker that died: its gauges are no one's (its counts stay, for the worker
+        that takes its slot to go on from)."""
         self.set_worker(worker, **{name: 0 for name in WORKER_GAUGES})
 
     def set_stopping(self) -> None:
         """The server is shutting down: not ready, whatever its workers say."""
         with self._lock:
-            self._arr[self.at["stopping"]] = 1
+            self._arr[self._stopping] = 1
 
     # ---- reading (the process that serves /metrics) --------------------------------------
     def read(self) -> dict[str, Any]:
-        """A consistent copy of every figure."""
+        """Every figure, the workers' regions added up."""
         with self._lock:
             values = list(self._arr)
+        size = self.region
+        total = [sum(values[w * size + i] for w in range(self.workers)) for i in range(size)]
         at, t = self.at, self.tenants
 
         def block(name: str, n: int) -> list[float]:
-            return values[at[name]:at[name] + n]
+            return total[at[name]:at[name] + n]
 
         k = len(WORKER_GAUGES)
-        raw = block("workers", self.workers * k)
+        raw = values[self._gauges0:self._gauges0 + self.workers * k]
         return {
             "drafts": block("drafts", t),
             "draft_tokens": block("draft_tokens", t * N_BITS),
@@ -184,25 +250,34 @@ class MetricSlots:
             "entries_hist": block("entries_hist", len(ENTRY_BUCKETS) + 2),
             "refusals": block("refusals", STATUS_CODES),
             "counters": dict(zip(COUNTERS, block("counters", len(COUNTERS)))),
-            "stopping": bool(values[at["stopping"]]),
+            "stopping": bool(values[self._stopping]),
             "workers": [dict(zip(WORKER_GAUGES, raw[w * k:(w + 1) * k]))
                         for w in range(self.workers)],
         }
 
     def ready(self) -> bool:
         """Some worker listens with its datastore open, and the server is not stopping."""
-        snap = self.read()
-        return not snap["stopping"] and any(w["ready"] for w in snap["workers"])
+        with self._lock:
+            if self._arr[self._stopping]:
+                return False
+            k = len(WORKER_GAUGES)
+            return any(self._arr[self._gauges0 + w * k] for w in range(self.workers))
 
 
-def walk_accepted(tokens: Sequence[int], parents: Sequence[int], bits: Sequence[int],
-                  start: int, end: int, accepted: Sequence[int]) -> list[int]:
-    """The source bits of the nodes of the tree in [start, end) (parents local to it) that
-    the client's accepted tokens follow from the root, in path order.
+# This process's counts (MetricSlots._reset_local): never sent to another process.
+_LOCAL = ("_drafts", "_tokens", "_accepted", "_positions", "_step_hist", "_batch_hist",
+          "_entries_hist", "_refusals", "_counters", "_base")
+
+
+def walk_accepted(tokens: Sequence[int], parents: Sequence[int], bits: Sequence,
+                  start: int, end: int, accepted: Sequence[int]) -> list:
+    """The sources (`bits`: source bits or labels, per node) of the nodes of the tree in
+    [start, end) (parents local to it) that the client's accepted tokens follow from the
+    root, in path order.
 
     `list.index` scans in C: a step costs a few hundred nanoseconds per accepted token, not
     a Python loop over the tree."""
-    out: list[int] = []
+    out: list = []
     cur = -1
     for token in accepted:
         i = start
@@ -219,17 +294,19 @@ def walk_accepted(tokens: Sequence[int], parents: Sequence[int], bits: Sequence[
     return out
 
 
+def label_bits(label: str) -> int:
+    """Source bits of a node's source label ("pld+rest" -> 3; in any order)."""
+    b = _LABEL_BITS.get(label)
+    if b is None:
+        names = label.split("+")
+        b = _LABEL_BITS[label] = sum(1 << i for i, n in enumerate(("rest", "pld", "learned"))
+                                     if n in names)
+    return b
+
+
 def node_bits(sources: Sequence[str]) -> list[int]:
-    """Source bits of a Tree's nodes, from their labels ("pld+rest" -> 3)."""
-    cache = _LABEL_BITS
-    out = []
-    for label in sources:
-        b = cache.get(label)
-        if b is None:
-            b = cache[label] = sum(1 << i for i, n in enumerate(("rest", "pld", "learned"))
-                                   if n in label.split("+"))
-        out.append(b)
-    return out
+    """Source bits of a Tree's nodes, from their labels."""
+    return [label_bits(label) for label in sources]
 
 
 _LABEL_BITS: dict[str, int] = {}

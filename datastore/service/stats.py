@@ -95,7 +95,8 @@ class ServiceStats:
                 return -1
             self._arr[_WORKER0 + slot * k] = os.getpid()
             self._slot = slot
-            return slot
+        self.metrics.serve_as(slot)  # its counts for /metrics go to this slot's region
+        return slot
 
     def release_worker(self, pid: int, wait_s: float = 2.0) -> int | None:
         """A worker process `pid` died: give back the sessions it held (to max_sessions and

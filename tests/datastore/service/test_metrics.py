@@ -33,28 +33,54 @@ def test_accepted_tokens_follow_one_path_from_the_root():
 
 
 def test_source_labels_map_to_their_bits():
-    assert node_bits(["rest", "pld", "pld+rest", "learned+pld+rest", "x"]) == [1, 2, 3, 7, 0]
+    assert node_bits(["rest", "pld", "pld+rest", "rest+pld", "learned+pld+rest", "x"]) == \
+        [1, 2, 3, 3, 7, 0]
 
 
-def test_counts_add_up_across_processes_and_nothing_is_counted_while_off():
-    slots = MetricSlots(mp.get_context("spawn"), workers=2, tenants=3)
+def _worker_counts(slots: MetricSlots, worker: int) -> None:
+    """A worker process: counts one step and one refusal, publishes them."""
+    slots.serve_as(worker)
+    slots.drafted(1, 0.002, ["pld"], {"pld"}, ["pld"])
+    slots.refused(5)
+    slots.publish()
+
+
+def test_counts_reach_the_shared_array_when_published_and_add_up_over_workers():
+    ctx = mp.get_context("spawn")
+    slots = MetricSlots(ctx, workers=2, tenants=3)
+    slots.serve_as(0)
     slots.refused(5)
     slots.add("reloads")
+    slots.publish()  # off: nothing counted, nothing published
     assert slots.read()["refusals"][5] == 0 and slots.read()["counters"]["reloads"] == 0
     slots.enabled = True
     slots.refused(5)
     slots.add("reloads", 2)
-    slots.drafted(2, 0.0003, [1, 1, 3], [1, 3], 2)
-    slots.drafted(2, None, [], [], 0)  # an open's reply that drafted nothing
+    labels = ["rest", "rest", "rest+pld"]
+    slots.drafted(2, 0.0003, labels, set(labels), ["rest", "pld+rest"])
+    slots.drafted(2, None, [], set(), [])  # an open's reply that drafted nothing
+    assert slots.read()["refusals"][5] == 0  # not yet published
+    slots.publish()
+    proc = ctx.Process(target=_worker_counts, args=(slots, 1))  # the other worker
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
     m = slots.read()
-    assert m["refusals"][5] == 1 and m["counters"]["reloads"] == 2
-    assert m["drafts"] == [0, 0, 1]
+    assert m["refusals"][5] == 2 and m["counters"]["reloads"] == 2
+    assert m["drafts"] == [0, 1, 1]
     assert m["draft_tokens"][2 * N_BITS + 1] == 2 and m["draft_tokens"][2 * N_BITS + 3] == 1
+    assert m["draft_tokens"][1 * N_BITS + 2] == 1
     assert m["accepted"][2 * N_BITS + 1] == 1 and m["accepted"][2 * N_BITS + 3] == 1
-    assert m["positions"][:3] == [1, 1, 0]
-    hist = m["step_hist"]  # one step of 0.3 ms: the 0.5 ms bucket, the sum
-    assert hist[TIME_BUCKETS.index(0.0005)] == 1 and sum(hist[:-1]) == 1
-    assert abs(hist[-1] - 0.0003) < 1e-12
+    assert m["positions"][:3] == [2, 1, 0]
+    hist = m["step_hist"]  # 0.3 ms and 2 ms: the 0.5 ms and 2.5 ms buckets, the sum
+    assert hist[TIME_BUCKETS.index(0.0005)] == 1 and hist[TIME_BUCKETS.index(0.0025)] == 1
+    assert sum(hist[:-1]) == 2 and abs(hist[-1] - 0.0023) < 1e-12
+    again = MetricSlots.__new__(MetricSlots)  # a worker started in a dead one's slot 1
+    again.__setstate__(slots.__getstate__())
+    again.serve_as(1)
+    again.refused(5)
+    again.publish()
+    assert slots.read()["refusals"][5] == 3  # goes on from what the dead one counted
 
 
 def test_ready_once_a_worker_listens_and_not_once_stopping():

@@ -90,7 +90,7 @@ class Seen:
 
 
 def test_metrics_of_two_workers_and_two_tokens_match_what_clients_saw(store, servers,
-                                                                      tmp_path):
+                                                                      tmp_path, until):
     tokens = tmp_path / "tokens"
     tokens.write_text("\n".join(TOKENS) + "\n")
     serve = servers.start(store, "--port", str(servers.free_port()), "--workers", "2",
@@ -127,17 +127,24 @@ def test_metrics_of_two_workers_and_two_tokens_match_what_clients_saw(store, ser
                     seen.step(who, before, doc[pos:pos + k])
                     seen.reply(who, tree)
                     before, pos, steps = tree, pos + k, steps + 1
-            doc = DOCS[n + 6]  # Batch calls: an open, then packed steps
-            r = c.batch([SequenceOpen("s", doc[:20])], params, FP)
-            before, pos = r.tree(0), 20
-            seen.reply(who, before)
-            batch_calls, entries = batch_calls + 1, entries + 1
-            for k in (2, 1, 3):
-                r = c.batch([SequenceStep("s", doc[pos:pos + k])], params, FP)
-                seen.step(who, before, doc[pos:pos + k])
-                before, pos = r.tree(0), pos + k
-                seen.reply(who, before)
-                batch_calls, entries = batch_calls + 1, entries + 1
+            # Batch calls of two sequences: their opens, then packed steps
+            docs = (DOCS[n + 6], DOCS[(n + 9) % len(DOCS)])
+            r = c.batch([SequenceOpen(f"s{j}", d[:20]) for j, d in enumerate(docs)], params,
+                        FP)
+            befores, pos = [r.tree(0), r.tree(1)], 20
+            for tree in befores:
+                seen.reply(who, tree)
+            batch_calls, entries = batch_calls + 1, entries + 2
+            for k in (2, 1, 3, 4):
+                steps_ = [d[pos:pos + k] for d in docs]
+                r = c.batch([SequenceStep(f"s{j}", a) for j, a in enumerate(steps_)], params,
+                            FP)
+                for j, a in enumerate(steps_):
+                    seen.step(who, befores[j], a)
+                    befores[j] = r.tree(j)
+                    seen.reply(who, befores[j])
+                pos += k
+                batch_calls, entries = batch_calls + 1, entries + 2
             r = c.batch([SequenceStep("never-opened", [1])], params, FP)  # NOT_FOUND, alone
             assert r.errors[0] is not None
             batch_calls, entries = batch_calls + 1, entries + 1
@@ -151,6 +158,16 @@ def test_metrics_of_two_workers_and_two_tokens_match_what_clients_saw(store, ser
             held.append(c.session(DOCS[1][:20], params, FP).__enter__())
             seen.reply(tenant(token), held[-1].draft)
 
+        def published(m: dict) -> bool:  # each worker copies its counts every 0.1 s
+            return (m.get(("redraft:session_step_seconds_count", ())) == steps
+                    and m.get(("redraft:batch_call_seconds_count", ())) == batch_calls
+                    and sum(v for (name, _), v in m.items()
+                            if name == "redraft:refusals_total") == len(mine) + 2
+                    and all(m.get(("redraft:spec_decode_num_drafts_total",
+                                   (("tenant", who),))) == seen.drafts[who]
+                            for who in map(tenant, TOKENS)))
+
+        until(lambda: published(scrape(url)[1]), timeout=10)
         text, m = scrape(url)
         assert not any(t in text for t in TOKENS)  # the raw tokens never appear
         for who in map(tenant, TOKENS):
@@ -172,11 +189,11 @@ def test_metrics_of_two_workers_and_two_tokens_match_what_clients_saw(store, ser
         assert m["redraft:refusals_total", (("code", "UNAUTHENTICATED"),)] == 1
         assert m["redraft:refusals_total", (("code", "INVALID_ARGUMENT"),)] == 1
         assert m["redraft:refusals_total", (("code", "NOT_FOUND"),)] == len(mine)
-        # the held sessions, and each client's batched sequence (never closed)
-        assert m["redraft:sessions_open", ()] == 2 + len(mine)
+        # the held sessions, and each client's two batched sequences (never closed)
+        assert m["redraft:sessions_open", ()] == 2 + 2 * len(mine)
         for t in TOKENS:
             assert m["redraft:tenant_sessions_open", (("tenant", tenant(t)),)] == \
-                1 + sum(token == t for token, _ in mine)
+                1 + 2 * sum(token == t for token, _ in mine)
         assert m["redraft:workers_ready", ()] == 2
         assert m["redraft:datastore_tokens", ()] == sum(map(len, DOCS))
         assert m["redraft:datastore_segments", ()] == 1
