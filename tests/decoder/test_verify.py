@@ -3,6 +3,7 @@ and after compaction the cache is exactly what sequential decoding would have bu
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -143,3 +144,27 @@ def test_exact_bfloat16_tree_rows_are_bitwise_one_token_forwards(kind, lean):
         for row, path in enumerate([[], *node_paths(tree)]):
             one = one_token_logits(v, context, path)
             assert torch.equal(one, logits[row]), (trial, row, len(path))
+
+
+def test_on_blocks_plain_output_is_the_same_at_any_thread_count(default_model):
+    """Every stage of a forward on the model file's blocks splits work across threads without
+    splitting a reduction (prefill included), so the thread count never changes the tokens."""
+    from redraft.decoder import Generator, block_linear
+
+    model, tokenizer = default_model
+    gen = Generator(model, tokenizer, None, model_name="smollm2-135m")
+    if not gen.verifier.on_blocks:
+        pytest.skip(f"no block path for float32 here ({block_linear.kernel_path(torch.float32)})")
+    prompt = "Write a Python function that merges two sorted lists."
+    before = torch.get_num_threads()
+    outputs = {}
+    try:
+        for threads in sorted({1, 2, os.cpu_count() or 1}):
+            torch.set_num_threads(threads)
+            outputs[threads] = gen.generate(prompt, max_new_tokens=40, temperature=0).tokens
+    finally:
+        torch.set_num_threads(before)
+    first = outputs[1]
+    assert all(tokens == first for tokens in outputs.values()), {
+        t: next((i for i, (a, b) in enumerate(zip(first, o)) if a != b), None)
+        for t, o in outputs.items()}
