@@ -74,3 +74,16 @@ def test_bf16_plain_decoding_matches_hf_generate_but_at_near_ties(bf16_model, bf
                                             hf_generate(bf16_model, bf16_plain[p]))
                     for p in CODE_PROMPTS)
     print(f"identical to Hugging Face bfloat16 generate: {identical}/{len(CODE_PROMPTS)}")
+
+
+def test_bf16_on_the_dense_copy_speculative_greedy_is_exactly_plain(bf16_model):
+    """The dense copy (`block_weights=False`: packed oneDNN) keeps its own exactness: the
+    default model verified on it, speculative against plain on the same kernels."""
+    model, tok = bf16_model
+    plain = Generator(model, tok, None, cost=CostModel(*CPU_COST), block_weights=False)
+    assert not plain.verifier.on_blocks and plain.verifier.exact
+    drafter = build_drafter("pld,recycle", model=model, tokenizer=tok)
+    spec = Generator(model, tok, drafter, cost=CostModel(*CPU_COST), block_weights=False)
+    for prompt in CODE_PROMPTS[:2]:
+        want = plain.generate(prompt, max_new_tokens=NEW).tokens
+        assert spec.generate(prompt, max_new_tokens=NEW).tokens == want, prompt
