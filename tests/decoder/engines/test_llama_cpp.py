@@ -7,7 +7,9 @@ exactly as a user does, on the default model's GGUF, one thread, flash attention
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,36 @@ QUESTIONS = [
 ]
 NEW_TOKENS = 40
 LLAMA_ARGS = dict(n_ctx=1024, n_threads=1, n_threads_batch=1, verbose=False, seed=0)
+
+
+# Run in a fresh interpreter: a crash in llama.cpp's native code (SIGSEGV) then fails this
+# test with what the engine reports about the CPU, instead of killing the pytest worker.
+_DECODE = """
+import json, llama_cpp
+from redraft.decoder.engines.llama_cpp import model_path
+llm = llama_cpp.Llama(model_path=model_path(), n_ctx=256, n_threads=1, n_threads_batch=1,
+                      verbose=False, seed=0)
+out = llm.create_completion("def fib(n):", max_tokens=16, temperature=0.0)
+print(json.dumps(out["choices"][0]["text"]))
+"""
+
+
+def test_the_engine_is_built_without_amx_and_decodes_the_gguf():
+    """`make install` builds llama-cpp-python without llama.cpp's AMX code: on some AMX CPUs
+    it dies with SIGSEGV in the first decode of the default GGUF (ggml_backend_amx_mul_mat,
+    llama.cpp issue 20824). First in this file, so a crash is reported here and named."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert "AMX_INT8 = 1" not in info, (
+            f"llama-cpp-python was built with llama.cpp's AMX code (rebuild it with `make "
+            f"install`): {info}")
+    proc = subprocess.run([sys.executable, "-c", _DECODE], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (
+        f"greedy decoding of the default GGUF exited with {proc.returncode} (a negative "
+        f"number is the signal); the engine reports: {info}\n{proc.stderr[-2000:]}")
+    text = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert text.strip(), f"no text decoded; the engine reports: {info}"
 
 
 def chat(llm, question: str) -> list[int]:
