@@ -77,7 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     add_dtype_option(p)
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's; 1 is faster on busy machines)")
+                   help="CPU threads for torch (default: torch's; 1 is faster on busy machines). "
+                        "Drafts never change the output at a given thread count, given or not; "
+                        "on a GGUF model's blocks (the default) the count does not change it "
+                        "either, on the dense copy plain decoding's own output may depend on it")
     p.add_argument("--raw", action="store_true",
                    help="use the prompt text as is, without the chat template")
     p.add_argument("--typical", action="store_true",
