@@ -181,16 +181,26 @@ class LeanStack:
         self.reserve(end)
         x = self.embed[torch.tensor(list(tokens), dtype=torch.long)].to(self.dtype)  # [n, H]
         pos = torch.tensor([list(positions)], dtype=torch.long)
-        cos, sin = (t[0].unsqueeze(1) for t in self.rotary(x, pos))  # [n, 1, D]
+        cos, sin = (t[0].contiguous() for t in self.rotary(x, pos))  # [n, D]
         heads, kv, dim = self.heads, self.kv_heads, self.head_dim
+        kind = _NORM_KINDS.get(self.dtype)
         attention.prepare(self, start, n)
         for i, layer in enumerate(self.layers):
             h = layer.qkv(self.norm(x, layer.norm1)).view(n, heads + 2 * kv, dim)
-            qk = h[:, : heads + kv]  # queries and keys rotate together
-            qk = qk * cos + _rotate_half(qk) * sin
-            self.keys[i][:, start:end] = qk[:, heads:].transpose(0, 1)
-            self.values[i][:, start:end, :dim] = h[:, heads + kv :].transpose(0, 1)
-            attn = attention(self, i, qk[:, :heads])  # [n, heads * dim], float32
+            if kind is not None and dim % 2 == 0:  # in the kernel: one call, same rounding
+                h = h.contiguous()
+                q = torch.empty((n, heads, dim), dtype=torch.float32)
+                keys, values = self.keys[i], self.values[i]
+                _blocks.rotate(h.data_ptr(), n, heads, kv, dim, cos.data_ptr(), sin.data_ptr(),
+                               kind, keys.data_ptr(), values.data_ptr(), keys.shape[1],
+                               values.shape[-1], start, q.data_ptr())
+            else:
+                qk = h[:, : heads + kv]  # queries and keys rotate together
+                qk = qk * cos.unsqueeze(1) + _rotate_half(qk) * sin.unsqueeze(1)
+                self.keys[i][:, start:end] = qk[:, heads:].transpose(0, 1)
+                self.values[i][:, start:end, :dim] = h[:, heads + kv :].transpose(0, 1)
+                q = qk[:, :heads]
+            attn = attention(self, i, q)  # [n, heads * dim], float32
             x = x + layer.out(attn.to(self.dtype))
             gate, up = layer.gate_up(self.norm(x, layer.norm2)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

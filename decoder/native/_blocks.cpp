@@ -764,6 +764,42 @@ void rms_norm_rows(const void* x, const void* w, void* out, size_t rows, size_t 
     }
 }
 
+// -- rotary embedding, into the cache ----------------------------------------------------------
+//
+// A layer's fused query/key/value rows [n, heads + 2 kv, dim] (the activations' dtype): queries
+// and keys rotated as Hugging Face rounds it (q * cos and rotate_half(q) * sin each rounded to
+// the dtype, then their sum), queries written out in float32 for attention, keys and values
+// into the float32 cache at slots start..start+n. One call where torch runs about ten ops.
+
+template <int KIND>
+void rotate_rows(const void* h, size_t n, size_t heads, size_t kv, size_t dim, const void* cos,
+                 const void* sin, float* keys, float* values, size_t capacity, size_t vwidth,
+                 size_t start, float* q_out) {
+    auto get = [](const void* p, size_t i) {
+        return KIND == KIND_F32 ? static_cast<const float*>(p)[i]
+                                : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    };
+    auto round = [](float v) { return KIND == KIND_F32 ? v : bf16_to_float(float_to_bf16(v)); };
+    const size_t width = heads + 2 * kv, half = dim / 2;
+    for (size_t r = 0; r < n; ++r) {
+        for (size_t j = 0; j < width; ++j) {
+            const size_t base = (r * width + j) * dim;
+            if (j >= heads + kv) {  // a value row: as it is
+                float* out = values + ((j - heads - kv) * capacity + start + r) * vwidth;
+                for (size_t d = 0; d < dim; ++d) out[d] = get(h, base + d);
+                continue;
+            }
+            float* out = j < heads ? q_out + (r * heads + j) * dim
+                                   : keys + ((j - heads) * capacity + start + r) * dim;
+            for (size_t d = 0; d < dim; ++d) {
+                const float v = get(h, base + d);
+                const float rot = d < half ? -get(h, base + d + half) : get(h, base + d - half);
+                out[d] = round(round(v * get(cos, r * dim + d)) + round(rot * get(sin, r * dim + d)));
+            }
+        }
+    }
+}
+
 // -- the CPython glue ----------------------------------------------------------------------
 
 bool check_shape(int fmt, int kind, size_t k) {
@@ -910,12 +946,37 @@ PyObject* py_rms_norm(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+PyObject* py_rotate(PyObject*, PyObject* args) {
+    unsigned long long h, cos, sin, keys, values, q;
+    Py_ssize_t n, heads, kv, dim, capacity, vwidth, start;
+    int kind;
+    if (!PyArg_ParseTuple(args, "KnnnnKKiKKnnnK", &h, &n, &heads, &kv, &dim, &cos, &sin, &kind,
+                          &keys, &values, &capacity, &vwidth, &start, &q))
+        return nullptr;
+    if (n < 0 || heads <= 0 || kv <= 0 || dim <= 0 || dim % 2 || vwidth < dim || start < 0 ||
+        start + n > capacity || (kind != KIND_F32 && kind != KIND_BF16)) {
+        PyErr_SetString(PyExc_ValueError, "rotate: inconsistent shapes");
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    (kind == KIND_F32 ? rotate_rows<KIND_F32> : rotate_rows<KIND_BF16>)(
+        reinterpret_cast<const void*>(h), (size_t)n, (size_t)heads, (size_t)kv, (size_t)dim,
+        reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
+        reinterpret_cast<float*>(keys), reinterpret_cast<float*>(values), (size_t)capacity,
+        (size_t)vwidth, (size_t)start, reinterpret_cast<float*>(q));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(x_ptr, m, k, w_ptr, fmt, n, y_ptr, kind, threads): y[m, n] = x[m, k] W[n, k]^T"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(w_ptr, fmt, n, k, out_ptr): the weights as float32 [n, k] (scalar, exact)"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(fmt, k): bytes of one weight row"},
+    {"rotate", py_rotate, METH_VARARGS,
+     "rotate(h, n, heads, kv, dim, cos, sin, kind, keys, values, capacity, vwidth, start, q): "
+     "queries and keys rotated, keys and values into the cache, queries out in float32"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x_ptr, rows, h, w_ptr, eps, out_ptr, kind): each row's RMSNorm, scaled"},
     {"attend", py_attend, METH_VARARGS,

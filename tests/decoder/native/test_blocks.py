@@ -240,3 +240,46 @@ def test_attention_refuses_inconsistent_shapes(cache):
         _blocks.attend(q.data_ptr(), 1, HEADS, 4, DIM, keys.data_ptr(), values.data_ptr(),
                        CAPACITY, DIM + 1, 0, slots.data_ptr(), offsets.data_ptr(), 1.0,
                        q.data_ptr(), 1, True)  # 9 heads over 4 key heads
+
+
+# -- the layer's other stages ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_into_the_cache_is_torchs_rounding_bit_for_bit(dtype):
+    """Queries and keys rotated as Hugging Face rounds it (each product, then the sum, in the
+    activations' dtype), keys and values landing in the float32 cache at their slots."""
+    from redraft.decoder.lean import _rotate_half
+
+    n, start = 5, 7
+    h = torch.randn(n, HEADS + 2 * KV, DIM).to(dtype)
+    angles = torch.rand(n, DIM // 2) * 10
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype).contiguous()
+                for f in (torch.cos, torch.sin))
+    keys, values = torch.zeros(KV, 32, DIM), torch.zeros(KV, 32, DIM + 1)
+    q = torch.empty(n, HEADS, DIM)
+    _blocks.rotate(h.data_ptr(), n, HEADS, KV, DIM, cos.data_ptr(), sin.data_ptr(),
+                   KINDS[dtype], keys.data_ptr(), values.data_ptr(), 32, DIM + 1, start,
+                   q.data_ptr())
+    qk = h[:, : HEADS + KV]
+    qk = qk * cos.unsqueeze(1) + _rotate_half(qk) * sin.unsqueeze(1)
+    assert torch.equal(q, qk[:, :HEADS].float())
+    assert torch.equal(keys[:, start : start + n], qk[:, HEADS:].transpose(0, 1).float())
+    assert torch.equal(values[:, start : start + n, :DIM],
+                       h[:, HEADS + KV :].transpose(0, 1).float())
+    assert not keys[:, :start].any() and not values[:, start + n :].any()  # nothing else
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_rows_alone_and_close_to_torchs(dtype):
+    x = torch.randn(6, 576).to(dtype)
+    w = (torch.rand(576) + 0.5).to(dtype)
+    out = torch.empty_like(x)
+    _blocks.rms_norm(x.data_ptr(), 6, 576, w.data_ptr(), 1e-5, out.data_ptr(), KINDS[dtype])
+    want = w * torch.nn.functional.rms_norm(x.float(), w.shape, None, 1e-5).to(dtype)
+    assert (out.float() - want.float()).abs().max().item() <= (1e-5 if dtype == torch.float32
+                                                                 else 1e-2)
+    one = torch.empty(1, 576, dtype=dtype)
+    _blocks.rms_norm(x[3:4].contiguous().data_ptr(), 1, 576, w.data_ptr(), 1e-5,
+                     one.data_ptr(), KINDS[dtype])
+    assert torch.equal(one[0], out[3])
