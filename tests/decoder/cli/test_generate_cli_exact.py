@@ -63,8 +63,9 @@ def machine() -> str:
         path = block_linear.kernel_path(dtype)
     except (ImportError, AttributeError, KeyError, RuntimeError) as exc:
         path = f"unavailable ({type(exc).__name__}: {exc})"
-    return (f"CPU {model!r}, flags {' '.join(f for f in wanted if f in flags) or 'none of'} "
-            f"({' '.join(wanted)}), torch {torch.__version__} capability "
+    have = " ".join(f for f in wanted if f in flags) or "-"
+    lack = " ".join(f for f in wanted if f not in flags) or "-"
+    return (f"CPU {model!r}, flags: {have}; without: {lack}; torch {torch.__version__} capability "
             f"{torch.backends.cpu.get_cpu_capability()}, auto dtype {dtype}, block kernel "
             f"path {path}, {len(os.sched_getaffinity(0))} cores, OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, exact forwards {exact_forwards()}")
