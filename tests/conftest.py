@@ -191,6 +191,15 @@ class ForkServer:
         self.proc.wait(30)
 
 
+def flip_byte(path, offset: int, mask: int = 0x10) -> None:
+    """XOR one byte of a file in place (damage a test then expects to be found)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def structural_flip(data: bytearray, offsets: dict[str, list[int]], i: int, rng) -> str:
     """Flip one byte at an offset of the `i`-th kind in turn (a whole byte, one bit, or a
     random mask); what was done, for the fuzzers' messages."""

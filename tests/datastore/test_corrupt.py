@@ -21,6 +21,8 @@ from redraft.datastore import manifest as mf
 from redraft.datastore.lmdbfile import LmdbFile
 from redraft.decoder.cli import main
 
+from ..conftest import flip_byte
+
 
 @pytest.fixture
 def store(make_store):
@@ -161,17 +163,9 @@ def _offset_of(store, key: bytes) -> tuple[int, int]:
         return r._segments[0].lm.locate(key)
 
 
-def _flip(path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_names_are_checksummed(store):
     off, n = _offset_of(store, fmt.shard_key(0, "names"))
-    _flip(_file(store), off + n // 2)
+    flip_byte(_file(store), off + n // 2, 0xFF)
     with Reader(store) as r:  # opening reads no names
         with pytest.raises(DatastoreCorrupt, match="checksum mismatch in shard 0 names"):
             r.doc_name(0)
@@ -183,7 +177,7 @@ def test_writers_refuse_a_damaged_datastore(store):
     from redraft.datastore import append_corpus, delete_documents
 
     off, n = _offset_of(store, fmt.shard_key(0, "sa"))
-    _flip(_file(store), off + n - 3)
+    flip_byte(_file(store), off + n - 3, 0xFF)
     before = _listing(store)
     # the append would merge its small segment with the damaged one: refused as a whole
     with pytest.raises(DatastoreCorrupt, match="refusing to modify a damaged datastore: .*"
@@ -246,7 +240,7 @@ def test_version_1_names_are_checked_by_zlib(make_store):
     store = make_store([[1, 2, 3]], vocab=8)
     _as_version_1(store)
     off, n = _offset_of(store, fmt.shard_key(0, "names"))
-    _flip(_file(store), off + n - 2)  # inside zlib's adler32 of the names
+    flip_byte(_file(store), off + n - 2, 0xFF)  # inside zlib's adler32 of the names
     with pytest.raises(DatastoreCorrupt, match="shard 0 names are damaged"):
         Reader(store, verify=True)
 

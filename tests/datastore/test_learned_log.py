@@ -30,6 +30,8 @@ from redraft.datastore.learned_log import (
     scan_log,
 )
 
+from ..conftest import flip_byte
+
 RECORDS = [Record(0, "t:alice", [1, 2, 3, 70000], False), Record(1, "k:" + "ab" * 32, [], True),
            Record(0, "t:alice", [4], True), Record(2, "t:ü/ß", list(range(1000)), False)]
 
@@ -177,14 +179,6 @@ def test_an_output_longer_than_a_record_is_split_and_reads_whole(tmp_path, monke
     assert not damaged and outputs[0].tokens == tokens
 
 
-def flip(path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 def test_a_scan_reads_past_damage_and_counts_what_it_cost(tmp_path):
     log = OwnedLog(tmp_path)
     head = log.size
@@ -195,13 +189,13 @@ def test_a_scan_reads_past_damage_and_counts_what_it_cost(tmp_path):
             records.insert(0, Record(1, "t:1", [9] * 50, True, 50))
         log.append(records)
         sizes.append(log.size)
-    flip(log.path, sizes[1] + 40)  # inside output 1's second record
+    flip_byte(log.path, sizes[1] + 40)  # inside output 1's second record
     scan = scan_log(log.path)
     assert scan.damaged and scan.damage_at is not None and scan.damaged_bytes > 0
     assert sorted(scan.outputs) == [0, 1, 2, 3, 4, 5] and scan.cut == set()
     assert scan.outputs[1].tokens == [1] * 50 and not scan.outputs[1].final
     assert all(scan.outputs[n].final for n in (0, 2, 3, 4, 5))
-    flip(log.path, head + 30)  # and output 0's only record: lost whole
+    flip_byte(log.path, head + 30)  # and output 0's only record: lost whole
     scan = scan_log(log.path)
     assert scan.lost() == {0} and sorted(scan.outputs) == [1, 2, 3, 4, 5]
     # a record missing from the middle of an output: kept up to the gap
@@ -210,7 +204,7 @@ def test_a_scan_reads_past_damage_and_counts_what_it_cost(tmp_path):
     at = log2.size
     log2.append([Record(0, "t:a", [3, 4], False, 2)])
     log2.append([Record(0, "t:a", [5], True, 4)])
-    flip(log2.path, at + 30)
+    flip_byte(log2.path, at + 30)
     scan = scan_log(log2.path)
     assert scan.cut == {0} and scan.outputs[0].tokens == [1, 2] and not scan.outputs[0].final
 
@@ -229,7 +223,7 @@ def test_an_owner_writes_its_log_again_when_it_is_harmed_and_readers_keep_their_
     elif harm == "cut":
         os.truncate(log.path, len(written) // 2)
     elif harm == "flip":
-        flip(log.path, len(written) - 5)
+        flip_byte(log.path, len(written) - 5)
     else:
         log.path.with_name("other").write_bytes(b"x" * 100)
         os.rename(log.path.with_name("other"), log.path)

@@ -25,6 +25,8 @@ from redraft.datastore.manifest import encode as encode_manifest
 from redraft.datastore.service.client import DraftClient, DraftParams
 from redraft.datastore.service.persisting import MarksDamaged, Ranges, log_marks
 
+from ...conftest import flip_byte
+
 FP = "sha256:persisting-test"
 VOCAB = 30000
 RNG = random.Random(211)
@@ -257,14 +259,6 @@ def finals(path) -> int:
     return sum(o.final for o in read_log(path)[0].values())
 
 
-def flip(path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("harm", ["flip", "cut", "delete"])
 def test_a_live_server_s_log_damaged_or_deleted_under_it_loses_nothing_and_says_so(
         store, servers, until, harm):
@@ -276,7 +270,7 @@ def test_a_live_server_s_log_damaged_or_deleted_under_it_loses_nothing_and_says_
     until(lambda: finals(path) == 3)
     size = os.path.getsize(path)
     if harm == "flip":
-        flip(path, size // 2)
+        flip_byte(path, size // 2)
     elif harm == "cut":
         os.truncate(path, size // 2)
     else:
@@ -300,7 +294,7 @@ def test_a_damaged_log_of_a_gone_owner_is_persisted_past_the_damage_kept_and_cou
                            True)])
         ends.append(log.size)
     log.release()  # its owner is gone
-    flip(log.path, ends[0] + 60)  # inside output 1: every later output is still whole
+    flip_byte(log.path, ends[0] + 60)  # inside output 1: every later output is still whole
     a = servers.start(store, "--port", "0", "--learn-persist-seconds", "0.3")
     until(lambda: "kept as" in a.stderr, timeout=15)
     assert persisted(store) == Counter([f"logged-{n}" for n in (0, 2, 3, 4, 5)])
