@@ -1,4 +1,5 @@
-"""Files redraft writes for itself: where its caches live, and how a file is replaced.
+"""Files redraft writes for itself: where its caches live, and how a file is replaced; and
+how an input file given on a command line is read.
 
 Why one place: every cache (tokenizer conversions, cost curves, calibration, recycling
 tables, Medusa hidden states) must honour the same `REDRAFT_CACHE`, and every file a reader
@@ -8,9 +9,11 @@ may open (a datastore, a heads file, a cache entry) must appear whole or not at 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +21,14 @@ from pathlib import Path
 from redraft.proto.errors import RedraftError
 
 CACHE_ENV = "REDRAFT_CACHE"
+
+
+def read_input(path: str | os.PathLike) -> bytes:
+    """An input file's bytes. Anything but a regular file is an OSError at once: reading a
+    FIFO (or a device) blocks until a writer comes, or never ends."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return Path(path).read_bytes()
 
 
 def cache_root() -> Path:

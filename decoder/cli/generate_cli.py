@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import sys
-from pathlib import Path
 
 import torch
 from redraft.datastore.cli import add_client_options
@@ -36,6 +35,7 @@ from redraft.decoder.generate import (
     check_text,
 )
 from redraft.decoder.models.loading import add_dtype_option, load_model
+from redraft.proto.files import read_input
 from redraft.proto.jsonl import parse_record
 from redraft.proto.models import DEFAULT_MODEL, load_tokenizer, resolve_model
 
@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def read_prompts(path: str) -> list[list[str]]:
     """Each line: {"prompt": str} or {"turns": [str, ...]}; returns a list of turn lists."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = read_input(path).decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise GenerationError(f"cannot read prompts file {path}: {exc}") from None
     out: list[list[str]] = []

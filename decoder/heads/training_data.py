@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from redraft.decoder.text import chat_ids
 from redraft.proto.errors import RedraftError
+from redraft.proto.files import read_input
 from redraft.proto.jsonl import parse_record
 
 
@@ -48,7 +49,7 @@ def read_documents(paths: Sequence[str], tokenizer) -> tuple[list[Document], str
     docs: list[Document] = []
     for path in paths:
         try:
-            data = Path(path).read_bytes()
+            data = read_input(path)
         except OSError as exc:
             raise TrainingError(f"cannot read {path}: {exc.strerror or exc}") from None
         digest.update(hashlib.sha256(data).digest())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from redraft.proto.files import cache_root, write_atomically, write_cache
+from redraft.proto.files import cache_root, read_input, write_atomically, write_cache
 
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
@@ -50,3 +52,15 @@ def test_a_cache_that_cannot_be_written_is_no_error(tmp_path):
     assert not write_cache(tmp_path / "plain" / "entry.json", lambda tmp: tmp.write_text("x"))
     assert write_cache(tmp_path / "a" / "b.json", lambda tmp: tmp.write_text("x"))
     assert (tmp_path / "a" / "b.json").read_text() == "x"
+
+
+def test_an_input_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    """A FIFO would block the reader until a writer came; a directory is no input either."""
+    data = tmp_path / "in.jsonl"
+    data.write_bytes(b"{}\n")
+    assert read_input(data) == b"{}\n"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        with pytest.raises(OSError, match="not a regular file"):
+            read_input(path)

@@ -68,6 +68,11 @@ def test_bad_prompt_files(capsys, tmp_path):
     assert rc == 2 and "needs a 'prompt' string or a 'turns' list" in err
     rc, _, err = run(capsys, "--prompts", str(tmp_path / "missing.jsonl"))
     assert rc == 2 and "cannot read prompts file" in err
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)  # reading it would wait for a writer for ever
+    for path in (fifo, tmp_path):
+        rc, _, err = run(capsys, "--prompts", str(path))
+        assert rc == 2 and "not a regular file" in err and err.count("\n") == 1
     bad.write_text('{"prompt": "ok"}\n{"turns": ["fine", "caf\\ud800"]}\n')  # a JSON escape
     rc, out, err = run(capsys, "--prompts", str(bad), "--model", "no-such-model")
     assert rc == 2 and out == "" and err.count("\n") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -354,6 +355,10 @@ def test_bad_training_input_is_one_line(capsys, tmp_path):
     rc, _, err = _run_cli(capsys, "--data", str(tmp_path / "missing.jsonl"), "--out",
                           str(tmp_path / "h.safetensors"))
     assert rc == 2 and "cannot read" in err and err.count("\n") == 1
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)  # reading it would wait for a writer for ever
+    rc, _, err = _run_cli(capsys, "--data", str(fifo), "--out", str(tmp_path / "h.safetensors"))
+    assert rc == 2 and "not a regular file" in err and err.count("\n") == 1
 
 
 def _chat_file(tmp_path):
