@@ -30,6 +30,7 @@ _LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
 _ARCHITECTURES = ("llama", "qwen2")  # the plain stacks `lean` runs
 _SAMPLE_ROWS = 4
 
+
 def attach(model, gguf_path: str | Path) -> None:
     """Have the verifier run `model` on the blocks of the file it was loaded from (read on
     first use)."""
@@ -43,7 +44,10 @@ def block_weights(model) -> dict[torch.nn.Module, BlockWeight] | None:
 
 
 def _read(model, path: Path) -> dict[torch.nn.Module, BlockWeight] | None:
-    arch, tensors = read_tensors(path)
+    try:
+        arch, tensors = read_tensors(path)
+    except (OSError, ValueError, struct.error):  # gone or unreadable since loading: dense
+        return None
     if arch not in _ARCHITECTURES:
         return None
     cfg = model.config

@@ -84,3 +84,15 @@ def test_the_verifier_runs_on_blocks_and_computes_the_dense_copys_logits(default
     assert on_blocks.packed_forwards == on_blocks.forwards  # every forward ran on blocks
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
     assert (outs[0] - outs[1]).abs().max().item() < 1e-3
+
+
+def test_a_model_whose_file_cannot_be_read_again_runs_dense(tmp_path):
+    """The file changed or went away after loading: no blocks, no traceback (dense path)."""
+    model = tiny_model("llama")
+    bad = tmp_path / "gone.gguf"
+    bad.write_bytes(b"GGUF\x03\x00")  # cut inside the header
+    gguf_blocks.attach(model, bad)
+    assert gguf_blocks.block_weights(model) is None
+    other = tiny_model("llama")
+    gguf_blocks.attach(other, tmp_path / "missing.gguf")
+    assert gguf_blocks.block_weights(other) is None
