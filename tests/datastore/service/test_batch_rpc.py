@@ -625,7 +625,7 @@ def test_a_step_of_many_tokens_drafts_what_a_session_drafts(store, servers):
             same_tree(r.tree(0), s.step(big))
 
 
-def test_long_prompts_draft_what_a_session_drafts(store, servers):
+def test_long_prompts_draft_what_a_session_drafts(store, servers, until):
     """Opens of long prompts, beside short opens and steps of the same call, draft the
     Session's trees, and a bad long prompt fails alone with its open's status."""
     srv = servers.start(store, "--port", "0", "--max-context", "40000")
@@ -651,7 +651,9 @@ def test_long_prompts_draft_what_a_session_drafts(store, servers):
         with c.session(long, params, FP) as s:
             same_tree(r.tree(0), s.draft)
             same_tree(step.tree(0), s.step(DOCS[5][:3]))
-        assert c.stats()["sessions_active"] == 2
+        # the Session's slot is given back when the server sees its stream end: soon, not
+        # before `session` returns
+        until(lambda: c.stats()["sessions_active"] == 2, timeout=10)
 
 
 def test_what_sequences_open_at_shutdown_learned_outlives_the_server(tmp_path, servers, until):
