@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redraft.datastore import build_datastore
@@ -233,13 +234,22 @@ def test_readyz_is_503_until_the_workers_listen_and_once_shutting_down(store, se
     assert get(base + "/readyz") == (200, "ready\n")
     assert get(base + "/healthz") == (200, "ok\n")
     assert get(base + "/nothing")[0] == 404
-    with DraftClient(serve.address) as c:  # a session open keeps the shutdown busy a moment
-        s = c.session(DOCS[0][:20], None, FP).__enter__()
+    # Workers held stopped: the parent, which answers the probes, waits for them, so the
+    # window between "not ready" and the exit is as long as the test needs (an idle
+    # server's shutdown takes a few milliseconds).
+    workers = [w for w in psutil.Process(serve.proc.pid).children()
+               if "spawn_main" in " ".join(w.cmdline())]
+    assert len(workers) == 2
+    for w in workers:
+        w.suspend()
+    try:
         serve.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()  # the signal is handled a moment later: 503 from then on
         while (answer := get(base + "/readyz")) == (200, "ready\n"):
             assert time.monotonic() - t0 < 5
         assert answer == (503, "not ready\n")
-        assert get(base + "/healthz")[0] == 200  # the process is still up
-        s.close()
+        assert get(base + "/healthz") == (200, "ok\n")  # the process is still up
+    finally:
+        for w in workers:
+            w.resume()
     assert serve.proc.wait(30) == 0
