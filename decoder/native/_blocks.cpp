@@ -212,19 +212,21 @@ float reduce16(const float* lane) {
 BF16_TARGET inline __m512bh dequant_block_bf16(int fmt, const uint8_t* src) {
     if (fmt == Q4_1) {
         // The block's 16 possible values, bf16(d * q + m) for q = 0..15, then each weight
-        // picked from them by its nibble: one table per block, not 32 conversions.
-        uint16_t hd, hm;
-        std::memcpy(&hd, src, 2);
-        std::memcpy(&hm, src + 2, 2);
-        const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd)), m = _mm512_set1_ps(_cvtsh_ss(hm));
+        // picked from them by its nibble: one table per block, not 32 conversions. The
+        // table fills both halves of the register, so a byte's stray fifth bit (VPERMW reads
+        // five) picks the same entry: the low nibbles need no mask, the high ones one shift.
+        int dm32;
+        std::memcpy(&dm32, src, 4);  // d and m, two halfs
+        const __m128 dm = _mm_cvtph_ps(_mm_set1_epi32(dm32));
+        const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(iota, d), m));
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 4));
-        const __m128i mask = _mm_set1_epi8(15);
-        const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
-                                                 _mm_and_si128(q, mask));
-        const __m512i idx = _mm512_cvtepu8_epi16(nibbles);
-        return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(table));
+        const __m512 t = _mm512_add_ps(_mm512_mul_ps(iota, d), m);
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+        const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 4)));
+        const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004,
+                                               0x0004000400040004, 0x0004000400040004, 0, 0, 0, 0);
+        const __m512i idx = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(q), shift);  // lo | hi
+        return (__m512bh)_mm512_permutexvar_epi16(idx, table);
     }
     __m512 lo, hi;
     if (fmt == Q8_0) {
