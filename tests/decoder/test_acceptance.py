@@ -210,7 +210,7 @@ def test_sampling_with_learned_drafts_is_lossless(tmp_path):
 def _medusa(model):
     from redraft.decoder.drafters.medusa import MedusaDrafter
 
-    from .drafters.test_medusa_drafter import tiny_heads
+    from .drafters.test_medusa import tiny_heads
 
     # heads that read the next token (the root), as the committed ones do
     return MedusaDrafter(tiny_heads(model, accuracy=[[0.5, 0.8, 1.0]] * 3, next_token=True),
