@@ -24,6 +24,8 @@ Version 2 added the crc32 of every shard's `names` and removes deleted documents
 from their shard (version 1 only tombstoned them). Version 1 files without deleted
 documents are still read (their names are checked by zlib's own checksum) and converting
 one to segments rewrites it as version 2.
+
+Tested by: tests/datastore/test_corrupt.py, tests/datastore/test_build.py
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ header, one u16 offset per node; a node is lo, hi, flags, key size (u16 each), t
 the value — inline, or (F_BIGDATA) the number of the first overflow page holding it. A
 branch node's child is page lo | hi << 16 | flags << 32; its key 0 stands for "anything
 smaller". Keys sort as bytes (memcmp, then shorter first), as Python compares bytes.
+
+Tested by: tests/datastore/test_corrupt.py, tests/datastore/test_fuzz.py,
+tests/datastore/test_mapping.py
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ wrote is named by no manifest, and the next writer removes it).
 
 A directory holding only `datastore.lmdb` (the single-file layout of format 2 and before)
 reads as a snapshot of one segment; any write converts it first (`upgrade`).
+
+Tested by: tests/datastore/test_commit.py, tests/datastore/test_corrupt.py
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ A segment is written under a temporary name and renamed to its final `seg-*` nam
 immutable from then on, and synced before a commit names it. Nothing reads it before a
 manifest names it (manifest.py), so a segment that is never published is only a leftover
 for the next writer to remove.
+
+Tested by: tests/datastore/test_build.py, tests/datastore/test_commit.py
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ documents into shards.
 Both builds use these, the single-process one (build.py) and the one on a Ray cluster
 (ray_build.py), so that they cut the same shards from the same documents: byte-identical
 shard arrays, whoever sorts them.
+
+Tested by: tests/datastore/test_build.py
 """
 
 from __future__ import annotations

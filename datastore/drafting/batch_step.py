@@ -6,6 +6,8 @@ whatever the order (and whatever threads drafted it): a session's tree is the on
 `extend` + `propose` would give after every session of the batch learned its tokens. With
 compiled drafters (the default) the whole batch is one call into the core, drafting without
 the GIL; with the Python reference drafters the same is done session by session.
+
+Tested by: tests/datastore/drafting/native/test_native_batch.py
 """
 
 from __future__ import annotations

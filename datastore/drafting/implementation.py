@@ -6,6 +6,9 @@ node for node), so the reference is there to debug with and to test against. Set
 `REDRAFT_DRAFTING=python` to run the reference everywhere (the service, `--datastore`
 drafting, engines' in-process streams); `native` insists on the core; unset (`auto`) uses the
 core and falls back to the reference, with a warning, when the extension was not built.
+
+Tested by: tests/datastore/drafting/native/test_native_session.py,
+tests/datastore/service/test_batch_rpc.py
 """
 
 from __future__ import annotations

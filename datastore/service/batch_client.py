@@ -14,6 +14,8 @@ output, for its tenant, as with sessions.
     drafts[req_id].tokens            # the chain (or the tree) for that sequence
     batch.end(finished_ids)          # or let the server sweep them when idle
     batch.send({req_id: token_ids})  # a step that wants no drafts: learned, not waited for
+
+Tested by: tests/datastore/service/test_batch_rpc.py
 """
 
 from __future__ import annotations

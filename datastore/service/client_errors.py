@@ -2,7 +2,9 @@
 stands for: a decoder tells "fall back to local drafting" (unreachable, timed out) from "fix
 the request" (invalid, wrong tokenizer) by type alone. Shared by the connection (`client`),
 the batch tracker (`batch_client`) and the wire conversion (`wire`), which turns a batched
-entry's status code into one of them."""
+entry's status code into one of them.
+
+Tested by: tests/datastore/service/test_wire.py, tests/datastore/service/test_client.py"""
 
 from __future__ import annotations
 

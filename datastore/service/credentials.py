@@ -1,7 +1,9 @@
 """The credentials a client presents and a server accepts: bearer tokens (from a flag, a
 file or $REDRAFT_TOKEN, each checked to be sendable as gRPC metadata) and the client's TLS
 roots. Apart from the connection (`client`) because `redraft serve` reads its tokens the
-same way a client does."""
+same way a client does.
+
+Tested by: tests/datastore/service/test_client.py, tests/datastore/service/test_server.py"""
 
 from __future__ import annotations
 

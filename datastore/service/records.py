@@ -3,7 +3,9 @@ replica still serving an old snapshot after a rebuild with another tokenizer, an
 version, a damaged disk), so a record with a right length and checksum can still hold token
 ids past this datastore's vocabulary or a tenant key no session could have had. Such an
 output is neither drafted nor persisted (persisting it would fail every persist), and the
-rest of the log is used as usual."""
+rest of the log is used as usual.
+
+Tested by: tests/datastore/service/test_persisting.py"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Refusing a request: a status code with a message that says what was wrong, and request
-parsing that lets undecodable bytes reach the handler to be refused as INVALID_ARGUMENT."""
+parsing that lets undecodable bytes reach the handler to be refused as INVALID_ARGUMENT.
+
+Tested by: tests/datastore/service/test_wire.py, tests/datastore/service/test_server.py"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Checking the datastore's checksums in the background once serving (opening stays O(1)): a
 damaged datastore turns health NOT_SERVING, and drafting from it UNAVAILABLE. Damage found
 by drafting itself (ids past the vocabulary in arrays not verified yet or never, a segment
-truncated or rewritten under its map) does the same, with or without the check."""
+truncated or rewritten under its map) does the same, with or without the check.
+
+Tested by: tests/datastore/service/test_server.py, tests/datastore/service/test_reload.py"""
 
 from __future__ import annotations
 

@@ -27,6 +27,11 @@
 // Where the reference sorts every node, the core often gets the same order more cheaply
 // (a heap over a tree's frontier, a counting sort, merged chains); each such place says
 // why the order is the same. Python objects are created only for what a call returns.
+// Tested by: tests/datastore/drafting/native/test_native_session.py,
+// tests/datastore/drafting/native/test_native_batch.py,
+// tests/datastore/drafting/native/test_native_learned.py,
+// tests/datastore/drafting/native/test_native_sources.py,
+// tests/datastore/drafting/native/test_core_citations.py
 // Python: redraft.datastore.drafting.native.native_session.NativeSessionDrafter
 
 #define PY_SSIZE_T_CLEAN

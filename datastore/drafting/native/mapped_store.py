@@ -6,6 +6,9 @@ from that snapshot. A reader of a newer commit of the same datastore reuses the 
 the shards the older snapshot already had (segments are immutable), so a reload costs only
 its new segments. Once the Reader closes, the Store is kept only by the sessions still
 holding it, and its maps go with the last of them.
+
+Tested by: tests/datastore/drafting/native/test_native_session.py,
+tests/datastore/test_mapping.py
 """
 
 from __future__ import annotations
