@@ -18,6 +18,9 @@ then gets the target's top-k after each of them. Lookahead's Jacobi window is su
 A drafter that learns something worth keeping across processes (token recycling's table)
 persists it through `load_state` / `save_state`; composites forward them to their members,
 and the `Generator` calls them (with `persist_state`), so every caller persists alike.
+
+Tested by: tests/decoder/drafters/test_registry.py, tests/decoder/drafters/test_recycle.py,
+tests/decoder/test_generate.py
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ flip. The rule is relative to the logits' precision: float32 logits round at ~1e
 size, so a gap under 1e-3 is a near-tie; bfloat16 logits keep 8 significant bits (one unit in
 the last place is 0.0625 at a top logit of 8-16), and exact or one-ulp ties are common, so a
 gap of up to 4 ulps of the top logit is.
+
+Tested by: tests/decoder/test_generate.py, tests/decoder/cli/test_generate_cli_exact.py
 """
 
 from __future__ import annotations

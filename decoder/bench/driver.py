@@ -5,6 +5,8 @@ Both load the model once, pack its kernels, load (or measure) one forward-cost c
 by every drafting method, build each method's drafters afresh (a run learns nothing from
 another), warm every method up before anything is timed, run the questions with the methods
 interleaved, and write records, summary and table under `--out`.
+
+Tested by: tests/decoder/bench/test_greedy.py
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ engine a user would otherwise pick on a CPU, interleaved with the other methods.
 It runs the GGUF in its own quantization (another model than the dense one the other methods
 run), so its tokens are not compared with `hf-greedy`'s; it answers the same prompt token ids
 (the chat template applied by redraft's tokenizer), greedy, with `--threads` threads.
+
+Tested by: tests/decoder/bench/test_greedy.py
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The benchmark's methods: Hugging Face's own `generate` (greedy, or with its prompt lookup)
-and redraft's Generator with a drafter configuration, named `hf-*` and `redraft-*`."""
+and redraft's Generator with a drafter configuration, named `hf-*` and `redraft-*`.
+
+Tested by: tests/decoder/bench/test_greedy.py, tests/decoder/bench/test_sampling.py"""
 
 from __future__ import annotations
 

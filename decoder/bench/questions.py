@@ -1,6 +1,8 @@
 """Spec-Bench questions: reading a question file, its six categories, and an even spread of
 questions per category (all of them for greedy runs, math and coding for repeated
-sampling)."""
+sampling).
+
+Tested by: tests/decoder/bench/test_greedy.py, tests/decoder/bench/test_sampling.py"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Writing a benchmark's results: every record (`records.jsonl`), the summary with the run's
-conditions (`summary.json`) and its table (`summary.md`)."""
+conditions (`summary.json`) and its table (`summary.md`).
+
+Tested by: tests/decoder/bench/test_greedy.py"""
 
 from __future__ import annotations
 

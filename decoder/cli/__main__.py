@@ -1,4 +1,6 @@
-"""`python -m redraft.decoder.cli`: the `redraft` command."""
+"""`python -m redraft.decoder.cli`: the `redraft` command.
+
+Tested by: tests/datastore/cli/test_datastore_cli.py"""
 
 import sys
 

@@ -1,4 +1,6 @@
-"""`redraft bench`: the benchmark's command line (the driver: `redraft.decoder.bench`)."""
+"""`redraft bench`: the benchmark's command line (the driver: `redraft.decoder.bench`).
+
+Tested by: tests/decoder/bench/test_greedy.py"""
 
 from __future__ import annotations
 

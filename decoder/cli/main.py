@@ -5,6 +5,8 @@ The datastore side registers `index`, `query`, `stats` and `serve`; the decoder 
 line are registered: the decoder's modules import torch and `serve`'s imports gRPC, neither of
 which `redraft stats DIR` needs at start. Errors a user can cause are printed as one line
 (exit 2), never a traceback.
+
+Tested by: tests/proto/test_config_file.py, tests/datastore/cli/test_datastore_cli.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""`redraft train-medusa`: train Medusa heads for a model on its own answers."""
+"""`redraft train-medusa`: train Medusa heads for a model on its own answers.
+
+Tested by: tests/decoder/heads/test_heads.py"""
 
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ the last five steps), i.e. how far the source's own claims are to be trusted rig
 step verifies the copying tree when rho_ret * E_ret >= rho_medusa * E_medusa. A long
 prompt-lookup or retrieval match shows up as a high E_ret (its nodes are confident), and a
 run of misses as a low rho_ret, so a step switches as soon as either changes.
+
+Tested by: tests/decoder/drafters/test_medusa.py, tests/decoder/test_acceptance.py
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ datastore or draft service is given, token recycling) plus `medusa`. Their trees
 into one trie (a token several sources propose after the same path is one node) and cut to
 the budget by path probability; the calibrator corrects every source label separately, so
 the budget keeps the heads' guesses exactly where they beat the copied ones.
+
+Tested by: tests/decoder/drafters/test_medusa.py, tests/decoder/drafters/test_registry.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""`pld`: prompt lookup over the prompt and the output so far (no corpus, no network)."""
+"""`pld`: prompt lookup over the prompt and the output so far (no corpus, no network).
+
+Tested by: tests/decoder/test_generate.py, tests/decoder/test_acceptance.py"""
 
 from __future__ import annotations
 

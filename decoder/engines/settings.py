@@ -21,6 +21,8 @@ key, with the same names lower-cased and without the prefix.
     REDRAFT_TOKENIZER    a model name or .gguf path whose tokenizer must be the datastore's
     REDRAFT_ADAPTIVE     1/0: hand each row only the drafts that pay at the engine's measured
                          step cost (default 1); 0: every row's whole chain
+
+Tested by: tests/decoder/engines/test_sglang.py, tests/decoder/engines/test_vllm.py
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ prompt lookup at that step and tried on the service again at the next (a server 
 then has room; a refusal the same context would meet again, such as a context over the
 server's limit, is not resent by `SequenceBatch`). With a datastore in process instead of a
 service, every sequence is drafted here the same way.
+
+Tested by: tests/decoder/engines/test_vllm.py, tests/decoder/engines/test_sglang.py
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ the service), `propose()` (a tree for the context so far) and `close()` (the out
 Output never depends on drafts, so no failure of the service may reach the engine: a stream
 whose service call fails switches to prompt lookup over the context it kept, for the rest of
 its generation, and the source leaves the service alone for `retry_after` seconds.
+
+Tested by: tests/decoder/engines/test_llama_cpp.py, tests/decoder/engines/test_vllm.py,
+tests/decoder/engines/test_sglang.py
 """
 
 from __future__ import annotations

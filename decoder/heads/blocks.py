@@ -13,6 +13,8 @@ The projection is the frozen target's LM head, shared (no weights stored), eithe
 restricted to a frequency-ranked vocabulary subset (the ids the model itself emits most
 often, as FR-Spec does): K blocks of H x H weights are all a heads file stores, and one
 projection matmul serves all K heads (`predictor.HeadsPredictor`).
+
+Tested by: tests/decoder/heads/test_heads.py
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Kept apart from the heads file's code so that finding them (what the default drafters
 depend on) imports nothing heavy.
+
+Tested by: tests/decoder/heads/test_heads_file.py
 """
 
 from __future__ import annotations

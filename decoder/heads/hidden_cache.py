@@ -1,5 +1,7 @@
 """Stage 1 of training Medusa heads: the target's hidden states over every answer position,
-computed once and cached on disk, resumable after an interruption."""
+computed once and cached on disk, resumable after an interruption.
+
+Tested by: tests/decoder/heads/test_heads.py"""
 
 from __future__ import annotations
 

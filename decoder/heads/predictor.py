@@ -1,4 +1,6 @@
-"""Running the heads at inference: each head's top-k after one hidden state."""
+"""Running the heads at inference: each head's top-k after one hidden state.
+
+Tested by: tests/decoder/heads/test_heads.py"""
 
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ will accept. Three stages, each resumable:
    labels it scores). A checkpoint every few hundred steps makes training resumable too.
 3. **Held-out accuracy**, by document: top-1..top-10 per head for the full projection and
    for the subset one, stored in the heads file (the tree drafter builds its tree from them).
+
+Tested by: tests/decoder/heads/test_heads.py
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Training data for Medusa heads: chat records the target answered itself, as token ids, the
 held-out split, and the answer positions with the labels each head learns.
+
+Tested by: tests/decoder/heads/test_heads.py
 """
 
 from __future__ import annotations
