@@ -133,7 +133,10 @@ def main() -> int:
     run = harness.Run()
     reader = Reader(args.datastore)
     docs = held_out_tokens(reader.tokenizer_name)
-    service = DrafterService(reader, ServiceConfig(), ServiceStats())
+    # one caller, the only tenant: every slot its own (by default a tenant alone gets 7/8)
+    config = ServiceConfig(max_sessions=max(ServiceConfig.max_sessions, args.batch))
+    config.tenant_sessions = config.max_sessions
+    service = DrafterService(reader, config, ServiceStats(tenants=config.tenant_slots()))
     gc.collect()
     gc.freeze()  # the loaded documents are not the calls' garbage
     report = asyncio.run(measure(service, docs, args.batch, args.steps,

@@ -64,9 +64,10 @@ class ServiceConfig:
     # looked at: an engine steps a few hundred sequences, and one call of 200k entries held
     # every other session for seconds, then overflowed the reply.
     max_batch_entries: int = 4096
-    # Sessions and sequences one bearer token may hold at once, all workers; 0 = its fair
-    # share, max_sessions divided by the tokens configured (all of them with one token or
-    # none). One token's engine must not take every slot from the others.
+    # Sessions and sequences one bearer token (without auth, one declared tenant) may hold
+    # at once, all workers; 0 = its fair share: with auth, max_sessions divided by the
+    # tokens configured (all of them with one token); without, `fair_room` divided by the
+    # tenants holding slots. One engine must not take every slot from the others.
     tenant_sessions: int = 0
 
     def tokens(self) -> list[str]:
@@ -76,18 +77,41 @@ class ServiceConfig:
 
     def tenant_slots(self) -> int:
         """Tenant slots sessions count against: one per token with auth; without, declared
-        tenants hashed into TENANT_BUCKETS (each bounded by --tenant-sessions apart)."""
+        tenants hashed into TENANT_BUCKETS (each bounded apart, by --tenant-sessions or its
+        fair share)."""
         return len(self.tokens()) or TENANT_BUCKETS
 
     def tenant_share(self) -> int:
-        """The sessions and sequences one token may hold (see `tenant_sessions`)."""
+        """The sessions and sequences one token may hold (see `tenant_sessions`); without
+        auth, by default, the most one tenant may ever hold (`fair_room`)."""
         if self.tenant_sessions > 0:
             return self.tenant_sessions
         n = len(self.tokens())
+        if n == 0:
+            return self.max_sessions - self.kept_free()
         return max(1, self.max_sessions // n) if n > 1 else self.max_sessions
 
+    def fair_shares(self) -> bool:
+        """Whether shares follow the tenants holding slots (without auth or
+        --tenant-sessions: no tenant is known before it comes, so none may take every slot
+        and lock the next one out)."""
+        return not self.tokens() and self.tenant_sessions <= 0
 
-# Without auth, declared tenants (and the default one) count against --tenant-sessions in
+    def kept_free(self) -> int:
+        """Slots one tenant alone never takes (fair shares only): kept for the next one."""
+        return self.max_sessions // KEEP_FREE if self.fair_shares() else 0
+
+    def fair_room(self) -> int | None:
+        """The slots the tenants holding some share equally (fair shares: each at most this
+        divided by how many hold some); None: shares are fixed (`tenant_share`)."""
+        return self.max_sessions - self.kept_free() if self.fair_shares() else None
+
+
+# Without auth or --tenant-sessions, this part of max_sessions (rounded down: none under 8
+# slots) is kept for a tenant that comes next: one tenant alone holds at most the rest.
+KEEP_FREE = 8
+
+# Without auth, declared tenants (and the default one) count against their share in
 # this many slots, by a hash of their name: bounded memory whatever names clients declare
 # (two tenants in one slot share its share).
 TENANT_BUCKETS = 64

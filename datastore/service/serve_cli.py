@@ -89,8 +89,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sessions", type=int, default=d.max_sessions,
                    help=f"open sessions at once, all workers (default {d.max_sessions})")
     p.add_argument("--tenant-sessions", type=int, default=d.tenant_sessions, metavar="N",
-                   help="sessions and sequences one bearer token may hold at once, all "
-                   "workers (default: --max-sessions divided by the tokens in --token-file)")
+                   help="sessions and sequences one bearer token (without auth, one "
+                   "declared tenant, callers that declare none counting as one) may hold at "
+                   "once, all workers (default: a fair share, --max-sessions divided by the "
+                   "tokens in --token-file; without auth, 7/8 of --max-sessions divided by "
+                   "the tenants holding slots, the last 1/8 kept for a tenant to come)")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, metavar="SECONDS",
                    help=f"close sessions idle this long (default {d.idle_timeout_s:g})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,

@@ -1,7 +1,7 @@
 """Streaming sessions as the server keeps them in bounds: the max_sessions limit (each
-token's share of it too; a stream counts from its start, before its `open`), and the idle
-sweeper that ends a session waiting too long for its client (a new stream waits for its
-`open` at most OPEN_WAIT_S).
+token's or tenant's share of it too; a stream counts from its start, before its `open`),
+and the idle sweeper that ends a session waiting too long for its client (a new stream
+waits for its `open` at most OPEN_WAIT_S).
 
 A session waits either for its client's next request or for its client to read a reply
 (HTTP/2 flow control blocks the write of a client that stops reading). Both count: without
@@ -16,7 +16,7 @@ import time
 import grpc
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, check_parsed
-from redraft.datastore.service.stats import ServiceStats
+from redraft.datastore.service.stats import Full, ServiceStats
 
 OPEN_WAIT_S = 10.0  # a Session stream that sends no `open` this long is ended
 
@@ -24,24 +24,31 @@ OPEN_WAIT_S = 10.0  # a Session stream that sends no `open` this long is ended
 def take_slot(stats: ServiceStats, config: ServiceConfig, slot: int) -> None:
     """Take a slot under max_sessions for a session or sequence of tenant slot `slot`
     (`RequestValidator.slot`): RESOURCE_EXHAUSTED when the server is full, or when that
-    token already holds its share (so one token's engine cannot lock the others out)."""
-    full = stats.try_open_session(config.max_sessions, slot, config.tenant_share())
-    if full == "server":
+    token (or tenant) already holds its share (so one engine cannot lock the others out)."""
+    full = stats.try_open_session(config.max_sessions, slot, config.tenant_share(),
+                                  config.fair_room())
+    if full is None:
+        return
+    if full.what == "server":
         raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"server has max_sessions={config.max_sessions} sessions and sequences "
                       "open; try later")
-    if full is not None:
-        raise share_refusal(config)
+    raise share_refusal(config, full)
 
 
-def share_refusal(config: ServiceConfig) -> Refusal:
+def share_refusal(config: ServiceConfig, full: Full) -> Refusal:
     """RESOURCE_EXHAUSTED: the caller's token (with auth) or declared tenant (without)
-    holds its share of max_sessions."""
+    holds its share of max_sessions; a fair share says how it was reckoned, since it
+    changes as tenants come and go."""
     who = "this token" if config.tokens() else "this tenant"
+    of = f"of max_sessions={config.max_sessions}"
+    if full.holders:
+        s = "s" if full.holders > 1 else ""
+        of += (f": {config.fair_room()} shared by {full.holders} tenant{s} now, "
+               f"{config.kept_free()} kept for tenants to come")
     return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                   f"{who} holds its share of {config.tenant_share()} sessions and "
-                   f"sequences (of max_sessions={config.max_sessions}); close some or try "
-                   "later")
+                   f"{who} holds its share of {full.share} sessions and sequences ({of}); "
+                   "close some or try later")
 
 
 class Waiter:
@@ -92,8 +99,9 @@ class Sessions:
 
     def join(self, slot: int) -> None:
         """Count a session opened without a tenant slot (-1) against `slot` now."""
-        if not self.stats.join_tenant(slot, self.config.tenant_share()):
-            raise share_refusal(self.config)
+        full = self.stats.join_tenant(slot, self.config.tenant_share(), self.config.fair_room())
+        if full is not None:
+            raise share_refusal(self.config, full)
 
     def close(self, slot: int = 0) -> None:
         self.stats.close_session(slot)

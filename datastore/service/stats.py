@@ -16,7 +16,7 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from redraft.datastore.service.metrics import MetricSlots
 
@@ -51,6 +51,16 @@ _HIST0 = len(FIELDS)
 WORKER_FIELDS = ("pid", "learned_tokens", "learned_docs", "learned_pools")
 _CLAIMED = _HIST0 + _N_BUCKETS  # how many workers have claimed their slots
 _WORKER0 = _CLAIMED + 1
+
+
+class Full(NamedTuple):
+    """Why a session slot was refused: what is full, "server" or "tenant" (the caller's
+    tenant slot holds its share); for a tenant, that share and, when shares are fair (an
+    equal part for each tenant slot holding sessions), how many hold some."""
+
+    what: str
+    share: int = 0
+    holders: int = 0
 
 
 class ServiceStats:
@@ -155,21 +165,22 @@ class ServiceStats:
         return self._arr[_SLOT[name]]
 
     def try_open_session(self, max_sessions: int, tenant: int = 0,
-                         tenant_share: int | None = None) -> str | None:
+                         tenant_share: int | None = None,
+                         fair_room: int | None = None) -> Full | None:
         """Take a session slot atomically across processes, for tenant slot `tenant` (-1:
-        none yet, `join_tenant` later): None when taken, else what is full ("server", or
-        "tenant" when the tenant already holds `tenant_share` sessions)."""
+        none yet, `join_tenant` later): None when taken, else what is full (the server, or
+        the tenant's share: `tenant_share`, or with `fair_room` an equal part of it for each
+        tenant slot holding sessions)."""
         a = self._arr
         at = self._tenant0 + tenant
         held = self._held0 + self._slot * self._held_per_worker
         with self._lock:
             if a[_SLOT["sessions_active"]] >= max_sessions:
                 a[_SLOT["refused_sessions"]] += 1
-                return "server"
-            if tenant >= 0 and tenant_share is not None and a[at] >= tenant_share:
-                a[_SLOT["refused_sessions"]] += 1
-                a[_SLOT["refused_tenant_sessions"]] += 1
-                return "tenant"
+                return Full("server")
+            full = self._over_share(tenant, tenant_share, fair_room)
+            if full is not None:
+                return full
             a[_SLOT["sessions_active"]] += 1
             a[_SLOT["sessions_opened"]] += 1
             if self._slot >= 0:
@@ -180,20 +191,38 @@ class ServiceStats:
                     a[held + 1 + tenant] += 1
             return None
 
-    def join_tenant(self, tenant: int, tenant_share: int | None = None) -> bool:
-        """Count a session taken without a tenant slot (-1) against `tenant` now; False
-        (and it stays without) when that tenant already holds `tenant_share`."""
-        a = self._arr
-        at = self._tenant0 + tenant
+    def join_tenant(self, tenant: int, tenant_share: int | None = None,
+                    fair_room: int | None = None) -> Full | None:
+        """Count a session taken without a tenant slot (-1) against `tenant` now; what is
+        full (and it stays without) when that tenant already holds its share."""
         with self._lock:
-            if tenant_share is not None and a[at] >= tenant_share:
-                a[_SLOT["refused_sessions"]] += 1
-                a[_SLOT["refused_tenant_sessions"]] += 1
-                return False
-            a[at] += 1
+            full = self._over_share(tenant, tenant_share, fair_room)
+            if full is not None:
+                return full
+            self._arr[self._tenant0 + tenant] += 1
             if self._slot >= 0:
-                a[self._held0 + self._slot * self._held_per_worker + 1 + tenant] += 1
-            return True
+                self._arr[self._held0 + self._slot * self._held_per_worker + 1 + tenant] += 1
+            return None
+
+    def _over_share(self, tenant: int, tenant_share: int | None,
+                    fair_room: int | None) -> Full | None:
+        """Under the lock: a refusal (counted) when tenant slot `tenant` holds its share."""
+        if tenant < 0:
+            return None
+        holders = 0
+        if fair_room is not None:  # the caller counts as holding, whether it does yet or not
+            counts = self._arr[self._tenant0:self._tenant0 + self.tenants]
+            holders = sum(1 for n in counts if n > 0) + (1 if counts[tenant] <= 0 else 0)
+            share = max(1, fair_room // holders)
+        elif tenant_share is not None:
+            share = tenant_share
+        else:
+            return None
+        if self._arr[self._tenant0 + tenant] < share:
+            return None
+        self._arr[_SLOT["refused_sessions"]] += 1
+        self._arr[_SLOT["refused_tenant_sessions"]] += 1
+        return Full("tenant", share, holders)
 
     def close_session(self, tenant: int = 0) -> None:
         """A session of tenant slot `tenant` (-1: none) ended."""

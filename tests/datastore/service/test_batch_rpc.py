@@ -6,6 +6,7 @@ SequenceBatch reopens what the server lost."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import threading
@@ -749,7 +750,7 @@ def test_a_reply_over_the_message_limit_fails_only_the_entries_past_it(store, se
     drafted and left held."""
     limit = 256 << 10
     srv = servers.start(store, "--port", "0", "--max-message-bytes", str(limit),
-                        "--max-sessions", "200")
+                        "--max-sessions", "200", "--tenant-sessions", "200")  # all for one
     opens = [SequenceOpen(str(i), DOCS[i % 40][:30]) for i in range(200)]
     with DraftClient(srv.address, timeout=30) as c:
         r = c.batch(opens, DraftParams(budget=1000, max_depth=16), FP, client_id="e")
@@ -801,3 +802,57 @@ def test_limits_that_leave_a_token_no_slot_are_said_at_start(store, servers, tmp
     assert "--max-sessions 2 is fewer than the 3 tokens" in said
     fair = servers.start(store, "--port", "0", "--token-file", str(tokens))
     assert fair.stop() == 0 and "warning" not in fair.stderr
+
+
+def test_without_auth_one_tenants_call_cannot_take_every_slot(store, servers):
+    """Before: one anonymous engine's single call took all 16 slots, and a client declaring
+    another tenant was refused. Now a tenant alone stops at 14 (16 less an eighth, kept for
+    tenants to come); the tenants holding slots share those 14 equally, so a newcomer finds
+    the kept ones at once and the first tenant's share shrinks as the others come."""
+    srv = servers.start(store, "--port", "0", "--max-sessions", "16")
+    good = DOCS[1][:12]
+    with DraftClient(srv.address, timeout=30) as c:
+        r = c.batch([SequenceOpen(str(i), good) for i in range(16)], None, FP, client_id="e")
+        assert r.errors[:14] == [None] * 14
+        assert "this tenant holds its share of 14 sessions and sequences (of max_sessions=16" \
+            in str(r.errors[14]) and isinstance(r.errors[15], LimitExceeded)
+        r = c.batch([SequenceOpen(str(i), good) for i in range(3)], None, FP, client_id="f",
+                    tenant="bob")  # the two kept slots, then the server is full
+        assert r.errors[:2] == [None, None]
+        assert "server has max_sessions=16 sessions and sequences open" in str(r.errors[2])
+        # two tenants hold slots: a share is 14 / 2 = 7; the anonymous one holds 4 after
+        # its ends, so 3 of its 4 opens are taken
+        r = c.batch([SequenceEnd(str(i)) for i in range(10)]
+                    + [SequenceOpen(f"n{i}", good) for i in range(4)], None, FP, client_id="e")
+        assert r.errors[:13] == [None] * 13
+        assert "this tenant holds its share of 7 sessions and sequences (of max_sessions=16: " \
+            "14 shared by 2 tenants now, 2 kept for tenants to come); close some or try " \
+            "later" in str(r.errors[13])
+        r = c.batch([SequenceOpen(f"b{i}", good) for i in range(6)], None, FP, client_id="f",
+                    tenant="bob")
+        assert r.errors[:5] == [None] * 5 and "its share of 7" in str(r.errors[5])
+        assert c.stats()["sessions_active"] == 14
+        with c.session(good, DraftParams(), FP, tenant="carol"), \
+                c.session(good, DraftParams(), FP, tenant="dave"):  # the kept two
+            assert c.stats()["sessions_active"] == 16
+            with pytest.raises(LimitExceeded, match="server has max_sessions=16"):
+                c.session(good, DraftParams(), FP, tenant="erin").open()
+
+
+def test_without_auth_one_tenants_sessions_cannot_take_every_slot(store, servers, until):
+    """Session streams alike: before, 8 anonymous sessions filled --max-sessions 8 and a
+    session declaring a tenant was refused; now the anonymous ones stop at 7 (the default
+    tenant's share, one slot kept) and the declared tenant opens."""
+    srv = servers.start(store, "--port", "0", "--max-sessions", "8")
+    good = DOCS[2][:12]
+    with DraftClient(srv.address, timeout=30) as c, contextlib.ExitStack() as held:
+        for _ in range(7):
+            held.enter_context(c.session(good, DraftParams(), FP))
+        with pytest.raises(LimitExceeded, match=re.escape(
+                "this tenant holds its share of 7 sessions and sequences (of max_sessions=8: "
+                "7 shared by 1 tenant now, 1 kept for tenants to come)")):
+            c.session(good, DraftParams(), FP).open()
+        until(lambda: c.stats()["sessions_active"] == 7)
+        with c.session(good, DraftParams(), FP, tenant="bob") as s:
+            assert c.stats()["sessions_active"] == 8
+            s.step(DOCS[2][12:14])

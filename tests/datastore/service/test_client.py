@@ -265,6 +265,43 @@ def test_a_tokens_share_of_max_sessions_holds_across_workers(store, servers, tmp
     assert serve.proc.wait(15) == 0
 
 
+def test_without_auth_a_tenants_fair_share_holds_across_workers(store, servers):
+    """No auth, 16 slots: the default tenant's 14 sessions land on both workers, its 15th
+    is refused whichever worker takes it (two slots kept), and a declared tenant opens the
+    kept ones. Before: the 15th and 16th opened and the declared tenant was refused."""
+    port = servers.free_port()
+    serve = servers.start(store, "--port", str(port), "--workers", "2", "--max-sessions",
+                          "16")
+    address = serve.addresses[0]
+    clients: list[DraftClient] = []
+    sessions = []  # held: a session dropped is closed
+    pids: set[int] = set()
+
+    def hold(tenant: str = "") -> DraftClient:
+        c = DraftClient(address, own_connection=True)
+        clients.append(c)
+        sessions.append(c.session(DOCS[len(clients) % 20][:20], None, FP,
+                                  tenant=tenant).__enter__())
+        pids.add(c.stats()["pid"])
+        return c
+
+    try:
+        for _ in range(14):
+            hold()
+        assert len(pids) == 2
+        for _ in range(4):  # fresh connections: either worker refuses
+            with DraftClient(address, own_connection=True) as c:
+                with pytest.raises(LimitExceeded, match="this tenant holds its share of 14"):
+                    c.session(DOCS[0][:20], None, FP).open()
+        hold("bob")
+        assert hold("bob").stats()["sessions_active"] == 16
+    finally:
+        for c in clients:
+            c.close()
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.proc.wait(15) == 0
+
+
 def test_workers_exit_when_their_parent_is_killed(store, servers):
     port = servers.free_port()
     proc = servers.start(store, "--port", str(port), "--workers", "2").proc
