@@ -75,7 +75,7 @@ class NativeLearnedIndex:
 
 
 class NativeLearnedWriter:
-    """Records one generation's accepted tokens (see learned.LearnedWriter)."""
+    """Records one generation's accepted tokens (see learned_index.LearnedWriter)."""
 
     def __init__(self, index: NativeLearnedIndex, tenant: str, prompt: Sequence[int],
                  journal: OutputJournal | None) -> None:

@@ -30,8 +30,8 @@ _ERR_REST, _ERR_TOKENS = _core.ERR_REST, _core.ERR_TOKENS  # the core's error co
 class NativeSessionDrafter:
     """Drafts for one generation from its prompt and the tokens accepted since.
 
-    As session.SessionDrafter, except that `learned` must be a NativeLearnedIndex (the core
-    cannot read a Python one) and that token ids must be integers in [0, 2**32).
+    As session_drafter.SessionDrafter, except that `learned` must be a NativeLearnedIndex
+    (the core cannot read a Python one) and that token ids must be integers in [0, 2**32).
     """
 
     def __init__(self, prompt: Sequence[int], settings: DraftSettings, reader=None,

@@ -62,7 +62,7 @@ def make_datastore(path, rng: random.Random, vocab: int, alphabet: list[int],
 
 
 class RecordingJournal:
-    """An OutputJournal (learned.OutputJournal) that keeps what it is told, in order: two
+    """An OutputJournal (learned_index.OutputJournal) that keeps what it is told, in order: two
     indexes given the same writes must tell their journals the same."""
 
     def __init__(self) -> None:
