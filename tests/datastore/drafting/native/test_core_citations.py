@@ -2,12 +2,21 @@
 `Python: redraft.<module>.<qualified name>`: every such citation in its sources must resolve
 (import the module, getattr the rest), so that renaming the Python side breaks this test
 instead of leaving a comment that points nowhere; and no pairing is written any other way
-(`Reader.propose`, `merge_drafts`, `draft.Draft` named functions that had long gone)."""
+(`Reader.propose`, `merge_drafts`, `draft.Draft` named functions that had long gone).
+
+The same holds for the prose: every full dotted name (`redraft.<module>.<name>`) in README.md,
+docs/*.md and the comments and docstrings of the library, the tests and the tools resolves,
+and so does every short one that names a library function, class or constant by its
+module's basename (`retrieval.retrieval_tree`); no text names a module the renames retired
+(`RETIRED`), by its basename or as a file."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -113,3 +122,129 @@ def test_every_constant_the_core_copies_equals_its_python_original():
     bad = [f"{name}: core {value}, Python {resolve(name)}" for name, value in copied.items()
            if resolve(name) != value]
     assert not bad, "\n".join(bad)
+
+
+# Modules the renames retired (`datastore/service/batching.py` is `batch_rpc.py` now, and so
+# on): a comment or a page that names one points nowhere.
+RETIRED = {"base", "batch", "batched", "batching", "bench_samples", "calibration", "chain",
+           "commands", "draft", "draft_models", "learned", "learning", "medusa_command",
+           "medusa_train", "merge", "service_cli", "service_stats", "session", "sessions",
+           "tokenizer"}
+# Dotted words in prose that look like a module's name and are not: a key of the segment
+# file (`format`), written beside the module `manifest`.
+NOT_NAMES = {"manifest.crc32"}
+FULL_NAME = re.compile(r"(?<![\w.])redraft(?:\.[A-Za-z_]\w*)+")
+SHORT_NAME = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)+)")
+RETIRED_FILE = re.compile(r"(?<![\w./-])(" + "|".join(sorted(RETIRED)) + r")\.py\b")
+
+
+def library() -> dict[str, Path]:
+    """Every module of the library by its dotted name (the generated stubs aside)."""
+    out = {}
+    for folder in ("proto", "datastore", "decoder"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(["redraft", *parts])] = path
+    return out
+
+
+LIBRARY = library()
+BASENAMES = {name.rsplit(".", 1)[1]: name for name, path in LIBRARY.items()
+             if path.name != "__init__.py"}
+
+
+def top_level_names() -> set[str]:
+    """The functions, classes and UPPER_CASE constants the library defines at module level:
+    a dotted word ending in one of them is a name, not a variable's attribute."""
+    names = set()
+    for path in LIBRARY.values():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            names.update(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper())
+    return names
+
+
+def prose_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of what a person reads in `path`: every line of a Markdown page;
+    a Python file's comments and its module, class and function docstrings."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".md":
+        return list(enumerate(text.splitlines(), 1))
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    out = [(tok.start[0], tok.string) for tok in tokens if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                first = node.body[0].lineno
+                out += [(first + i, line) for i, line in enumerate(doc.splitlines())]
+    return sorted(out)
+
+
+def prose_files() -> list[Path]:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for folder in ("proto", "datastore", "decoder", "tests", "tools"):
+        files += [p for p in sorted((ROOT / folder).rglob("*.py"))
+                  if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+    return files
+
+
+def stale_names(lines: list[tuple[str, str]], top: set[str]) -> list[str]:
+    """What in `lines` ((where, text) pairs) names something that is not there."""
+    bad = []
+    for where, text in lines:
+        for match in FULL_NAME.finditer(text):
+            name = match.group(0)
+            if name.startswith("redraft.v1"):
+                continue  # the gRPC package of draft.proto, no Python module
+            try:
+                resolve(name)
+            except LookupError as exc:
+                bad.append(f"{where}: {name}: {exc}")
+        for match in SHORT_NAME.finditer(text):
+            module, rest = match.group(1), match.group(2)
+            if rest[1:].split(".")[0] not in top or match.group(0) in NOT_NAMES:
+                continue
+            if module in RETIRED:
+                bad.append(f"{where}: {match.group(0)}: module {module!r} was renamed")
+            elif module in BASENAMES:
+                try:
+                    resolve(BASENAMES[module] + rest)
+                except LookupError as exc:
+                    bad.append(f"{where}: {match.group(0)}: {exc}")
+        bad += [f"{where}: {m.group(0)}: a retired module's file"
+                for m in RETIRED_FILE.finditer(text)]
+    return bad
+
+
+def test_every_name_in_the_docs_comments_and_docstrings_resolves():
+    top = top_level_names()
+    lines = [(f"{path.relative_to(ROOT)}:{n}", text) for path in prose_files()
+             for n, text in prose_lines(path)]
+    assert len(lines) > 5000
+    bad = stale_names(lines, top)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_retired_module_name_is_a_module_again():
+    """A retired name given to a new module leaves RETIRED (the checks would misread it)."""
+    assert not RETIRED & set(BASENAMES)
+
+
+def test_the_prose_check_can_fail():
+    top = top_level_names()
+    lines = [("a:1", "see redraft.datastore.service.batching and `session.SessionDrafter`"),
+             ("a:2", "as `retrieval.SessionDrafter`, in learning.py"),
+             ("a:3", "fine: `retrieval.retrieval_tree`, redraft.proto.tree.Tree, batch.reqs, "
+                     "manifest.crc32, redraft.v1.Drafter")]
+    bad = stale_names(lines, top)
+    assert [b.split(": ")[1] for b in bad] == [
+        "redraft.datastore.service.batching", "session.SessionDrafter",
+        "retrieval.SessionDrafter", "learning.py"], bad
