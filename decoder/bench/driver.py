@@ -47,8 +47,11 @@ from redraft.decoder.bench.questions import BenchError, load_questions, load_sam
 from redraft.decoder.bench.results import write_results
 from redraft.decoder.bench.sampling import markdown_samples, run_samples, summarize_samples
 from redraft.decoder.budget import MAX_TREE_NODES, CostModel
-from redraft.decoder.drafters.registry import build_drafter, options_from_args
-from redraft.decoder.drafters.rest import service_credentials
+from redraft.decoder.drafters.registry import (
+    build_drafter,
+    options_from_args,
+    service_credentials,
+)
 from redraft.decoder.generate import Generator
 from redraft.decoder.models.loading import load_model
 from redraft.proto.models import DEFAULT_MODEL

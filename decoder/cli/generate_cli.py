@@ -24,8 +24,8 @@ from redraft.decoder.drafters.registry import (
     known_names,
     options_from_args,
     parse_names,
+    service_credentials,
 )
-from redraft.decoder.drafters.rest import service_credentials
 from redraft.decoder.generate import (
     SEEDS,
     GenerationError,

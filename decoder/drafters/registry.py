@@ -241,3 +241,17 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             if value is not None:
                 out[opt.key] = value
     return out
+
+
+def service_credentials(args: argparse.Namespace) -> tuple[str | None, bool | str]:
+    """A command's draft-service token (--token, --token-file or $REDRAFT_TOKEN) and TLS
+    (--tls, --tls-ca) for `build_drafter`, checked before any model loads; none without
+    --draft-service."""
+    if not getattr(args, "draft_service", None):
+        return None, False
+    from redraft.datastore.service.client import (  # lazy: gRPC only for a service
+        client_tls,
+        client_token,
+    )
+
+    return client_token(args.token, args.token_file), client_tls(args.tls, args.tls_ca)

@@ -21,12 +21,12 @@ from redraft.decoder.acceptance import (
 )
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafter import Drafter, MergedDrafter
+from redraft.decoder.drafters.datastore_drafter import DatastoreDrafter
 from redraft.decoder.drafters.draft_model import DraftModelDrafter
 from redraft.decoder.drafters.fallback import FallbackDrafter
 from redraft.decoder.drafters.lookahead import LookaheadDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter
-from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 from redraft.proto.tree import Tree

@@ -13,10 +13,11 @@ from redraft.datastore import Reader
 from redraft.datastore.service.server import ServerThread
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafter import MergedDrafter
+from redraft.decoder.drafters.datastore_drafter import DatastoreDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.recycle import RecycleDrafter, table_path
 from redraft.decoder.drafters.registry import build_drafter
-from redraft.decoder.drafters.rest import DatastoreDrafter, ServiceDrafter
+from redraft.decoder.drafters.service_drafter import ServiceDrafter
 from redraft.decoder.generate import GenerationError, Generator
 from redraft.decoder.near_tie import is_near_tie
 from redraft.decoder.policy import calibration_path

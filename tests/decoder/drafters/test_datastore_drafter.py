@@ -1,5 +1,6 @@
-"""`rest` in process: the datastore's tokenizer is always checked against the target's, even
-when the drafter is made without one (the Generator it joins passes its own)."""
+"""`rest` in process (`DatastoreDrafter`): the datastore's tokenizer is always checked
+against the target's, even when the drafter is made without one (the Generator it joins
+passes its own)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 from redraft.datastore import TokenizerMismatch, build_datastore
 from redraft.decoder.budget import CostModel
 from redraft.decoder.drafter import MergedDrafter
+from redraft.decoder.drafters.datastore_drafter import DatastoreDrafter
 from redraft.decoder.drafters.pld import PLDDrafter
-from redraft.decoder.drafters.rest import DatastoreDrafter
 from redraft.decoder.generate import Generator
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
 
