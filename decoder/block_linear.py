@@ -133,6 +133,12 @@ def calls() -> int:
     return _calls
 
 
+def ran(count: int) -> None:
+    """Counts linear-layer calls the compiled layer loop ran on blocks."""
+    global _calls
+    _calls += count
+
+
 class BlockLinear:
     """x W^T (no bias) for x [..., k] of the layer's dtype; the lean forward's `Linear`."""
 

@@ -6,7 +6,9 @@ time in per-module and per-op overhead (seven projections per layer, the cache o
 mask machinery) as in its matmuls. Here the query/key/value and gate/up projections are one
 matmul each, the cache is two preallocated float32 tensors per layer, and a layer is a few
 dozen tensor ops: in bfloat16 with packed oneDNN kernels a one-token forward costs about half
-of the float32 packed forward through the modules.
+of the float32 packed forward through the modules. On the model's own blocks with
+`RowAttention` the whole layer loop is one call into the kernel (`_blocks.layers`), which runs
+the same stages as `LeanStack.run`'s loop, bit for bit.
 
 One stack, two users, parameterized by the linear kernel and the activations' dtype: the
 verifier (`redraft.decoder.verify`: packed float32 or bfloat16 matmuls, the model's dtype)
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from redraft.decoder import block_linear
 from redraft.decoder.native import _blocks
 
 _FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -116,9 +119,14 @@ class LeanStack:
         self.keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []  # the same, + 1 column of ones when exact
         self.length = 0  # tokens in the cache
+        # Whether a forward whose every layer runs on blocks with `RowAttention` runs its
+        # layers in one compiled call (the same bits as this module's loop; tests compare).
+        self.compiled_layers = True
+        self._table: tuple[tuple, torch.Tensor | None] | None = None
 
     def refresh(self) -> int:
         """Re-pack the linear kernels whose layers' weights changed; how many did."""
+        self._table = None
         return sum(bool(getattr(f, "refresh", lambda: False)()) for f in self.linears)
 
     # -- the cache ---------------------------------------------------------------------
@@ -185,6 +193,18 @@ class LeanStack:
         heads, kv, dim = self.heads, self.kv_heads, self.head_dim
         kind = _NORM_KINDS.get(self.dtype)
         attention.prepare(self, start, n)
+        table = self._layer_table(attention)
+        if table is not None:
+            x = x.contiguous()
+            _blocks.layers(table.data_ptr(), len(self.layers), x.data_ptr(), n, x.shape[1],
+                           heads, kv, dim, self.layers[0].down.run.weight.k, self.eps, kind,
+                           cos.data_ptr(), sin.data_ptr(), self.capacity,
+                           self.values[0].shape[-1], start, attention.slots.data_ptr(),
+                           attention.offsets.data_ptr(), attention.scale,
+                           torch.get_num_threads(), True)
+            block_linear.ran(4 * len(self.layers))
+            self.length = end
+            return x
         for i, layer in enumerate(self.layers):
             h = layer.qkv(self.norm(x, layer.norm1)).view(n, heads + 2 * kv, dim)
             if kind is not None and dim % 2 == 0:  # in the kernel: one call, same rounding
@@ -202,10 +222,53 @@ class LeanStack:
                 q = qk[:, :heads]
             attn = attention(self, i, q)  # [n, heads * dim], float32
             x = x + layer.out(attn.to(self.dtype))
-            gate, up = layer.gate_up(self.norm(x, layer.norm2)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(self.silu_mul(layer.gate_up(self.norm(x, layer.norm2))))
         self.length = end
         return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of the fused gate/up rows, rounded as torch rounds them; in the
+        kernel for float32 and bfloat16 (the compiled layer loop's own, so both loops give
+        the same bits)."""
+        kind = _NORM_KINDS.get(gate_up.dtype)
+        if kind is None or gate_up.device.type != "cpu":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        gate_up = gate_up.contiguous()
+        inter = gate_up.shape[-1] // 2
+        out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
+        _blocks.silu_mul(gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter,
+                         out.data_ptr(), kind, True)
+        return out
+
+    def _layer_table(self, attention) -> torch.Tensor | None:
+        """The compiled layer loop's table (per layer: norms, blocks and their formats, the
+        cache), or None where a layer needs this module's loop: dense kernels, another
+        attention, another dtype."""
+        if not (self.compiled_layers and isinstance(attention, RowAttention)
+                and self.dtype in _NORM_KINDS and self.head_dim % 2 == 0 and self.layers):
+            return None
+        key = (self.capacity, self.keys[0].data_ptr())
+        if self._table is None or self._table[0] != key:
+            self._table = (key, self._build_table())
+        return self._table[1]
+
+    def _build_table(self) -> torch.Tensor | None:
+        rows = []
+        for i, layer in enumerate(self.layers):
+            row = []
+            for norm, linears in ((layer.norm1, (layer.qkv, layer.out)),
+                                  (layer.norm2, (layer.gate_up, layer.down))):
+                if norm.dtype != self.dtype or norm.device.type != "cpu":
+                    return None
+                row.append(norm.data_ptr())
+                for f in linears:
+                    run = getattr(f, "run", None)
+                    if not isinstance(run, block_linear.BlockLinear) or run.dtype != self.dtype:
+                        return None
+                    row += [run.weight.data.data_ptr(), run.weight.fmt]
+            rows.append(row + [self.keys[i].data_ptr(), self.values[i].data_ptr()])
+        return torch.tensor(rows, dtype=torch.int64)
 
     def final(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden, self.final_norm)

@@ -283,3 +283,32 @@ def test_rms_norm_rows_alone_and_close_to_torchs(dtype):
     _blocks.rms_norm(x[3:4].contiguous().data_ptr(), 1, 576, w.data_ptr(), 1e-5,
                      one.data_ptr(), KINDS[dtype])
     assert torch.equal(one[0], out[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_builds_agree_and_are_close_to_torchs(dtype):
+    """SiLU(gate) * up: the AVX2 and plain builds give the same bits (specials included),
+    within a rounding of torch's."""
+    kind = _blocks.KIND_F32 if dtype == torch.float32 else _blocks.KIND_BF16
+    rows, inter = 3, 1000  # not a multiple of 8: the tail runs the scalar formula
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(5)) * 8
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0, float("inf"),
+                                   -float("inf")])
+    gate_up[1, 7] = float("nan")
+    gate_up = gate_up.to(dtype)
+    outs = []
+    for simd in (True, False):
+        out = torch.empty(rows, inter, dtype=dtype)
+        _blocks.silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr(), kind, simd)
+        outs.append(out)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    nan = torch.isnan(outs[0])
+    assert torch.equal(nan, torch.isnan(outs[1]))  # (a NaN's payload may differ)
+    assert torch.equal(outs[0].view(bits)[~nan], outs[1].view(bits)[~nan])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.isnan(outs[0][1, 7]) and torch.isnan(want[1, 7])
+    ok = torch.isfinite(want)
+    tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(outs[0][ok].float(), want[ok].float(), **tol)
+    assert torch.equal(outs[0][~ok & ~torch.isnan(want)], want[~ok & ~torch.isnan(want)])
