@@ -569,7 +569,7 @@ struct Plain {
     static void exp_shifted(float* x, size_t count, float shift) {  // exp(x - shift)
         for (size_t i = 0; i < count; ++i) {
             const float y = x[i] - shift;
-            const float v = y < EXP_MIN ? EXP_MIN : y;
+            const float v = y > EXP_MIN ? y : EXP_MIN;  // as MAXPS: a NaN takes EXP_MIN
             const float k = std::floor(v * LOG2E + 0.5f);
             float r = v - k * LN2_HI;
             r = r - k * LN2_LO;
@@ -620,7 +620,7 @@ struct Avx2 {
         const __m256 lo = _mm256_set1_ps(EXP_MIN), sh = _mm256_set1_ps(shift);
         for (; i + 8 <= count; i += 8) {
             const __m256 y = _mm256_sub_ps(_mm256_loadu_ps(x + i), sh);
-            const __m256 v = _mm256_max_ps(y, lo);  // y < EXP_MIN ? EXP_MIN : y (no NaNs here)
+            const __m256 v = _mm256_max_ps(y, lo);  // y > EXP_MIN ? y : EXP_MIN (NaN: EXP_MIN)
             const __m256 k = _mm256_floor_ps(
                 _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(LOG2E)), _mm256_set1_ps(0.5f)));
             __m256 r = _mm256_sub_ps(v, _mm256_mul_ps(k, _mm256_set1_ps(LN2_HI)));
