@@ -286,20 +286,6 @@ def test_every_package_is_installed():
 # Generated from proto/draft.proto (`make proto`): no docstring of ours to carry the line.
 GENERATED = {"redraft.proto.draft_pb2": ("tests/datastore/service/test_wire.py",),
              "redraft.proto.draft_pb2_grpc": ("tests/datastore/service/test_wire.py",)}
-# Modules whose `Tested by:` line is still to be written (their files are being changed in
-# other work), with the files that test them. An entry that gains its line or its own test
-# file is taken out here.
-PENDING = {
-    "redraft.datastore.service.config": ("tests/datastore/service/test_serve_cli.py",
-                                         "tests/datastore/service/test_server.py"),
-    "redraft.datastore.service.handlers": ("tests/datastore/service/test_server.py",
-                                           "tests/datastore/service/test_batch_rpc.py"),
-    "redraft.datastore.service.session_limits": ("tests/datastore/service/test_server.py",
-                                                 "tests/datastore/service/test_client.py",
-                                                 "tests/datastore/service/test_batch_rpc.py"),
-    "redraft.datastore.service.validation": ("tests/datastore/service/test_server.py",
-                                             "tests/datastore/service/test_batch_rpc.py"),
-}
 _TEST_PATH = re.compile(r"tests/[\w/]+\.py")
 
 
@@ -338,10 +324,8 @@ def test_every_module_has_its_test_file_or_names_the_files_that_test_it():
     for name, mod in sorted(KNOWN.items()):
         if mod.path.name == "__init__.py":
             continue
-        named = GENERATED.get(name) or PENDING.get(name) or named_tests(mod.path)
+        named = GENERATED.get(name) or named_tests(mod.path)
         own = own_test_file(mod)
-        if name in PENDING and (own.exists() or named_tests(mod.path) is not None):
-            bad.append(f"{mod.where}: has its test file or its line now; take it out of PENDING")
         if named is None and not own.exists():
             bad.append(f"{mod.where}: no {own.relative_to(ROOT)}, and no `Tested by:` line "
                        "naming the files that test it")

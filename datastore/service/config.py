@@ -1,5 +1,8 @@
 """What one draft server allows: its limits and defaults (every limit enforced, never just
-advertised), and the service's name on the wire."""
+advertised), and the service's name on the wire.
+
+Tested by: tests/datastore/service/test_serve_cli.py, tests/datastore/service/test_server.py
+"""
 
 from __future__ import annotations
 

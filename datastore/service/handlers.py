@@ -10,6 +10,8 @@ learned outputs between them (`learned_outputs`) and stops drafting from a datas
 FAILED_PRECONDITION / RESOURCE_EXHAUSTED and a message that says what was wrong. A huge
 step or prompt (up to max_context_len tokens) never stalls the others: steps are indexed in
 pieces with the event loop free in between, long prompts on a thread.
+
+Tested by: tests/datastore/service/test_server.py, tests/datastore/service/test_batch_rpc.py
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Checking a request before it touches the datastore: the bearer token (and the tenant it
-stands for), token ids, the tokenizer, and the drafting parameters against the limits."""
+stands for), token ids, the tokenizer, and the drafting parameters against the limits.
+
+Tested by: tests/datastore/service/test_server.py, tests/datastore/service/test_batch_rpc.py
+"""
 
 from __future__ import annotations
 
