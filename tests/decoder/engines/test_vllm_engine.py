@@ -3,11 +3,14 @@
 `RedraftProposer` as its `custom_class` speculative method, drafting from a real
 `redraft serve` on a loopback port or from a datastore opened in the engine's process.
 
-Each engine runs in `vllm_engine_driver.py` under vLLM's Python (vLLM's engine core in a
-process of its own, as vLLM runs it). Greedy output must be vLLM's own plain greedy output,
-token for token, one request at a time and all at once, and with the service SIGKILLed
-mid-generation; the service gets at most one Batch call per engine step, and a request's
-sequence ends once the engine has finished it.
+The reference is vLLM's own plain greedy output from its OpenAI-compatible API server (how
+users run vLLM), each prompt alone and all at once. Each engine under test runs in
+`vllm_engine_driver.py` under vLLM's Python (vLLM's engine core in a process of its own, as
+vLLM runs it), or is the API server again with RedraftProposer, driven by the `openai`
+client. Greedy output must be the reference token for token, one request at a time and all
+at once, and with the service SIGKILLed mid-generation; the service gets at most one Batch
+call per engine step, and a request's sequence ends once the engine has finished it; vLLM's
+and the service's Prometheus counters both count the accepted drafts.
 """
 
 from __future__ import annotations
@@ -16,21 +19,30 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from redraft.datastore import build_datastore
+from redraft.datastore.service.spawn import free_port
 
 from ..conftest import have_default_model
 from .conftest import QUESTIONS, chat_ids
+from .vllm_server import (
+    HF_MODEL,
+    MODEL_NAME,
+    REDRAFT_SPEC,
+    VLLM_PYTHON,
+    ApiServer,
+    scrape,
+    total,
+    vllm_environ,
+)
 
-ROOT = Path(__file__).resolve().parents[3]
-VLLM_VENV = Path(os.environ.get("REDRAFT_VLLM_VENV", ROOT / ".venv-vllm"))
-VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-HF_MODEL = VLLM_VENV / "models" / "smollm2-135m"
 DRIVER = Path(__file__).with_name("vllm_engine_driver.py")
 MAX_TOKENS = 48
-ENGINE_TIMEOUT_S = 420  # an engine starts in about a minute on two cores
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,15 +52,6 @@ pytestmark = [
 ]
 
 
-def tcmalloc() -> str | None:
-    """The tcmalloc library vLLM's CPU backend asks to have preloaded, if installed."""
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        if "libtcmalloc_minimal.so.4" in line and "=>" in line:
-            return line.split("=>")[1].strip()
-    return None
-
-
 class Engine:
     """One vLLM engine process running the driver."""
 
@@ -56,11 +59,8 @@ class Engine:
                  env: dict | None = None, **extra) -> None:
         args = {"model": str(HF_MODEL), "method": method, "prompts": prompts,
                 "max_tokens": MAX_TOKENS, "phases": phases, **extra}
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("REDRAFT_")}
-        environ.update(env or {})
+        environ = vllm_environ(env)
         environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the driver's collective_rpc
-        if lib := tcmalloc():
-            environ["LD_PRELOAD"] = lib
         self.proc = subprocess.Popen([str(VLLM_PYTHON), str(DRIVER), json.dumps(args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=environ,
@@ -108,10 +108,43 @@ def prompts() -> list[list[int]]:
     return [chat_ids(tokenizer, q) for q in QUESTIONS]
 
 
+def complete(client, prompt: list[int], stream: bool = False) -> tuple[str, list[int]]:
+    """A greedy completion of `prompt` (token ids): its text and, unstreamed, its ids."""
+    reply = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
+                                      max_tokens=MAX_TOKENS, stream=stream,
+                                      extra_body={"return_token_ids": True})
+    if stream:
+        return "".join(c.choices[0].text for c in reply if c.choices), []
+    return reply.choices[0].text, list(reply.choices[0].token_ids)
+
+
+def chat(client, question: str, stream: bool = False) -> str:
+    """A greedy chat answer to `question`, as its text."""
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": question}], temperature=0,
+        max_tokens=MAX_TOKENS, stream=stream)
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+    return reply.choices[0].message.content
+
+
 @pytest.fixture(scope="module")
 def plain(prompts) -> dict:
-    """vLLM's own greedy output, no speculation: the reference."""
-    return run_engine("plain", prompts, ["one", "all"])
+    """vLLM's own greedy output, no speculation, from its API server: the reference. Each
+    prompt's token ids alone and all at once (`outputs`: "one", "all"), their texts, and
+    the chat answers to the first two questions. The server is stopped once read."""
+    server = ApiServer(free_port())
+    try:
+        server.wait_ready()
+        client = server.client()
+        one = [complete(client, p) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            every = list(pool.map(lambda p: complete(client, p), prompts))
+        chats = {q: chat(client, q) for q in QUESTIONS[:2]}
+    finally:
+        server.close()
+    return {"outputs": {"one": [ids for _, ids in one], "all": [ids for _, ids in every]},
+            "texts": [text for text, _ in one], "chat": chats}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +165,69 @@ def test_plain_vllm_is_deterministic_across_batching(plain):
     below is the proposer's, not batching's."""
     assert plain["outputs"]["one"] == plain["outputs"]["all"]
     assert all(len(ids) == MAX_TOKENS for ids in plain["outputs"]["one"])
+
+
+def counted(server: ApiServer, serve, timeout: float = 60) -> tuple[list, list]:
+    """vLLM's and the service's /metrics once both count accepted drafts (the service
+    publishes its counts every 0.1 s; vLLM's frontend records each step's as it reads it),
+    or as they are after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engine, service = scrape(server.url), scrape(serve.metrics_url)
+        if (total(engine, "vllm:spec_decode_num_accepted_tokens_total") > 0
+                and total(service, "redraft:spec_decode_num_accepted_tokens_total") > 0) \
+                or time.monotonic() > deadline:
+            return engine, service
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(600)  # the server's start is waited for up to 420 s on a busy machine
+def test_openai_server_with_the_proposer_answers_as_plain_vllm(plain, prompts, code_datastore,
+                                                               servers):
+    """vLLM's OpenAI-compatible server as users run it, RedraftProposer drafting from a real
+    `redraft serve`: chat, completions and streams, from one client and from two at once,
+    each the plain server's greedy answer; both /metrics count accepted drafts."""
+    serve = servers.start(code_datastore, "--port", "0", "--metrics-port", "0",
+                          "--learn-persist-seconds", "0")
+    # Every row gets its whole chain, whatever the busy machine's step times say (pacing is
+    # test_vllm_pacing.py's), and a slow reply is waited for rather than drafted by prompt
+    # lookup: the counts below then never depend on the machine's load.
+    server = ApiServer(servers.free_port(), REDRAFT_SPEC,
+                       env={"REDRAFT_SERVICE": serve.address, "REDRAFT_ADAPTIVE": "0",
+                            "REDRAFT_TIMEOUT": "10"})
+    first, second = QUESTIONS[:2]
+    try:
+        server.wait_ready()
+        client = server.client()
+        answers = {"chat": chat(client, first), "completion": complete(client, prompts[0]),
+                   "chat stream": chat(client, first, stream=True)}
+        # Two clients at once: their requests share the engine's steps (two rows a Batch).
+        start = threading.Barrier(2)
+
+        def at_once(job):
+            start.wait(30)
+            return job(server.client())
+
+        with ThreadPoolExecutor(2) as pool:
+            streamed, chatted = pool.map(at_once, [
+                lambda c: complete(c, prompts[1], stream=True), lambda c: chat(c, second)])
+        engine, service = counted(server, serve)
+    finally:
+        server.close()
+    assert answers["chat"] == plain["chat"][first]
+    assert answers["completion"] == (plain["texts"][0], plain["outputs"]["one"][0])
+    assert answers["chat stream"] == plain["chat"][first]
+    assert streamed[0] == plain["texts"][1]
+    assert chatted == plain["chat"][second]
+    # vLLM's own counters: steps drafted, draft tokens, accepted tokens, the first position.
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert total(engine, f"vllm:spec_decode_{name}_total") > 0, name
+    assert total(engine, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    # The service's, from what the proposer reported back: Batch calls, accepted tokens.
+    assert total(service, "redraft:batch_call_seconds_count") > 0
+    assert total(service, "redraft:spec_decode_num_accepted_tokens_total") > 0
+    assert total(service, "redraft:spec_decode_num_accepted_tokens_per_pos_total",
+                 position="0") > 0
 
 
 def test_service_drafts_inside_vllm_losslessly_and_survive_its_death(plain, prompts,
