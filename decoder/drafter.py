@@ -34,8 +34,6 @@ from redraft.proto.tree import Tree, join, merge
 
 log = logging.getLogger("redraft.decoder")
 
-DEFAULT_MAX_DEPTH = 16
-
 
 class UnknownDrafter(RedraftError):
     """A drafter name that is not one of the known ones, or one missing what it needs."""

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from redraft.decoder.acceptance import Acceptance, SamplingParams, accept, top_candidates
 from redraft.decoder.budget import CostModel
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, MergedDrafter
+from redraft.decoder.drafter import Drafter, MergedDrafter
 from redraft.decoder.policy import Calibrator, calibration_path
 from redraft.decoder.text import IncrementalText, StopStrings, chat_ids, unencodable
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.errors import RedraftError
 from redraft.proto.files import cache_root
-from redraft.proto.tree import Tree, join
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, Tree, join
 
 log = logging.getLogger("redraft.decoder")
 

@@ -32,6 +32,12 @@ LEARNED = "learned"
 # is imported, and the proto's enum is tested to hold the same values.
 SOURCE_BITS = {REST: 1, PLD: 2, LEARNED: 4}
 
+# The tree drafted when nobody says otherwise: its nodes (the budget) and its depth. One home
+# for the service's defaults (`ServiceConfig`), `DraftSettings`, `retrieval_tree`, `redraft
+# query`, the decoder's drafters and the engines' settings, so they cannot drift apart.
+DEFAULT_BUDGET = 64
+DEFAULT_MAX_DEPTH = 16
+
 
 def source_bits(label: str) -> int:
     """Wire value of a source label ("pld+rest" -> 3); unknown names contribute nothing."""

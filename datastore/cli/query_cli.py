@@ -12,6 +12,7 @@ from redraft.datastore.drafting import retrieval_tree
 from redraft.datastore.reader import Reader
 from redraft.proto.errors import InvalidQuery, RedraftError
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--text", help="context text (tokenized with the datastore's tokenizer)")
     src.add_argument("--tokens", help="context token ids, comma-separated")
     q.add_argument("--json", action="store_true", help="print one JSON object")
-    q.add_argument("--budget", type=int, default=64, help="maximum tree nodes (default 64)")
-    q.add_argument("--max-depth", type=int, default=16)
+    q.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                   help=f"maximum tree nodes (default {DEFAULT_BUDGET})")
+    q.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
     q.add_argument("--max-match-len", type=int, default=16)
     q.add_argument("--min-match-len", type=int, default=2)
     q.add_argument("--max-occurrences", type=int, default=256)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 from redraft.datastore.reader import Match, Reader, SuffixQuery
 from redraft.proto.errors import InvalidQuery
-from redraft.proto.tree import REST, Tree
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, REST, Tree
 
 _MASS = 1 << 40  # total integer weight of a tree's samples: exact sums, no float ties
 
@@ -35,8 +35,8 @@ REST_CALIBRATION = (0.55, 1.5)
 def retrieval_tree(
     reader: Reader,
     context: Sequence[int],
-    budget: int = 64,
-    max_depth: int = 16,
+    budget: int = DEFAULT_BUDGET,
+    max_depth: int = DEFAULT_MAX_DEPTH,
     max_match_len: int = 16,
     min_match_len: int = 2,
     max_occurrences: int = 256,

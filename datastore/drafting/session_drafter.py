@@ -16,7 +16,15 @@ from redraft.datastore.drafting.prompt_lookup import PromptLookup
 from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
 from redraft.datastore.manifest import LEARNED_CORPUS  # learned outputs persist as this corpus
 from redraft.proto.errors import InvalidQuery
-from redraft.proto.tree import LEARNED, PLD, REST, Tree, merge
+from redraft.proto.tree import (
+    DEFAULT_BUDGET,
+    DEFAULT_MAX_DEPTH,
+    LEARNED,
+    PLD,
+    REST,
+    Tree,
+    merge,
+)
 
 SOURCES = (REST, PLD, LEARNED)
 
@@ -25,8 +33,8 @@ SOURCES = (REST, PLD, LEARNED)
 class DraftSettings:
     """How a session drafts. 0 for a match length means each source's own default."""
 
-    budget: int = 64
-    max_depth: int = 16
+    budget: int = DEFAULT_BUDGET
+    max_depth: int = DEFAULT_MAX_DEPTH
     sources: frozenset[str] = frozenset(SOURCES)
     corpora: tuple[str, ...] | None = None  # retrieval from these corpora only
     min_match: int = 0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from redraft.datastore.drafting import DraftSettings
 from redraft.datastore.manifest import POLL_INTERVAL_S
 from redraft.proto import draft_pb2
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -28,8 +29,8 @@ class ServiceConfig:
     max_sessions: int = 64
     idle_timeout_s: float = 300.0
     max_message_bytes: int = 16 << 20
-    default_budget: int = 64
-    default_depth: int = 16
+    default_budget: int = DEFAULT_BUDGET  # a request that asks no budget gets this
+    default_depth: int = DEFAULT_MAX_DEPTH
     grace_s: float = 5.0  # how long in-flight calls may finish after SIGTERM
     rest_max_occurrences: int = DraftSettings.rest_max_occurrences
     rest_calibration: tuple[float, float] = DraftSettings.rest_calibration
@@ -40,7 +41,9 @@ class ServiceConfig:
     learn: str = "tenant"
     learn_max_tokens: int = 1_000_000
     # Append what was learned to the datastore (corpus "learned") this often and at
-    # shutdown; 0 = keep it in memory only.
+    # shutdown; 0 = keep it in memory only. Two defaults on purpose: a server built in
+    # code (tests, tools, an embedding process) writes nothing to the datastore unless told
+    # to, while `redraft serve` persists every SERVE_LEARN_PERSIST_S seconds.
     learn_persist_s: float = 0.0
     # Share learned outputs with the other processes serving the datastore this often
     # (each output reaches them within about twice this).
@@ -122,6 +125,10 @@ TENANT_BUCKETS = 64
 # The longest client or sequence id a Batch call may name, in UTF-8 bytes: the server keeps
 # every held id, and those of recently swept sequences, so their memory is bounded by it.
 MAX_ID_BYTES = 256
+
+# `redraft serve`'s --learn-persist-seconds default (`ServiceConfig.learn_persist_s` is 0:
+# a server built in code keeps what it learns in memory unless told to persist it).
+SERVE_LEARN_PERSIST_S = 300.0
 
 MAX_AUTO_BATCH_THREADS = 8  # more threads than this gain little on an engine's batch
 # A call of fewer sequences drafts on one thread (about 0.4 ms of drafting): waking another

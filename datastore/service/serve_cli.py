@@ -37,6 +37,7 @@ from redraft.datastore.service.config import (
     DRAFTING_CHOICES,
     LEARN_MODES,
     MAX_AUTO_BATCH_THREADS,
+    SERVE_LEARN_PERSIST_S,
     THREADS_MIN_SEQUENCES,
     ServiceConfig,
     auto_batch_threads,
@@ -116,7 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learn-max-tokens", type=int, default=d.learn_max_tokens, metavar="N",
                    help="tokens of learned outputs kept in memory, oldest evicted first "
                    f"(default {d.learn_max_tokens:,})")
-    p.add_argument("--learn-persist-seconds", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--learn-persist-seconds", type=float, default=SERVE_LEARN_PERSIST_S,
+                   metavar="SECONDS",
                    help="append learned outputs to the datastore (corpus 'learned') this "
                    "often and at shutdown; 0 = memory only (default %(default)g)")
     p.add_argument("--learn-sync-seconds", type=float, default=d.learn_sync_s,

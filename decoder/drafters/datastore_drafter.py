@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 from redraft.datastore import Reader
 from redraft.datastore.drafting import DraftSettings, LearnedIndex, new_session_drafter
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter
+from redraft.decoder.drafter import Drafter
 from redraft.proto.errors import TokenizerMismatch
-from redraft.proto.tree import LEARNED, REST, Tree
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, LEARNED, REST, Tree
 
 
 class DatastoreDrafter(Drafter):

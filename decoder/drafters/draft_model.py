@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
+from redraft.decoder.drafter import Drafter, UnknownDrafter
 from redraft.decoder.models.early_exit import first_layers
 from redraft.decoder.models.int8 import quantized_int8
 from redraft.decoder.models.int8_decoder import Int8Decoder, lean_int8
@@ -39,7 +39,7 @@ from redraft.decoder.models.loading import load_model
 from redraft.decoder.verify import TreeVerifier
 from redraft.proto.errors import RedraftError
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
-from redraft.proto.tree import Tree
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, Tree
 
 SOURCE = "draft-model"  # the chain of top-1 tokens
 ALT_SOURCE = "draft-model-alt"  # the top-k siblings: calibrated apart, they hit far less often

@@ -26,8 +26,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
-from redraft.proto.tree import Tree, trie
+from redraft.decoder.drafter import Drafter, UnknownDrafter
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, Tree, trie
 
 SOURCE = "lookahead"
 WINDOW_SOURCE = "lookahead-window"

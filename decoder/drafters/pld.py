@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from redraft.datastore.drafting import PromptLookup
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter
-from redraft.proto.tree import Tree
+from redraft.decoder.drafter import Drafter
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, Tree
 
 
 class PLDDrafter(Drafter):

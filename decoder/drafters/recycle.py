@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter
+from redraft.decoder.drafter import Drafter
 from redraft.proto.files import cache_root, write_cache
-from redraft.proto.tree import Tree, grow
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, Tree, grow
 
 SOURCE = "recycle"
 

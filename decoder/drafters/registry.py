@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redraft.decoder.drafter import (
-    DEFAULT_MAX_DEPTH,
     Drafter,
     MergedDrafter,
     UnknownDrafter,
 )
 from redraft.decoder.heads.committed import default_heads_path
+from redraft.proto.tree import DEFAULT_MAX_DEPTH
 
 NONE = "none"  # plain decoding through the same loop (the baseline); not a drafter
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter
+from redraft.decoder.drafter import Drafter
 from redraft.proto.errors import TokenizerMismatch
 from redraft.proto.models import tokenizer_fingerprint
-from redraft.proto.tree import LEARNED, REST, Tree
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, LEARNED, REST, Tree
 
 log = logging.getLogger("redraft.decoder")
 

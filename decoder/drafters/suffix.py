@@ -19,8 +19,8 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
-from redraft.decoder.drafter import DEFAULT_MAX_DEPTH, Drafter, UnknownDrafter
-from redraft.proto.tree import Tree
+from redraft.decoder.drafter import Drafter, UnknownDrafter
+from redraft.proto.tree import DEFAULT_MAX_DEPTH, Tree
 
 SOURCE = "suffix"
 

@@ -55,7 +55,7 @@ from redraft.decoder.engines.streams import (
 )
 from redraft.proto.errors import ModelNotFound
 from redraft.proto.models import resolve_model
-from redraft.proto.tree import Chain, best_chain
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, Chain, best_chain
 
 log = logging.getLogger("redraft.engines")
 
@@ -74,7 +74,8 @@ class RedraftDraft(LlamaDraftModel):
     """
 
     def __init__(self, *, service: str | None = None, datastore: str | None = None,
-                 budget: int = 64, max_depth: int = 16, corpora: Sequence[str] = (),
+                 budget: int = DEFAULT_BUDGET, max_depth: int = DEFAULT_MAX_DEPTH,
+                 corpora: Sequence[str] = (),
                  tenant: str = "", token: str | None = None, learn: bool = True,
                  tokenizer=None, timeout: float = 1.0, adaptive: bool = True,
                  max_drafts: int = MAX_DRAFTS) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from redraft.datastore import Reader
 from redraft.datastore.drafting import DraftSettings, new_learned_index, new_session_drafter
 from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
-from redraft.proto.tree import LEARNED, PLD, REST, Tree
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, LEARNED, PLD, REST, Tree
 
 log = logging.getLogger("redraft.engines")
 
@@ -41,8 +41,8 @@ class EngineConfigError(RedraftError, ValueError):
 class DraftOptions:
     """The drafters' usual options, as an engine adapter takes them."""
 
-    budget: int = 64  # tree nodes drafted per request (the chain is cut from the tree)
-    max_depth: int = 16
+    budget: int = DEFAULT_BUDGET  # tree nodes drafted per request (the chain is cut from the tree)
+    max_depth: int = DEFAULT_MAX_DEPTH
     corpora: tuple[str, ...] = ()
     tenant: str = ""
     learn: bool = True
