@@ -27,11 +27,12 @@ import grpc
 import numpy as np
 from redraft.datastore.service.client import DraftClient
 from redraft.datastore.service.client_errors import (
-    LimitExceeded,
     ServiceError,
     ServiceUnavailable,
     UnknownSequence,
+    error_for,
 )
+from redraft.datastore.service.refusals import over_context
 from redraft.datastore.service.wire import (
     BatchResults,
     DraftParams,
@@ -245,10 +246,9 @@ class SequenceBatch:
             self._held.pop(key, None)
             limit = self._limit()
             if limit is not None and n > limit:
-                errors[key] = LimitExceeded(
-                    f"draft service {self.client.address}: sequence {key!r} holds {n} tokens, "
-                    f"over the server's max_context_len {limit}",
-                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+                # what the server would answer the open, unsent
+                refusal = over_context("prompt", n, limit)
+                errors[key] = error_for(refusal.code, refusal.message, self.client.address)
                 continue
             params = self.params
             if budget:

@@ -546,8 +546,7 @@ def _walk(seqs: list[BatchedSequence], tokens: np.ndarray,
 class _PackedSteps:
     """A call's packed steps (BatchRequest.steps) on their way through: the packing checked
     as a whole, each step as a step entry would be (the same refusals, in the same order:
-    duplicate, held, tokens, budget, context length), with arrays instead of a loop where
-    a check allows."""
+    duplicate, held, then the step rule over arrays, `RequestValidator.check_steps`)."""
 
     def __init__(self, steps: draft_pb2.PackedSteps) -> None:
         u = wire.unpack_steps(steps)  # refuses a packing that does not add up
@@ -576,36 +575,10 @@ class _PackedSteps:
                 continue
             seqs[i] = seq
             lens[i] = seq.length
-        checks = batching.service.checks
-        ended = []  # steps that reached their sequence and failed: it ends
         tokens, counts, budgets = self.tokens, self.counts, self.budgets
-        if len(tokens) and int(tokens.max()) >= checks.vocab_size:
-            ends = np.cumsum(counts)
-            rows = np.searchsorted(ends, np.flatnonzero(tokens >= checks.vocab_size), "right")
-            for i in np.unique(rows).tolist():
-                if i not in errors:
-                    try:
-                        checks.check_tokens(tokens[ends[i] - counts[i]:ends[i]].tolist(),
-                                            "step.accepted")
-                    except Refusal as exc:
-                        errors[i] = exc
-                        ended.append(i)
-        max_budget = batching.config.max_budget
-        if budgets is not None and len(budgets) and int(budgets.max()) > max_budget:
-            for i in np.flatnonzero(budgets > max_budget).tolist():
-                if i not in errors:
-                    try:
-                        checks.check_budget(int(budgets[i]), "step.budget")  # raises
-                    except Refusal as exc:
-                        errors[i] = exc
-                        ended.append(i)
-        max_context = batching.config.max_context_len
-        reach = np.array(lens, np.int64) + counts
-        if n and int(reach.max()) > max_context:
-            for i in np.flatnonzero(reach > max_context).tolist():
-                if i not in errors:
-                    errors[i] = _over_context(int(reach[i]), max_context)
-                    ended.append(i)
+        # steps that reached their sequence and failed: it ends
+        ended = batching.service.checks.check_steps(tokens, counts, budgets,
+                                                    np.array(lens, np.int64), errors)
         for i in ended:
             batching.table.end(seqs[i])
         if not errors:
@@ -668,12 +641,6 @@ def _fit_reply(out: BatchStep, room: int, config: ServiceConfig) -> None:
         out.errors.setdefault(i, refusal)
 
 
-def _over_context(n: int, max_context: int) -> Refusal:
-    """What a step gets that would take its sequence's context past max_context_len."""
-    return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"sequence context would reach {n} "
-                   f"tokens, over max_context_len {max_context}")
-
-
 def _scattered(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     """`values` (one per row of `rows`) at those rows of n zeros."""
     out = np.zeros((n, *values.shape[1:]), values.dtype)
@@ -682,17 +649,15 @@ def _scattered(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
 
 
 class _StepChecks:
-    """A call's step entries checked as a session's step would be (the same refusals, in
-    the same order), with what every step needs looked up once per call: most of a call's
-    entries are steps, and their checks run once per sequence per engine step."""
+    """A call's step entries checked as a session's step is (held, then the step rule,
+    `RequestValidator.check_step`), with what every step needs looked up once per call:
+    most of a call's entries are steps, and their checks run once per sequence per engine
+    step."""
 
     def __init__(self, batching: BatchDrafting) -> None:
         self.batching = batching
         self.open = batching.table.open
-        self.checks = batching.service.checks
-        self.vocab = self.checks.vocab_size
-        self.max_budget = batching.config.max_budget
-        self.max_context = batching.config.max_context_len
+        self.check = batching.service.checks.check_step
 
     def step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
         seq = self.open.get(key)
@@ -700,16 +665,9 @@ class _StepChecks:
             seq = self.batching._held(entry.sequence, key)
         entry.seq = seq
         accepted = step.accepted
-        if accepted and (min(accepted) < 0 or max(accepted) >= self.vocab):
-            self.checks.check_tokens(accepted, "step.accepted")  # raises
-        budget = step.budget
-        if budget > self.max_budget:
-            self.checks.check_budget(budget, "step.budget")  # raises
-        n = len(seq.drafter) + len(accepted)
-        if n > self.max_context:
-            raise _over_context(n, self.max_context)
+        self.check(accepted, step.budget, len(seq.drafter))
         entry.accepted = accepted
-        entry.budget = budget or None
+        entry.budget = step.budget or None
         entry.drafts = True
 
 

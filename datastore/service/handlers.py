@@ -233,15 +233,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                     return
                 t0 = time.perf_counter()
                 step = wire.session_step(req, session_id)
-                self.checks.check_tokens(step.accepted, "step.accepted")
-                self.checks.check_budget(step.budget, "step.budget")
-                n = len(drafter) + len(step.accepted)
-                if n > self.config.max_context_len:
-                    raise Refusal(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"session context would reach {n} tokens, over max_context_len "
-                        f"{self.config.max_context_len}",
-                    )
+                n = self.checks.check_step(step.accepted, step.budget, len(drafter))
                 await self._extend(drafter, step.accepted)  # learned at once, for every session
                 self.learning.publish()
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=n)

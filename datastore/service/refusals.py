@@ -42,6 +42,13 @@ def lenient(message_type):
     return parse
 
 
+def over_context(noun: str, n: int, limit: int) -> Refusal:
+    """A prompt or context of `n` tokens, past max_context_len `limit`: the server's refusal,
+    and what the batch tracker says of an open it does not send because of it."""
+    return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"{noun} of {n} tokens exceeds max_context_len {limit}")
+
+
 def check_parsed(request) -> None:
     if isinstance(request, Malformed):
         raise bad(request.message)

@@ -1,7 +1,12 @@
 """Checking a request before it touches the datastore: the bearer token (and the tenant it
 stands for), token ids, the tokenizer, and the drafting parameters against the limits.
 
-Tested by: tests/datastore/service/test_server.py, tests/datastore/service/test_batch_rpc.py
+The step rule is here once, whichever way a step comes (a Session's step, a Batch step entry,
+a packed step): `RequestValidator.check_step`, with `check_steps` its form over a call's
+packed steps as arrays (tested equal to it, refusal by refusal, on random batches).
+
+Tested by: tests/datastore/service/test_validation.py, tests/datastore/service/test_server.py,
+tests/datastore/service/test_batch_rpc.py
 """
 
 from __future__ import annotations
@@ -11,15 +16,31 @@ import zlib
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings
 from redraft.datastore.service.config import ServiceConfig
-from redraft.datastore.service.refusals import Refusal, bad
+from redraft.datastore.service.refusals import Refusal, bad, over_context
 from redraft.datastore.service.tenants import session_key, token_key
 from redraft.datastore.service.wire import source_names
 from redraft.proto import draft_pb2
 from redraft.proto.tree import PLD, REST
 
 _MAX_TENANT_LEN = 200
+STEP_ACCEPTED, STEP_BUDGET = "step.accepted", "step.budget"  # what a step's refusals name
+
+
+def _outside_vocabulary(what: str, token: int, vocab_size: int) -> Refusal:
+    return bad(f"{what}: token id {token} is outside the vocabulary [0, {vocab_size})")
+
+
+def _over_budget(what: str, budget: int, max_budget: int) -> Refusal:
+    return bad(f"{what} {budget} exceeds the server's max_budget {max_budget}")
+
+
+def step_over_context(n: int, limit: int) -> Refusal:
+    """What a step gets that would take its context to `n` tokens, past max_context_len."""
+    return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"context would reach {n} tokens, over max_context_len {limit}")
 
 
 class RequestValidator:
@@ -69,20 +90,59 @@ class RequestValidator:
             return
         lo, hi = min(tokens), max(tokens)
         if lo < 0 or hi >= self.vocab_size:
-            bad_id = lo if lo < 0 else hi
-            raise bad(f"{what}: token id {bad_id} is outside the vocabulary "
-                      f"[0, {self.vocab_size})")
+            raise _outside_vocabulary(what, lo if lo < 0 else hi, self.vocab_size)
 
     def check_context(self, tokens: Sequence[int], noun: str, field: str) -> None:
         """A context or an opening prompt (message `field`): length within max_context_len,
         every id in the vocabulary."""
         if len(tokens) > self.config.max_context_len:
-            raise Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{noun} of {len(tokens)} tokens exceeds max_context_len "
-                f"{self.config.max_context_len}",
-            )
+            raise over_context(noun, len(tokens), self.config.max_context_len)
         self.check_tokens(tokens, field)
+
+    def check_step(self, accepted: Sequence[int], budget: int, held: int) -> int:
+        """The step rule: the accepted ids in the vocabulary, the budget within max_budget,
+        the context the step makes (the `held` tokens and the accepted ones) within
+        max_context_len, checked in that order; raises the first refusal, else returns the
+        context's length."""
+        self.check_tokens(accepted, STEP_ACCEPTED)
+        self.check_budget(budget, STEP_BUDGET)
+        n = held + len(accepted)
+        if n > self.config.max_context_len:
+            raise step_over_context(n, self.config.max_context_len)
+        return n
+
+    def check_steps(self, tokens: np.ndarray, counts: np.ndarray, budgets: np.ndarray | None,
+                    held: np.ndarray, errors: dict[int, Refusal]) -> list[int]:
+        """`check_step` over packed steps at once: step i accepts the next counts[i] ids of
+        `tokens` (unsigned, as the wire packs them), asks budgets[i] (None: every step its
+        own, 0) and extends a context of held[i] tokens. Steps already in `errors` are
+        skipped; each other one that breaks the rule gets there the refusal `check_step`
+        raises for it. Returns those steps, by rule then by position. A call within the rule
+        costs one max over the tokens, the budgets and the contexts."""
+        failed: list[int] = []
+        vocab = self.vocab_size
+        if len(tokens) and int(tokens.max()) >= vocab:
+            ends = np.cumsum(counts, dtype=np.int64)
+            rows = np.searchsorted(ends, np.flatnonzero(tokens >= vocab), "right")
+            for i in np.unique(rows).tolist():
+                if i not in errors:
+                    row = tokens[int(ends[i]) - int(counts[i]):int(ends[i])]
+                    errors[i] = _outside_vocabulary(STEP_ACCEPTED, int(row.max()), vocab)
+                    failed.append(i)
+        max_budget = self.config.max_budget
+        if budgets is not None and len(budgets) and int(budgets.max()) > max_budget:
+            for i in np.flatnonzero(budgets > max_budget).tolist():
+                if i not in errors:
+                    errors[i] = _over_budget(STEP_BUDGET, int(budgets[i]), max_budget)
+                    failed.append(i)
+        limit = self.config.max_context_len
+        reach = held.astype(np.int64) + counts
+        if len(reach) and int(reach.max()) > limit:
+            for i in np.flatnonzero(reach > limit).tolist():
+                if i not in errors:
+                    errors[i] = step_over_context(int(reach[i]), limit)
+                    failed.append(i)
+        return failed
 
     def check_fingerprint(self, fingerprint: str, required: bool) -> None:
         if not fingerprint:
@@ -109,7 +169,7 @@ class RequestValidator:
 
     def check_budget(self, budget: int, what: str) -> None:
         if budget > self.config.max_budget:
-            raise bad(f"{what} {budget} exceeds the server's max_budget {self.config.max_budget}")
+            raise _over_budget(what, budget, self.config.max_budget)
 
     def settings(self, p: draft_pb2.DraftParams) -> DraftSettings:
         """The drafting settings a request's parameters ask for, within the limits."""

@@ -456,6 +456,20 @@ def test_tenant_sessions_sets_the_share(store, servers, tmp_path):
         assert c.stats()["sessions_active"] == 3
 
 
+def test_sequence_batch_refuses_a_context_over_the_limit_as_the_server_would(limited):
+    """A context past --max-context is not sent: its key's error is the one the server gives
+    such an open (the same type, code and message); the other keys draft."""
+    long, good = list(range(41)), DOCS[0][:10]
+    with DraftClient(limited.address, token="token-a", timeout=30) as a:
+        sent = a.batch([SequenceOpen("x", long)], None, FP, client_id="e").errors[0]
+        drafts = SequenceBatch(a, DraftParams(budget=8), FP).draft({"k": long, "ok": good})
+        got = drafts.errors["k"]
+        assert type(got) is type(sent) is LimitExceeded
+        assert (got.code, str(got)) == (sent.code, str(sent))
+        assert "prompt of 41 tokens exceeds max_context_len 40" in str(got)
+        assert "ok" not in drafts.errors and len(drafts["ok"])
+
+
 def test_sequence_batch_ends_before_it_opens_so_freed_slots_serve_the_same_call(store, servers):
     """An engine step that finishes one request and admits another at a full server: the
     end goes first in the call, so the new sequence gets the slot at once."""
