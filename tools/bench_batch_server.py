@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-import redraft.datastore.service.batch_rpc as batching
+import redraft.datastore.service.batch_rpc as batch_rpc
 from redraft.datastore import Reader
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.handlers import DrafterService
@@ -58,7 +58,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
         return SequenceOpen(str(i), doc[start:start + PROMPT_TOKENS], params)
 
     core: list[float] = []
-    step_flat = batching.step_flat
+    step_flat = batch_rpc.step_flat
 
     def timed_step_flat(*args):
         t = time.perf_counter()
@@ -66,7 +66,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
         core.append(time.perf_counter() - t)
         return out
 
-    batching.step_flat = timed_step_flat
+    batch_rpc.step_flat = timed_step_flat
     run: list[float] = []
     pack: list[float] = []
     parse: list[float] = []
@@ -88,7 +88,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
             pack.append(time.perf_counter() - t)
             req = draft_pb2.BatchRequest.FromString(wire)
             t = time.perf_counter()
-            reply = await service.batching.run(req, "")
+            reply = await service.batch_rpc.run(req, "")
             run.append(time.perf_counter() - t)
             wire = reply.SerializeToString()
             t = time.perf_counter()
@@ -106,7 +106,7 @@ async def measure(service: DrafterService, docs: list[list[int]], n: int, steps:
                 entries.append(SequenceStep(str(i), doc[pos:pos + k]))
                 cursors[i][1] = pos + k
     finally:
-        batching.step_flat = step_flat
+        batch_rpc.step_flat = step_flat
     warm = slice(min(50, steps // 10), None)
 
     def ms(values: list[float]) -> float:

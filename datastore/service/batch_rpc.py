@@ -240,7 +240,7 @@ class BatchDrafting:
         out = None
         if drafting or (packed is not None and packed.seqs):
             out = await self._draft(drafting, packed, request.chain, size)
-        self.service.learning.publish()
+        self.service.learned_outputs.publish()
         return self._reply(entries, drafting, packed, out, t0)
 
     # ---- entries -----------------------------------------------------------------------
@@ -555,12 +555,12 @@ class _PackedSteps:
         self.seqs: list[BatchedSequence] = []  # those that draft, in order
         self.ok = None  # their indexes, when some failed
 
-    def check(self, batching: BatchDrafting, auth: str, client: str, seen: set[str]) -> None:
+    def check(self, batch_rpc: BatchDrafting, auth: str, client: str, seen: set[str]) -> None:
         errors = self.errors
         n = len(self.ids)
         seqs: list[BatchedSequence | None] = [None] * n
         lens = [0] * n
-        get = batching.table.open.get
+        get = batch_rpc.table.open.get
         for i, sid in enumerate(self.ids):
             if sid in seen:
                 errors[i] = bad(f"sequence {sid!r} appears twice in one batch")
@@ -569,7 +569,7 @@ class _PackedSteps:
             seq = get((auth, client, sid))
             if seq is None or seq.busy:
                 try:
-                    batching._held(sid, (auth, client, sid))
+                    batch_rpc._held(sid, (auth, client, sid))
                 except Refusal as exc:
                     errors[i] = exc
                 continue
@@ -577,10 +577,10 @@ class _PackedSteps:
             lens[i] = seq.length
         tokens, counts, budgets = self.tokens, self.counts, self.budgets
         # steps that reached their sequence and failed: it ends
-        ended = batching.service.checks.check_steps(tokens, counts, budgets,
+        ended = batch_rpc.service.checks.check_steps(tokens, counts, budgets,
                                                     np.array(lens, np.int64), errors)
         for i in ended:
-            batching.table.end(seqs[i])
+            batch_rpc.table.end(seqs[i])
         if not errors:
             self.seqs = seqs
             self.ok_tokens, self.ok_counts, self.ok_budgets = tokens, counts, budgets
@@ -654,15 +654,15 @@ class _StepChecks:
     most of a call's entries are steps, and their checks run once per sequence per engine
     step."""
 
-    def __init__(self, batching: BatchDrafting) -> None:
-        self.batching = batching
-        self.open = batching.table.open
-        self.check = batching.service.checks.check_step
+    def __init__(self, batch_rpc: BatchDrafting) -> None:
+        self.batch_rpc = batch_rpc
+        self.open = batch_rpc.table.open
+        self.check = batch_rpc.service.checks.check_step
 
     def step(self, entry: _Entry, key: tuple, step: draft_pb2.SessionStep) -> None:
         seq = self.open.get(key)
         if seq is None or seq.busy:  # the refusal, from the general path
-            seq = self.batching._held(entry.sequence, key)
+            seq = self.batch_rpc._held(entry.sequence, key)
         entry.seq = seq
         accepted = step.accepted
         self.check(accepted, step.budget, len(seq.drafter))
@@ -674,9 +674,9 @@ class _StepChecks:
 class _Defaults:
     """What a call's opens share, checked once and only if an open needs it."""
 
-    def __init__(self, batching: BatchDrafting, request: draft_pb2.BatchRequest,
+    def __init__(self, batch_rpc: BatchDrafting, request: draft_pb2.BatchRequest,
                  auth: str) -> None:
-        self.checks = batching.service.checks
+        self.checks = batch_rpc.service.checks
         self.request = request
         self.auth = auth
         self.tenant = request.tenant

@@ -56,12 +56,13 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             raise ValueError(f"ServiceStats counts {stats.tenants} tenant slots for "
                              f"{len(self.checks.token_keys)} tokens")
         self.checks.buckets = min(self.checks.buckets, stats.tenants)
-        self.sessions = Sessions(config, stats)
-        self.verification = BackgroundVerification(reader, config.verify_checksums)
-        self.learning = LearnedOutputs(reader, config, stats, self.verification,
-                                       self.checks.token_keys)
+        self.session_limits = Sessions(config, stats)
+        self.background_verification = BackgroundVerification(reader, config.verify_checksums)
+        self.learned_outputs = LearnedOutputs(reader, config, stats,
+                                              self.background_verification,
+                                              self.checks.token_keys)
         self.reloader: SnapshotReloader | None = None
-        self.batching = BatchDrafting(self)
+        self.batch_rpc = BatchDrafting(self)
         self.stopping = False
         self._publishing: asyncio.Future | None = None  # /metrics' counts, every 0.1 s
 
@@ -70,9 +71,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         (reload.py): each session switches at its next step; none is dropped."""
         self.reader = reader
         self.checks.corpora = set(reader.corpora) - {LEARNED_CORPUS}
-        self.verification = verification
-        self.learning.verification = verification
-        self.batching.follow(reader)
+        self.background_verification = verification
+        self.learned_outputs.background_verification = verification
+        self.batch_rpc.follow(reader)
         self.publish_snapshot()
 
     def publish_snapshot(self, ready: bool | None = None) -> None:
@@ -84,14 +85,14 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                   "commit": int(manifest.get("generation", 0) or 0)}
         if ready is not None:
             gauges["ready"] = int(ready)
-        self.stats.metrics.set_worker(self.learning.slot, **gauges)
+        self.stats.metrics.set_worker(self.learned_outputs.slot, **gauges)
     def _check_serving(self) -> None:
         if self.stopping:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         self._check_damage()
 
     def _check_damage(self) -> None:
-        damage = self.verification.damage
+        damage = self.background_verification.damage
         if damage is not None:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {damage}")
 
@@ -100,7 +101,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         verified, a segment truncated under its map): if it is still the snapshot served,
         it is marked damaged (one logged line, health NOT_SERVING); the call UNAVAILABLE."""
         if reader is self.reader:
-            self.verification.fail(str(exc))
+            self.background_verification.fail(str(exc))
         return Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {exc}")
 
     # ---- drafting ----------------------------------------------------------------------
@@ -138,8 +139,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         """A session drafter over checked tokens, from the current snapshot, learning into
         the server's learned index for `tenant`."""
         try:
-            return new_session_drafter(tokens, params, self.reader, self.learning.index, tenant,
-                                       choice=self.config.drafting)
+            return new_session_drafter(tokens, params, self.reader, self.learned_outputs.index,
+                                       tenant, choice=self.config.drafting)
         except DatastoreCorrupt as exc:  # the core's tables met damaged or truncated arrays
             raise self.damaged(exc, self.reader) from exc
         except DatastoreError as exc:
@@ -186,25 +187,25 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
 
     async def _session(self, context, tenant: str) -> None:
         self._check_serving()
-        sessions = self.sessions
+        limits = self.session_limits
         # the token's share of max_sessions; without auth, the declared tenant's, once the
         # open says which
         slot = [self.checks.slot(tenant)]
         # counted from the stream's start, open or not: streams that never send `open`
         # would otherwise cost memory without bound (and are given OPEN_WAIT_S to send it)
-        session_id = sessions.open(slot[0])
+        session_id = limits.open(slot[0])
         try:
             await self._opened_session(context, tenant, slot, session_id)
         finally:
-            sessions.close(slot[0])
-            self.learning.publish()
+            limits.close(slot[0])
+            self.learned_outputs.publish()
 
     async def _opened_session(self, context, tenant: str, slot: list[int],
                               session_id: str) -> None:
-        sessions = self.sessions
-        waiter = sessions.waiter()
-        waiter.limit = sessions.open_wait_s
-        first = await sessions.read(context, waiter)
+        limits = self.session_limits
+        waiter = limits.waiter()
+        waiter.limit = limits.open_wait_s
+        first = await limits.read(context, waiter)
         waiter.limit = None
         if first is None:
             return
@@ -213,7 +214,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         p = self.checks.settings(opening.params)
         tenant = self.checks.tenant(tenant, opening.tenant)
         if slot[0] < 0:  # without auth: its declared tenant's share from now on
-            sessions.join(self.checks.slot("", tenant))
+            limits.join(self.checks.slot("", tenant))
             slot[0] = self.checks.slot("", tenant)
         drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
         try:
@@ -226,16 +227,16 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             metrics = self.stats.metrics if self.stats.metrics.enabled else None
             if metrics is not None:  # each step's accepted tokens walk the tree before
                 metrics.drafted(slot[0], None, last.sources, labels, ())
-            await sessions.wait(waiter, context.write(msg), writing=True)
+            await limits.wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
-                req = await sessions.read(context, waiter)
+                req = await limits.read(context, waiter)
                 if req is None:
                     return
                 t0 = time.perf_counter()
                 step = wire.session_step(req, session_id)
                 n = self.checks.check_step(step.accepted, step.budget, len(drafter))
                 await self._extend(drafter, step.accepted)  # learned at once, for every session
-                self.learning.publish()
+                self.learned_outputs.publish()
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=n)
                 tree, labels = self._draft(drafter, step.budget or p.budget, msg.draft,
                                            "session_steps")
@@ -246,7 +247,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                     metrics.drafted(slot[0], time.perf_counter() - t0, tree.sources, labels,
                                     walked)
                     last = tree
-                await sessions.wait(waiter, context.write(msg), writing=True)
+                await limits.wait(waiter, context.write(msg), writing=True)
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
             drafter.close()
@@ -256,7 +257,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             tenant = self.checks.auth(context)
             check_parsed(request)
             self._check_serving()
-            return await self.batching.run(request, tenant)
+            return await self.batch_rpc.run(request, tenant)
         except Refusal as exc:
             await self._fail(context, exc)
 
@@ -297,15 +298,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         limits = {k: v for k, v in asdict(self.config).items() if k != "token"}
         return wire.stats_message(self.stats.snapshot({
             "limits": limits, "datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
-            "checksums": self.verification.status, "learn": self.config.learn,
-            **self.learning.counters()}))
+            "checksums": self.background_verification.status, "learn": self.config.learn,
+            **self.learned_outputs.counters()}))
 
     def start_background(self, health_servicer: health.aio.HealthServicer) -> None:
         """Work that must not delay serving: verifying the datastore's checksums, reloading
         persisted learned outputs, persisting new ones periodically, following the
         datastore's commits."""
-        self.verification.start(health_servicer)
-        self.learning.start()
+        self.background_verification.start(health_servicer)
+        self.learned_outputs.start()
         self.publish_snapshot(ready=True)
         if self.stats.metrics.enabled:
             self._publishing = asyncio.ensure_future(self.stats.metrics.publish_every())
@@ -322,15 +323,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.publish_snapshot(ready=False)
         if self.reloader is not None:
             self.reloader.stop()
-        self.sessions.end_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        await self.batching.idle()
-        self.batching.table.end_all()
-        await self.verification.wait()
+        self.session_limits.end_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        await self.batch_rpc.idle()
+        self.batch_rpc.table.end_all()
+        await self.background_verification.wait()
 
     async def finish(self) -> None:
         """After the server stopped: persist what was learned, close the snapshots the
         reloader opened."""
-        await self.learning.finish()
+        await self.learned_outputs.finish()
         if self.reloader is not None:
             await self.reloader.close()
         if self._publishing is not None:

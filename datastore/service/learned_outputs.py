@@ -48,7 +48,7 @@ class LearnedOutputs:
         self.reader = reader
         self.config = config
         self.stats = stats
-        self.verification = verification  # a damaged datastore is never appended to
+        self.background_verification = verification  # a damaged datastore is never appended to
         self.token_keys = list(token_keys)  # to map outputs persisted before tenant keys
         self.fingerprint = str(reader.tokenizer_fingerprint)
         path = getattr(reader, "path", None)  # the datastore directory, or its file
@@ -179,7 +179,7 @@ class LearnedOutputs:
     async def _persist(self, alive: set[str]) -> None:
         """Persist what any process logged and nobody persisted yet. A failure is logged;
         the outputs stay in their logs for the next persist, by this or any process."""
-        if self.verification.damage is not None:
+        if self.background_verification.damage is not None:
             return
         self._in_flight = asyncio.ensure_future(run_in_thread(functools.partial(
             persist_outputs, str(self.path), alive, self.fingerprint,

@@ -54,7 +54,7 @@ class SnapshotReloader:
         self._opened: list[Reader] = []  # snapshots this reloader opened (it closes them)
         self._task: asyncio.Future | None = None
         self._retiring: set[asyncio.Future] = set()
-        self._watch(service.verification, reader)
+        self._watch(service.background_verification, reader)
 
     def start(self) -> None:
         if self.path is not None and self.interval_s > 0 and self._task is None:
@@ -93,7 +93,7 @@ class SnapshotReloader:
         """A segment served was truncated or rewritten in place (`cp -r` over the served
         directory): the snapshot is damaged (one line, UNAVAILABLE), and what was verified
         is verified again (segments are immutable only while nobody rewrites them)."""
-        self.service.verification.fail(f"{why}; reopening the datastore until it opens")
+        self.service.background_verification.fail(f"{why}; reopening the datastore until it opens")
         self.verified.clear()
 
     def _open(self) -> Reader:
@@ -116,7 +116,7 @@ class SnapshotReloader:
 
     def _swap(self, reader: Reader) -> None:
         service = self.service
-        old, old_verification = service.reader, service.verification
+        old, old_verification = service.reader, service.background_verification
         verification = BackgroundVerification(reader, service.config.verify_checksums,
                                                skip=frozenset(self.verified))
         service.swap_reader(reader, verification)
@@ -126,8 +126,8 @@ class SnapshotReloader:
         service.stats.metrics.add("reloads")
         verification.start(self.health)
         self._watch(verification, reader, recovering=old_verification.damage is not None)
-        loading = getattr(service.learning, "_loading", None)  # reads the first snapshot
-        self._later(self._retire(old, [old_verification.wait(), service.batching.idle(), *(
+        loading = getattr(service.learned_outputs, "_loading", None)  # reads the first snapshot
+        self._later(self._retire(old, [old_verification.wait(), service.batch_rpc.idle(), *(
             [asyncio.shield(loading)] if loading is not None and not loading.done() else [])]))
 
     def _watch(self, verification: BackgroundVerification, reader,
@@ -139,7 +139,7 @@ class SnapshotReloader:
             if verification.damage is None and verification.status in ("passed", "skipped"):
                 if verification.status == "passed":
                     self.verified.update(getattr(reader, "segments", ()))
-                if recovering and self.service.verification is verification and \
+                if recovering and self.service.background_verification is verification and \
                         not self.service.stopping:
                     for name in ("", SERVICE_NAME):
                         await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
