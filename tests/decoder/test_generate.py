@@ -312,7 +312,9 @@ def test_a_failing_member_of_a_combination_drops_out_alone(default_model, plain,
     r = stream.result
     assert_same_or_near_tie(model, r, plain[prompt])
     assert r.stats.drafter_errors == 1
-    assert r.stats.tokens_per_step > 1.1  # PLD kept drafting
+    # PLD kept drafting, and its drafts were taken (how many depends on the tree sizes the
+    # budget reads off this machine's clock)
+    assert r.stats.accepted.get("pld", 0) > 0 and r.stats.tokens_per_step > 1
 
 
 def test_max_nodes_zero_drafts_nothing(default_model, plain):
