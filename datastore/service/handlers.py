@@ -58,6 +58,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.checks.buckets = min(self.checks.buckets, stats.tenants)
         self.session_limits = Sessions(config, stats)
         self.background_verification = BackgroundVerification(reader, config.verify_checksums)
+        self.background_verification.on_damage = self._not_ready
         self.learned_outputs = LearnedOutputs(reader, config, stats,
                                               self.background_verification,
                                               self.checks.token_keys)
@@ -72,9 +73,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.reader = reader
         self.checks.corpora = set(reader.corpora) - {LEARNED_CORPUS}
         self.background_verification = verification
+        verification.on_damage = self._not_ready
         self.learned_outputs.background_verification = verification
         self.batch_rpc.follow(reader)
         self.publish_snapshot()
+
+    def _not_ready(self) -> None:
+        """The snapshot served is damaged: /readyz 503, as gRPC health turns NOT_SERVING (a
+        clean snapshot reloaded turns both back: `reload.SnapshotReloader`)."""
+        self.publish_snapshot(ready=False)
 
     def publish_snapshot(self, ready: bool | None = None) -> None:
         """This worker's gauges for /metrics: the snapshot it serves (tokens, segments,
@@ -307,7 +314,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         datastore's commits."""
         self.background_verification.start(health_servicer)
         self.learned_outputs.start()
-        self.publish_snapshot(ready=True)
+        self.publish_snapshot(ready=self.background_verification.damage is None)
         if self.stats.metrics.enabled:
             self._publishing = asyncio.ensure_future(self.stats.metrics.publish_every())
         self.reloader = SnapshotReloader(self, health_servicer, self.config.reload_interval_s)

@@ -133,7 +133,7 @@ class SnapshotReloader:
     def _watch(self, verification: BackgroundVerification, reader,
                recovering: bool = False) -> None:
         """Remember the segments a verification passed; a clean snapshot after a damaged one
-        turns health back to SERVING."""
+        turns health back to SERVING (and /readyz back to 200)."""
         async def watch() -> None:
             await verification.wait()
             if verification.damage is None and verification.status in ("passed", "skipped"):
@@ -143,6 +143,7 @@ class SnapshotReloader:
                         not self.service.stopping:
                     for name in ("", SERVICE_NAME):
                         await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+                    self.service.publish_snapshot(ready=True)
         self._later(watch())
 
     def _later(self, coro) -> None:

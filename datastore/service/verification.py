@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 
 from grpc_health.v1 import health, health_pb2
 from redraft.datastore.service.config import SERVICE_NAME
@@ -29,6 +30,8 @@ class BackgroundVerification:
         self._verifying: asyncio.Future | None = None
         self._health: health.aio.HealthServicer | None = None
         self._said: asyncio.Future | None = None  # health turning NOT_SERVING after fail()
+        # Called once when damage is found (the service: /readyz turns 503 with health).
+        self.on_damage: Callable[[], None] | None = None
 
     def start(self, health_servicer: health.aio.HealthServicer) -> None:
         self._health = health_servicer
@@ -51,6 +54,7 @@ class BackgroundVerification:
             return False
         self.damage = why
         log.error("redraft serve: %s; health is NOT_SERVING", why)
+        self._damaged()
         if self._health is not None:
             self._said = asyncio.ensure_future(self._not_serving(self._health))
         return True
@@ -69,7 +73,12 @@ class BackgroundVerification:
             if self.damage is None:
                 self.damage = str(exc) or repr(exc)
                 log.error("redraft serve: %s; health is NOT_SERVING", exc)
+                self._damaged()
                 await self._not_serving(health_servicer)
+
+    def _damaged(self) -> None:
+        if self.on_damage is not None:
+            self.on_damage()
 
     async def wait(self) -> None:
         """Until a verification still running is done: its thread reads the Reader's map,

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -51,6 +53,15 @@ def serving(store: str, *extra: str) -> Iterator[tuple[ServeProcess, str]]:
         yield serve, serve.address
     finally:
         serve.kill()
+
+
+def readyz(url: str) -> int:
+    """The HTTP status `/readyz` answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def mapped(pid: int, name: str) -> bool:
@@ -212,17 +223,21 @@ def test_a_segment_truncated_under_a_server_is_unavailable_then_reopened(big_sto
     with Reader(store) as r:
         (seg,) = (os.path.join(store, name) for name in r.segments)
     good = open(seg, "rb").read()
-    with serving(store, "--learn", "off") as (serve, address):
+    with serving(store, "--learn", "off", "--metrics-port", "0") as (serve, address):
+        ready = serve.metrics_url + "/readyz"
+        assert readyz(ready) == 200
         with Steppers(address, BIG_DOCS) as st:
             wait_until(lambda: st.ok >= 20)
             os.truncate(seg, 8192)  # what `cp` does first to a file it overwrites
             wait_until(lambda: any("datastore is damaged" in x for x in st.refused))
+            wait_until(lambda: readyz(ready) == 503)  # the probe follows gRPC health
             time.sleep(1.0)
             assert serve.proc.poll() is None, serve.stderr  # not dead of SIGBUS
             with open(seg, "r+b") as f:  # rewritten in place, whole again
                 f.write(good)
             ok = st.ok
             wait_until(lambda: st.ok > ok + 50, timeout=20)  # reopened: drafting again
+            wait_until(lambda: readyz(ready) == 200, timeout=20)
         assert not st.wrong, st.wrong[:5]
         with DraftClient(address, timeout=10) as c:
             assert c.session(BIG_DOCS[3][:20], REST_ONLY, FP).__enter__().draft.tokens[:3] \
