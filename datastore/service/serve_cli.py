@@ -386,6 +386,8 @@ def _serve(args: argparse.Namespace, config: ServiceConfig, tls: TLSFiles | None
     for proc in procs:
         if not stopping:
             proc.start()
+    if stopping:  # a signal during a start missed that worker (no pid yet): tell it now
+        forward(signal.SIGTERM, None)
     running = [p for p in procs if p.pid is not None]
     while running:
         mp.connection.wait([p.sentinel for p in running])
@@ -414,6 +416,8 @@ def _serve(args: argparse.Namespace, config: ServiceConfig, tls: TLSFiles | None
             procs.append(fresh)
             fresh.start()
             running.append(fresh)
+            if stopping:  # the signal came while it started
+                forward(signal.SIGTERM, None)
             print(f"redraft serve: worker {proc.pid} died ({_death(proc.exitcode)}; "
                   f"{given or 0} session(s) it held were closed); started worker "
                   f"{fresh.pid} in its place ({int(stats.get('worker_restarts'))} restart(s) "
