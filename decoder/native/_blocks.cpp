@@ -766,6 +766,13 @@ void rms_norm_rows(const void* x, const void* w, void* out, size_t rows, size_t 
     }
 }
 
+// Element i of a row of the activations' kind, as float32.
+template <int KIND>
+inline float element(const void* p, size_t i) {
+    return KIND == KIND_F32 ? static_cast<const float*>(p)[i]
+                            : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+}
+
 // -- rotary embedding, into the cache ----------------------------------------------------------
 //
 // A layer's fused query/key/value rows [n, heads + 2 kv, dim] (the activations' dtype): queries
@@ -777,10 +784,7 @@ template <int KIND>
 void rotate_rows(const void* h, size_t n, size_t heads, size_t kv, size_t dim, const void* cos,
                  const void* sin, float* keys, float* values, size_t capacity, size_t vwidth,
                  size_t start, float* q_out) {
-    auto get = [](const void* p, size_t i) {
-        return KIND == KIND_F32 ? static_cast<const float*>(p)[i]
-                                : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    };
+    constexpr auto get = element<KIND>;
     auto round = [](float v) { return KIND == KIND_F32 ? v : bf16_to_float(float_to_bf16(v)); };
     const size_t width = heads + 2 * kv, half = dim / 2;
     for (size_t r = 0; r < n; ++r) {
@@ -818,12 +822,6 @@ inline void silu_mul_one(float g, float up, float e, void* out, size_t i) {
         static_cast<float*>(out)[i] = silu * up;
     else
         static_cast<uint16_t*>(out)[i] = float_to_bf16(bf16_to_float(float_to_bf16(silu)) * up);
-}
-
-template <int KIND>
-inline float element(const void* p, size_t i) {
-    return KIND == KIND_F32 ? static_cast<const float*>(p)[i]
-                            : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
 }
 
 template <int KIND>
