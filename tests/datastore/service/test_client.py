@@ -3,6 +3,7 @@ as a real subprocess (SIGTERM, several workers, `redraft stats --server`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -330,15 +331,21 @@ def test_a_sigterm_while_workers_start_stops_them_all_cleanly(store, servers):
     def workers() -> list:
         return [c for c in parent.children() if "spawn_main" in " ".join(c.cmdline())]
 
-    deadline = time.monotonic() + 60
-    while not workers():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
-        time.sleep(0.005)
-    started = workers()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0, proc.stderr.read()
-    gone, alive = psutil.wait_procs(started, timeout=10)
-    assert not alive
+    started: list = []
+    try:
+        deadline = time.monotonic() + 60
+        while not workers():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.005)
+        started = workers()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        gone, alive = psutil.wait_procs(started, timeout=10)
+        assert not alive
+    finally:  # a failure leaves nothing running
+        for p in [*started, parent]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 def test_serve_bad_arguments_are_one_line_errors(store, tmp_path, capsys):
