@@ -7,7 +7,7 @@
 - `tenants`: the keys learned outputs are kept, logged and persisted under;
 - `learned_outputs`: the learned outputs all sessions share; `sharing`: with the other processes
   serving the datastore; `persisting`: into the datastore, exactly once;
-- `reload`: following the datastore's new commits; `verification`: its checksums, in the
+- `reload`: following the datastore's new commits; `integrity`: its checksums, in the
   background;
 - `config`: the server's limits; `server`: its assembly (TLS, health, shutdown, threads);
   `stats`: counters shared by worker processes; `serve_cli`: `redraft serve`; `spawn`:

@@ -6,7 +6,7 @@ call drafts many sequences in one step of it (`batch_rpc`). Around it the servic
 every request before
 it touches the datastore (`validation`), keeps sessions in bounds (`session_limits`), shares the
 learned outputs between them (`learned_outputs`) and stops drafting from a datastore found damaged
-(`verification`). A bad request ends only its own call with INVALID_ARGUMENT /
+(`integrity`). A bad request ends only its own call with INVALID_ARGUMENT /
 FAILED_PRECONDITION / RESOURCE_EXHAUSTED and a message that says what was wrong. A huge
 step or prompt (up to max_context_len tokens) never stalls the others: steps are indexed in
 pieces with the event loop free in between, long prompts on a thread.
@@ -27,6 +27,7 @@ from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings, new_sessio
 from redraft.datastore.service import wire
 from redraft.datastore.service.batch_rpc import BatchDrafting
 from redraft.datastore.service.config import SERVICE_NAME, ServiceConfig
+from redraft.datastore.service.integrity import IntegrityCheck
 from redraft.datastore.service.learned_outputs import LearnedOutputs, run_in_thread
 from redraft.datastore.service.metrics import walk_accepted
 from redraft.datastore.service.refusals import Refusal, bad, check_parsed, lenient
@@ -34,7 +35,6 @@ from redraft.datastore.service.reload import SnapshotReloader
 from redraft.datastore.service.session_limits import Sessions
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.validation import RequestValidator
-from redraft.datastore.service.verification import BackgroundVerification
 from redraft.datastore.service.wire import Drafted, ServiceInfo
 from redraft.proto import draft_pb2, draft_pb2_grpc
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError
@@ -57,24 +57,24 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                              f"{len(self.checks.token_keys)} tokens")
         self.checks.buckets = min(self.checks.buckets, stats.tenants)
         self.session_limits = Sessions(config, stats)
-        self.background_verification = BackgroundVerification(reader, config.verify_checksums)
-        self.background_verification.on_damage = self._not_ready
+        self.integrity = IntegrityCheck(reader, config.verify_checksums)
+        self.integrity.on_damage = self._not_ready
         self.learned_outputs = LearnedOutputs(reader, config, stats,
-                                              self.background_verification,
+                                              self.integrity,
                                               self.checks.token_keys)
         self.reloader: SnapshotReloader | None = None
         self.batch_rpc = BatchDrafting(self)
         self.stopping = False
         self._publishing: asyncio.Future | None = None  # /metrics' counts, every 0.1 s
 
-    def swap_reader(self, reader, verification: BackgroundVerification) -> None:
+    def swap_reader(self, reader, integrity: IntegrityCheck) -> None:
         """Serve `reader`, a newer snapshot of the same datastore, from the next step on
         (reload.py): each session switches at its next step; none is dropped."""
         self.reader = reader
         self.checks.corpora = set(reader.corpora) - {LEARNED_CORPUS}
-        self.background_verification = verification
-        verification.on_damage = self._not_ready
-        self.learned_outputs.background_verification = verification
+        self.integrity = integrity
+        integrity.on_damage = self._not_ready
+        self.learned_outputs.integrity = integrity
         self.batch_rpc.follow(reader)
         self.publish_snapshot()
 
@@ -99,7 +99,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self._check_damage()
 
     def _check_damage(self) -> None:
-        damage = self.background_verification.damage
+        damage = self.integrity.damage
         if damage is not None:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {damage}")
 
@@ -108,7 +108,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         verified, a segment truncated under its map): if it is still the snapshot served,
         it is marked damaged (one logged line, health NOT_SERVING); the call UNAVAILABLE."""
         if reader is self.reader:
-            self.background_verification.fail(str(exc))
+            self.integrity.fail(str(exc))
         return Refusal(grpc.StatusCode.UNAVAILABLE, f"datastore is damaged: {exc}")
 
     # ---- drafting ----------------------------------------------------------------------
@@ -305,16 +305,16 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         limits = {k: v for k, v in asdict(self.config).items() if k != "token"}
         return wire.stats_message(self.stats.snapshot({
             "limits": limits, "datastore_tokens": int(getattr(self.reader, "n_tokens", 0) or 0),
-            "checksums": self.background_verification.status, "learn": self.config.learn,
+            "checksums": self.integrity.status, "learn": self.config.learn,
             **self.learned_outputs.counters()}))
 
     def start_background(self, health_servicer: health.aio.HealthServicer) -> None:
         """Work that must not delay serving: verifying the datastore's checksums, reloading
         persisted learned outputs, persisting new ones periodically, following the
         datastore's commits."""
-        self.background_verification.start(health_servicer)
+        self.integrity.start(health_servicer)
         self.learned_outputs.start()
-        self.publish_snapshot(ready=self.background_verification.damage is None)
+        self.publish_snapshot(ready=self.integrity.damage is None)
         if self.stats.metrics.enabled:
             self._publishing = asyncio.ensure_future(self.stats.metrics.publish_every())
         self.reloader = SnapshotReloader(self, health_servicer, self.config.reload_interval_s)
@@ -323,7 +323,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
     async def shutdown(self) -> None:
         """Stop taking work, let in-flight steps finish, end idle sessions as UNAVAILABLE.
 
-        A checksum verification still running is awaited: its thread reads the Reader's
+        A checksum check still running is awaited: its thread reads the Reader's
         map, which the caller may close once the server has stopped.
         """
         self.stopping = True
@@ -333,7 +333,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.session_limits.end_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         await self.batch_rpc.idle()
         self.batch_rpc.table.end_all()
-        await self.background_verification.wait()
+        await self.integrity.wait()
 
     async def finish(self) -> None:
         """After the server stopped: persist what was learned, close the snapshots the

@@ -12,6 +12,7 @@ import time
 
 from redraft.datastore.drafting import new_learned_index
 from redraft.datastore.service.config import ServiceConfig
+from redraft.datastore.service.integrity import IntegrityCheck
 from redraft.datastore.service.persisting import (
     MarksDamaged,
     PersistBusy,
@@ -21,7 +22,6 @@ from redraft.datastore.service.persisting import (
 from redraft.datastore.service.sharing import LogFollower, OutputJournal
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.tenants import shareable
-from redraft.datastore.service.verification import BackgroundVerification
 from redraft.proto.errors import RedraftError
 
 log = logging.getLogger("redraft.serve")
@@ -44,11 +44,11 @@ class LearnedOutputs:
     other processes of the datastore, and its persistence."""
 
     def __init__(self, reader, config: ServiceConfig, stats: ServiceStats,
-                 verification: BackgroundVerification, token_keys: list[str] = ()) -> None:
+                 integrity: IntegrityCheck, token_keys: list[str] = ()) -> None:
         self.reader = reader
         self.config = config
         self.stats = stats
-        self.background_verification = verification  # a damaged datastore is never appended to
+        self.integrity = integrity  # a damaged datastore is never appended to
         self.token_keys = list(token_keys)  # to map outputs persisted before tenant keys
         self.fingerprint = str(reader.tokenizer_fingerprint)
         path = getattr(reader, "path", None)  # the datastore directory, or its file
@@ -179,7 +179,7 @@ class LearnedOutputs:
     async def _persist(self, alive: set[str]) -> None:
         """Persist what any process logged and nobody persisted yet. A failure is logged;
         the outputs stay in their logs for the next persist, by this or any process."""
-        if self.background_verification.damage is not None:
+        if self.integrity.damage is not None:
             return
         self._in_flight = asyncio.ensure_future(run_in_thread(functools.partial(
             persist_outputs, str(self.path), alive, self.fingerprint,

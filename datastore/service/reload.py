@@ -11,7 +11,7 @@ and swapped into the service on the event loop, between two drafting steps: each
 drafts from the service's current snapshot at its next step. Segments the old snapshot had
 already verified are not verified again (they are immutable); the new ones are checked in
 the background, as at start-up. The old snapshot is closed once the work that reads it on
-threads is done (a running verification, the reload of learned outputs): drafting itself
+threads is done (a running checksum check, the reload of learned outputs): drafting itself
 runs on the event loop, or on a thread for a large batched call, which is awaited too, so no
 drafting call can still be inside it. That releases its maps,
 so deleted documents leave the disk too; the snapshot the server was started with is closed
@@ -31,7 +31,7 @@ from redraft.datastore.drafting import prepare_reader
 from redraft.datastore.manifest import commit_stamp
 from redraft.datastore.reader import Reader
 from redraft.datastore.service.config import SERVICE_NAME
-from redraft.datastore.service.verification import BackgroundVerification
+from redraft.datastore.service.integrity import IntegrityCheck
 from redraft.proto.errors import RedraftError
 
 log = logging.getLogger("redraft.serve")
@@ -54,7 +54,7 @@ class SnapshotReloader:
         self._opened: list[Reader] = []  # snapshots this reloader opened (it closes them)
         self._task: asyncio.Future | None = None
         self._retiring: set[asyncio.Future] = set()
-        self._watch(service.background_verification, reader)
+        self._watch(service.integrity, reader)
 
     def start(self) -> None:
         if self.path is not None and self.interval_s > 0 and self._task is None:
@@ -93,7 +93,7 @@ class SnapshotReloader:
         """A segment served was truncated or rewritten in place (`cp -r` over the served
         directory): the snapshot is damaged (one line, UNAVAILABLE), and what was verified
         is verified again (segments are immutable only while nobody rewrites them)."""
-        self.service.background_verification.fail(f"{why}; reopening the datastore until it opens")
+        self.service.integrity.fail(f"{why}; reopening the datastore until it opens")
         self.verified.clear()
 
     def _open(self) -> Reader:
@@ -116,30 +116,30 @@ class SnapshotReloader:
 
     def _swap(self, reader: Reader) -> None:
         service = self.service
-        old, old_verification = service.reader, service.background_verification
-        verification = BackgroundVerification(reader, service.config.verify_checksums,
-                                               skip=frozenset(self.verified))
-        service.swap_reader(reader, verification)
+        old, old_integrity = service.reader, service.integrity
+        integrity = IntegrityCheck(reader, service.config.verify_checksums,
+                                   skip=frozenset(self.verified))
+        service.swap_reader(reader, integrity)
         self._opened.append(reader)
         self.stamp = getattr(reader, "stamp", None)
         self.reloads += 1
         service.stats.metrics.add("reloads")
-        verification.start(self.health)
-        self._watch(verification, reader, recovering=old_verification.damage is not None)
+        integrity.start(self.health)
+        self._watch(integrity, reader, recovering=old_integrity.damage is not None)
         loading = getattr(service.learned_outputs, "_loading", None)  # reads the first snapshot
-        self._later(self._retire(old, [old_verification.wait(), service.batch_rpc.idle(), *(
+        self._later(self._retire(old, [old_integrity.wait(), service.batch_rpc.idle(), *(
             [asyncio.shield(loading)] if loading is not None and not loading.done() else [])]))
 
-    def _watch(self, verification: BackgroundVerification, reader,
+    def _watch(self, integrity: IntegrityCheck, reader,
                recovering: bool = False) -> None:
-        """Remember the segments a verification passed; a clean snapshot after a damaged one
+        """Remember the segments whose checksums passed; a clean snapshot after a damaged one
         turns health back to SERVING (and /readyz back to 200)."""
         async def watch() -> None:
-            await verification.wait()
-            if verification.damage is None and verification.status in ("passed", "skipped"):
-                if verification.status == "passed":
+            await integrity.wait()
+            if integrity.damage is None and integrity.status in ("passed", "skipped"):
+                if integrity.status == "passed":
                     self.verified.update(getattr(reader, "segments", ()))
-                if recovering and self.service.background_verification is verification and \
+                if recovering and self.service.integrity is integrity and \
                         not self.service.stopping:
                     for name in ("", SERVICE_NAME):
                         await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

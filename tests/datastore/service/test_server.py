@@ -458,7 +458,7 @@ def test_damaged_datastore_turns_health_not_serving(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("drafting", ["native", "python"])
-def test_damaged_token_arrays_served_without_verification_are_unavailable_never_drafted(
+def test_damaged_token_arrays_served_without_the_checksum_check_are_unavailable_never_drafted(
         tmp_path, servers, drafting):
     """Issue 31.7: ids past the vocabulary in a segment's token array (bytes flipped in the
     file, nothing recomputed) are never drafted by a server that does not verify them: the
