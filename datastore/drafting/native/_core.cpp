@@ -14,6 +14,7 @@
 //   retrieval.h      the REST tree: longest match, sampled continuations, their trie
 //   session.h        one generation's state and step
 //   batch.h          many sessions' steps on threads kept for them
+//   tally.h          what the service's metrics count of a batched step
 //
 // Why C++ and the plain CPython API: the Python drafters (the reference, which stays) spend
 // most of a step creating per-node objects; here a step runs over the datastore's mapped
@@ -31,6 +32,7 @@
 // tests/datastore/drafting/native/test_native_batch.py,
 // tests/datastore/drafting/native/test_native_learned.py,
 // tests/datastore/drafting/native/test_native_sources.py,
+// tests/datastore/drafting/native/test_native_tally.py,
 // tests/datastore/drafting/native/test_core_citations.py
 // Python: redraft.datastore.drafting.native.native_session.NativeSessionDrafter
 
@@ -43,6 +45,7 @@
 #include "session.h"
 #include "sources.h"
 #include "suffix_array.h"
+#include "tally.h"
 #include "tree.h"
 #include "tree_ops.h"
 
@@ -51,6 +54,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <new>
 #include <shared_mutex>
@@ -967,6 +971,168 @@ PyObject* set_sources(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// A contiguous buffer of whole elements of `size` bytes (a bytes object, a numpy array, ...),
+// or an error naming `what`. Releases itself.
+struct CountedView {
+    Py_buffer view{};
+    bool held = false;
+    Py_ssize_t n = 0;
+    bool get(PyObject* obj, Py_ssize_t size, const char* what, bool writable = false) {
+        if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) <
+            0)
+            return false;
+        held = true;
+        n = view.len / size;
+        if (view.len % size) {
+            PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, not whole %zd-byte elements",
+                         what, view.len, size);
+            return false;
+        }
+        return true;
+    }
+    template <class T> const T* of() const { return static_cast<const T*>(view.buf); }
+    ~CountedView() {
+        if (held) PyBuffer_Release(&view);
+    }
+};
+
+// A call's trees as count_batch is given them: (offsets, tokens, parents, bits).
+struct TreesView {
+    PyObject* obj = nullptr;
+    CountedView offsets, tokens, parents, bits;
+    bool get(PyObject* trees) {
+        obj = trees;
+        if (!PyTuple_Check(trees) || PyTuple_GET_SIZE(trees) != 4) {
+            PyErr_SetString(PyExc_TypeError, "trees must be (offsets, tokens, parents, bits)");
+            return false;
+        }
+        if (!offsets.get(PyTuple_GET_ITEM(trees, 0), 8, "offsets") ||
+            !tokens.get(PyTuple_GET_ITEM(trees, 1), 4, "tokens") ||
+            !parents.get(PyTuple_GET_ITEM(trees, 2), 4, "parents") ||
+            !bits.get(PyTuple_GET_ITEM(trees, 3), 1, "bits"))
+            return false;
+        if (parents.n < tokens.n || bits.n < tokens.n) {
+            PyErr_SetString(PyExc_ValueError, "trees: fewer parents or bits than tokens");
+            return false;
+        }
+        return true;
+    }
+    // Row `row`'s nodes [a, b), or false (an error set) if it has none such.
+    bool row(long long r, int64_t& a, int64_t& b) const {
+        const int64_t* o = offsets.of<int64_t>();
+        if (r < 0 || r + 1 >= offsets.n || o[r] < 0 || o[r] > o[r + 1] || o[r + 1] > tokens.n) {
+            PyErr_Format(PyExc_ValueError, "trees: no row %lld", r);
+            return false;
+        }
+        a = o[r];
+        b = o[r + 1];
+        return true;
+    }
+};
+
+// count_batch(lasts, accepted, counts, keys, offsets, bits, into, n_keys, n_bits): what the
+// service's metrics count of a batched step (tally.h), added to `into` (float64, writable:
+// [drafts: n_keys][draft tokens: n_keys x n_bits][accepted: n_keys x n_bits][by depth]).
+// Sequence i counts under keys[i] (< n_keys); its tree now is nodes offsets[i]..offsets[i+1]
+// (int64) of `bits` (uint8); lasts[i] is None or (trees, row), the tree drafted for it
+// before (row `row` of trees = (offsets, tokens, parents, bits): int64, uint32, int32,
+// uint8), down which its counts[i] (uint32) tokens of `accepted` (uint32) walk. Everything is
+// checked before anything is counted.
+// Python: redraft.datastore.service.metrics.count_batch
+PyObject* count_batch(PyObject*, PyObject* args) {
+    PyObject *lasts, *accepted, *counts_in, *keys, *offsets_in, *bits_in, *into_in;
+    long long n_keys, n_bits;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLL", &lasts, &accepted, &counts_in, &keys, &offsets_in,
+                          &bits_in, &into_in, &n_keys, &n_bits))
+        return nullptr;
+    PyObject* ls = PySequence_Fast(lasts, "lasts must be a sequence");
+    if (ls == nullptr) return nullptr;
+    PyObject* ks = PySequence_Fast(keys, "keys must be a sequence");
+    if (ks == nullptr) {
+        Py_DECREF(ls);
+        return nullptr;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ls);
+    CountedView acc, cnt, off, bits, into;
+    std::deque<TreesView> trees;  // each distinct one, its buffers held until the end
+    std::vector<const TreesView*> prev(n, nullptr);
+    std::vector<int64_t> key(n), from(n), to(n);
+    bool ok = acc.get(accepted, 4, "accepted") && cnt.get(counts_in, 4, "counts") &&
+              off.get(offsets_in, 8, "offsets") && bits.get(bits_in, 1, "bits") &&
+              into.get(into_in, 8, "into", true);
+    if (ok && (cnt.n != n || PySequence_Fast_GET_SIZE(ks) != n || off.n != n + 1)) {
+        PyErr_SetString(PyExc_ValueError, "lasts, counts, keys and offsets differ in length");
+        ok = false;
+    }
+    if (ok && (n_keys < 1 || n_bits < 1 || into.n < n_keys * (1 + 2 * n_bits))) {
+        PyErr_SetString(PyExc_ValueError, "into is smaller than n_keys * (1 + 2 * n_bits)");
+        ok = false;
+    }
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; ok && i < n; ++i) {
+        key[i] = PyLong_AsLongLong(PySequence_Fast_ITEMS(ks)[i]);
+        const int64_t* o = off.of<int64_t>();
+        total += cnt.of<uint32_t>()[i];
+        if (key[i] == -1 && PyErr_Occurred()) {
+            ok = false;
+        } else if (key[i] < 0 || key[i] >= n_keys) {
+            PyErr_Format(PyExc_ValueError, "key %lld is outside [0, %lld)",
+                         static_cast<long long>(key[i]), n_keys);
+            ok = false;
+        } else if (o[i] < 0 || o[i] > o[i + 1] || o[i + 1] > bits.n) {
+            PyErr_SetString(PyExc_ValueError, "offsets are not within bits, ascending");
+            ok = false;
+        }
+        PyObject* last = ok ? PySequence_Fast_ITEMS(ls)[i] : Py_None;
+        if (last == Py_None) continue;
+        if (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) != 2) {
+            PyErr_SetString(PyExc_TypeError, "lasts[i] must be None or (trees, row)");
+            ok = false;
+            continue;
+        }
+        PyObject* t = PyTuple_GET_ITEM(last, 0);
+        const TreesView* view = i > 0 && prev[i - 1] != nullptr && prev[i - 1]->obj == t
+                                    ? prev[i - 1] : nullptr;
+        for (auto it = trees.begin(); view == nullptr && it != trees.end(); ++it)
+            if (it->obj == t) view = &*it;
+        if (view == nullptr) {
+            trees.emplace_back();
+            if (!trees.back().get(t)) {
+                ok = false;
+                continue;
+            }
+            view = &trees.back();
+        }
+        long long r = PyLong_AsLongLong(PyTuple_GET_ITEM(last, 1));
+        ok = !(r == -1 && PyErr_Occurred()) && view->row(r, from[i], to[i]);
+        prev[i] = view;
+    }
+    if (ok && total > acc.n) {
+        PyErr_SetString(PyExc_ValueError, "counts add up to more than accepted holds");
+        ok = false;
+    }
+    if (ok) {
+        double* out = static_cast<double*>(into.view.buf);
+        const Tally t{out, n_keys, n_bits, into.n - n_keys * (1 + 2 * n_bits)};
+        const int64_t* o = off.of<int64_t>();
+        const uint32_t* a = acc.of<uint32_t>();
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            tally_tree(t, key[i], bits.of<uint8_t>() + o[i], o[i + 1] - o[i]);
+            int64_t c = cnt.of<uint32_t>()[i];
+            if (const TreesView* p = prev[i]) {
+                tally_walk(t, key[i], p->tokens.of<uint32_t>() + from[i],
+                           p->parents.of<int32_t>() + from[i], p->bits.of<uint8_t>() + from[i],
+                           to[i] - from[i], a, c);
+            }
+            a += c;
+        }
+    }
+    Py_DECREF(ls);
+    Py_DECREF(ks);
+    if (!ok) return nullptr;
+    Py_RETURN_NONE;
+}
+
 // ---- type and module tables ------------------------------------------------------------
 PyMethodDef Learned_methods[] = {
     {"propose", reinterpret_cast<PyCFunction>(Learned_propose), METH_VARARGS,
@@ -1014,6 +1180,9 @@ PyMethodDef module_methods[] = {
      "step_flat(sessions, accepted, counts, budgets, threads=1, chain=0) -> (status, counts, "
      "tokens, parents, probs, bits, match_lens, expected, used, context_lens) as bytes"},
     {"set_sources", set_sources, METH_VARARGS, "set_sources(rest, pld, learned, labels)"},
+    {"count_batch", count_batch, METH_VARARGS,
+     "count_batch(lasts, accepted, counts, keys, offsets, bits, into, n_keys, n_bits): a "
+     "batched step's metrics, added to into"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_core",

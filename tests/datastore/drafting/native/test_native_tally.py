@@ -1,0 +1,109 @@
+"""The core's count_batch (what the service's metrics count of a Batch call) against its
+Python reference, metrics.count_batch (walk_accepted down each previous tree), on random
+trees: the same counts to the last one, whatever the trees, their rows, the keys; and a bad
+argument refused before anything is counted."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from redraft.datastore.drafting.native import _core
+from redraft.datastore.service.metrics import count_batch
+
+
+def random_trees(rng: random.Random, rows: int) -> tuple:
+    """A call's trees as flat arrays, parents local and before their children; siblings
+    that hold the same token now and then (the first one is the one walked)."""
+    offsets, tokens, parents, bits = [0], [], [], []
+    for _ in range(rows):
+        n = rng.choice([0, 1, 3, 8, 20, 64])
+        for i in range(n):
+            parents.append(rng.randint(-1, i - 1) if rng.random() < 0.9 else -1)
+            tokens.append(rng.randint(1, 6))
+            bits.append(rng.choice([1, 2, 3, 4, 5, 6, 7, 0, 200]))
+        offsets.append(offsets[-1] + n)
+    return (np.array(offsets, np.int64), np.array(tokens, np.uint32),
+            np.array(parents, np.int32), np.array(bits, np.uint8))
+
+
+def a_path(rng: random.Random, trees: tuple, row: int) -> list[int]:
+    """Tokens along one path of the row's tree, then maybe a token off it."""
+    offsets, tokens, parents, _ = trees
+    a, b = int(offsets[row]), int(offsets[row + 1])
+    out, cur = [], -1
+    while rng.random() < 0.85:
+        kids = [i for i in range(a, b) if parents[i] == cur]
+        if not kids:
+            break
+        cur = rng.choice(kids) - a
+        out.append(int(tokens[a + cur]))
+    if rng.random() < 0.7:
+        out.append(rng.randint(1, 9))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_core_counts_what_the_reference_counts(seed):
+    rng = random.Random(seed)
+    n_keys, n_bits, depths = 6, 8, rng.choice([0, 4, 16])
+    size = n_keys * (1 + 2 * n_bits) + depths
+    want, got = np.zeros(size), np.zeros(size)
+    earlier = [random_trees(rng, rng.randint(1, 30)) for _ in range(3)]
+    for _ in range(40):
+        n = rng.randint(0, 40)
+        lasts, accepted, counts = [], [], []
+        for _ in range(n):
+            trees = rng.choice(earlier)
+            row = rng.randrange(len(trees[0]) - 1)
+            last = None if rng.random() < 0.15 else (trees, row)
+            path = a_path(rng, trees, row) if rng.random() < 0.9 else []
+            lasts.append(last)
+            accepted += path
+            counts.append(len(path))
+        keys = [rng.randrange(n_keys) for _ in range(n)]
+        now = random_trees(rng, n)
+        args = (lasts, np.array(accepted, np.uint32), np.array(counts, np.uint32), keys,
+                now[0], now[3])
+        count_batch(*args, want, n_keys, n_bits)
+        _core.count_batch(*args, got, n_keys, n_bits)
+        assert got.tolist() == want.tolist()
+        if n:  # the next call walks down these
+            earlier = [now, *earlier[:2]]
+    at = n_keys * (1 + n_bits)
+    assert want[at:at + n_keys * n_bits].sum() > 100  # accepted tokens were walked
+
+
+def test_one_tree_walked_as_walk_accepted_walks_it():
+    #            0   1   2   3   4   a tree: 0 -> 1 -> 3, 0 -> 2, a second root 4
+    trees = (np.array([0, 5], np.int64), np.array([10, 11, 12, 13, 11], np.uint32),
+             np.array([-1, 0, 0, 1, -1], np.int32), np.array([1, 3, 2, 1, 4], np.uint8))
+    into = np.zeros(1 + 2 * 8 + 4)
+    now = (np.array([0, 2], np.int64), np.array([4, 4], np.uint8))
+    _core.count_batch([(trees, 0)], np.array([10, 11, 13, 99], np.uint32),
+                      np.array([4], np.uint32), [0], *now, into, 1, 8)
+    assert into[0] == 1 and into[1 + 4] == 2  # a draft now, its two nodes' source 4
+    assert into[9:17].tolist() == [0, 2, 0, 1, 0, 0, 0, 0]  # nodes 0, 1, 3: sources 1, 3, 1
+    assert into[17:].tolist() == [1, 1, 1, 0]
+
+
+def test_a_bad_argument_is_refused_before_anything_is_counted():
+    trees = (np.array([0, 1], np.int64), np.array([5], np.uint32), np.array([-1], np.int32),
+             np.array([1], np.uint8))
+    into = np.zeros(2 * (1 + 2 * 8))
+    now = (np.array([0, 1, 2], np.int64), np.array([1, 1], np.uint8))
+    acc, counts = np.array([5, 5], np.uint32), np.array([1, 1], np.uint32)
+    with pytest.raises(ValueError, match="outside"):
+        _core.count_batch([(trees, 0), None], acc, counts, [0, 2], *now, into, 2, 8)
+    with pytest.raises(ValueError, match="no row 1"):
+        _core.count_batch([(trees, 0), (trees, 1)], acc, counts, [0, 1], *now, into, 2, 8)
+    with pytest.raises(ValueError, match="more than accepted"):
+        _core.count_batch([None, None], acc[:1], counts, [0, 1], *now, into, 2, 8)
+    with pytest.raises(ValueError, match="differ in length"):
+        _core.count_batch([None], acc, counts, [0, 1], *now, into, 2, 8)
+    with pytest.raises(ValueError, match="smaller"):
+        _core.count_batch([None, None], acc, counts, [0, 1], *now, into[:5], 2, 8)
+    assert not into.any()
+    _core.count_batch([(trees, 0), None], acc, counts, [0, 1], *now, into, 2, 8)
+    assert into[:2].tolist() == [1, 1] and into[2 + 16 + 1] == 1  # key 0 walked node 0
