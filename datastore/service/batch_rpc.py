@@ -41,12 +41,17 @@ from redraft.datastore.drafting.implementation import uses_native
 from redraft.datastore.drafting.native import NativeSessionDrafter
 from redraft.datastore.service import wire
 from redraft.datastore.service.config import MAX_ID_BYTES, THREADS_MIN_SEQUENCES, ServiceConfig
-from redraft.datastore.service.metrics import N_BITS
+from redraft.datastore.service.metrics import N_BITS, count_batch
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.datastore.service.session_limits import take_slot
 from redraft.datastore.service.stats import ServiceStats
 from redraft.proto import draft_pb2
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError
+
+try:  # a Batch call's metrics in one compiled call; the reference where there is no core
+    from redraft.datastore.drafting.native._core import count_batch as _count_batch
+except ImportError:  # pragma: no cover - the core is built wherever the tests run
+    _count_batch = count_batch
 
 _OK = grpc.StatusCode.OK.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -64,18 +69,20 @@ def _too_long(name: str) -> bool:
 class BatchedSequence:
     """One sequence held between calls."""
 
-    __slots__ = ("key", "drafter", "since", "busy", "length", "slot", "last")
+    __slots__ = ("key", "drafter", "since", "busy", "length", "slot", "last", "counter")
 
-    def __init__(self, key: tuple, drafter, length: int | None = None, slot: int = 0) -> None:
+    def __init__(self, key: tuple, drafter, length: int | None = None, slot: int = 0,
+                 counter: int = 0) -> None:
         self.key = key
         self.drafter = drafter
         self.slot = slot  # the tenant slot it counts against
+        self.counter = counter  # with metrics on: its key (MetricSlots.key: tenant, corpus)
         self.since = time.monotonic()  # last used
         self.busy = False  # a call is drafting it on a thread
         # tokens of its context (kept here: no call per check)
         self.length = len(drafter) if length is None else length
-        # with metrics on: the tree drafted for it last (_Trees, its row), which its next
-        # step's accepted tokens are walked down
+        # with metrics on: the tree drafted for it last ((offsets, tokens, parents, bits) of
+        # its call, its row), which its next step's accepted tokens are walked down
         self.last: tuple | None = None
 
 
@@ -95,10 +102,10 @@ class SequenceTable:
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep())
 
-    def add(self, key: tuple, drafter, length: int | None = None,
-            slot: int = 0) -> BatchedSequence:
+    def add(self, key: tuple, drafter, length: int | None = None, slot: int = 0,
+            counter: int = 0) -> BatchedSequence:
         """Hold a new sequence (its slot was taken by `take_slot`)."""
-        seq = self.open[key] = BatchedSequence(key, drafter, length, slot)
+        seq = self.open[key] = BatchedSequence(key, drafter, length, slot, counter)
         self.swept.pop(key, None)
         return seq
 
@@ -288,7 +295,9 @@ class BatchDrafting:
         except BaseException:
             self.service.stats.close_session(slot)
             raise
-        entry.seq = self.table.add(key, drafter, slot=slot)
+        metrics = self.service.stats.metrics
+        counter = metrics.key(slot, settings.corpora) if metrics.enabled else 0
+        entry.seq = self.table.add(key, drafter, slot=slot, counter=counter)
         entry.drafts = True
 
     def _close(self, entry: _Entry, key: tuple, close: draft_pb2.SequenceClose) -> None:
@@ -322,8 +331,6 @@ class BatchDrafting:
         else:
             seqs = packed.seqs
             tokens, counts, budgets = packed.ok_tokens, packed.ok_counts, packed.ok_budgets
-        metrics = self.service.stats.metrics
-        walked = _walk(seqs, tokens, counts) if metrics.enabled else None
         reader = self.service.reader
         drafters = [seq.drafter for seq in seqs]
         for d in drafters:
@@ -350,18 +357,20 @@ class BatchDrafting:
             if self.service.reader is not reader:  # swapped meanwhile: `follow` skipped these
                 for d in drafters:
                     d.use_reader(self.service.reader)
-        now = time.monotonic()
-        for seq, n in zip(seqs, out.context_lens.tolist()):
-            seq.since = now
-            seq.length = n
-        if walked is not None:
-            trees = _Trees(out)
-            slots = [0] * len(seqs)
-            for i, seq in enumerate(seqs):
-                seq.last = (trees, i)
-                slots[i] = seq.slot
-            out.counted = (np.array(slots, np.int64), *walked)
         _fit_reply(out, self._reply_nodes(rows), self.config)
+        now = time.monotonic()
+        if self.service.stats.metrics.enabled:  # counted with the reply (`_count`)
+            out.counted = ([seq.last for seq in seqs], [seq.counter for seq in seqs], tokens,
+                           counts)
+            trees = (out.offsets, out.tokens, out.parents, out.bits)  # as the reply has them
+            for i, (seq, n) in enumerate(zip(seqs, out.context_lens.tolist())):
+                seq.since = now
+                seq.length = n
+                seq.last = (trees, i)
+        else:
+            for seq, n in zip(seqs, out.context_lens.tolist()):
+                seq.since = now
+                seq.length = n
         if out.errors:
             n_entries = len(drafting)
             for i, err in out.errors.items():
@@ -433,114 +442,15 @@ class BatchDrafting:
         return reply
 
     def _count(self, metrics, out: BatchStep | None, rows: int, t0: float) -> None:
-        """A call's figures for /metrics: its time and entries, each drafted tree's nodes
-        by tenant slot and source, the draft tokens its steps accepted. One engine's call
-        is one tenant's: then a count per source of all the nodes at once."""
-        drafts: dict[int, int] = {}
-        tokens: dict[int, int] = {}
-        accepted: dict[int, int] = {}
-        per_depth: list[int] = []
+        """A call's figures for /metrics: its time and entries, and in one call of the core
+        (`count_batch`) each drafted tree's nodes by counter key and source and the draft
+        tokens its steps accepted, walked down the trees drafted for them before."""
         counted = getattr(out, "counted", None)
-        if out is not None and counted is not None:
-            slots, accepted, per_depth = counted
-            top = metrics.tenants - 1
-            sizes = np.diff(out.offsets)
-            if len(slots) and slots[0] == slots[-1] and (slots == slots[0]).all():
-                s = min(max(int(slots[0]), 0), top)
-                drafts[s] = int(np.count_nonzero(sizes))
-                by_bits = np.bincount(out.bits, minlength=N_BITS)
-                tokens = {s * N_BITS + b: int(n) for b, n in enumerate(by_bits.tolist()) if n}
-            elif len(slots):
-                slots = np.clip(slots, 0, top)
-                per_slot = np.bincount(slots[sizes > 0], minlength=top + 1)
-                drafts = {int(i): int(per_slot[i]) for i in np.flatnonzero(per_slot)}
-                keys = np.repeat(slots, sizes) * N_BITS + out.bits
-                by_key = np.bincount(keys, minlength=(top + 1) * N_BITS)
-                tokens = {int(i): int(by_key[i]) for i in np.flatnonzero(by_key)}
-        metrics.batch(time.perf_counter() - t0, rows, drafts, tokens, accepted, per_depth)
-
-
-class _Trees:
-    """A call's trees, indexed for the walks of the next call's steps: every node's key,
-    (its parent's global index, or the number of nodes plus its tree's row for a root) << 32
-    | its token, sorted; made once, the first time a step walks one of them."""
-
-    __slots__ = ("out", "keys", "order")
-
-    def __init__(self, out: BatchStep) -> None:
-        self.out = out
-        self.keys: np.ndarray | None = None
-        self.order: np.ndarray | None = None
-
-    def index(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.keys is None:
-            o = self.out
-            offsets = o.offsets.astype(np.int64)
-            sizes = np.diff(offsets)
-            n = int(offsets[-1])
-            parents = o.parents.astype(np.int64)
-            roots = n + np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-            parent_key = np.where(parents >= 0, np.repeat(offsets[:-1], sizes) + parents,
-                                  roots)
-            keys = (parent_key << 32) | o.tokens.astype(np.int64)
-            self.order = np.argsort(keys, kind="stable")
-            self.keys = keys[self.order]
-        return self.keys, self.order
-
-
-def _walk(seqs: list[BatchedSequence], tokens: np.ndarray,
-          counts: np.ndarray) -> tuple[dict[int, int], list[int]]:
-    """The draft tokens each step of a call accepted: its accepted tokens walked down the
-    tree drafted for its sequence last, all steps at once, one level of the trees at a
-    time (a sorted search per level, no Python loop per node); counts by tenant slot *
-    N_BITS + source bits, and how many steps accepted at least 1, 2, ... draft tokens."""
-    ends = np.cumsum(counts, dtype=np.int64)
-    starts = ends - counts
-    groups: dict[int, tuple[_Trees, list[int], list[int]]] = {}
-    for k, seq in enumerate(seqs):
-        last = seq.last
-        if last is not None:
-            group = groups.get(id(last[0]))
-            if group is None:
-                group = groups[id(last[0])] = (last[0], [], [])
-            group[1].append(k)
-            group[2].append(last[1])
-    hits: list[np.ndarray] = []
-    per_depth: list[int] = []
-    flat = tokens.astype(np.int64)
-    for trees, ks, rows in groups.values():
-        ks_a = np.array(ks, np.int64)
-        lengths = counts[ks_a].astype(np.int64)
-        if not lengths.any():
-            continue
-        keys, order = trees.index()
-        if not len(keys):
-            continue
-        o = trees.out
-        cur = int(o.offsets[-1]) + np.array(rows, np.int64)  # each tree's root
-        slot_base = np.array([max(seqs[k].slot, 0) * N_BITS for k in ks], np.int64)
-        alive = np.flatnonzero(lengths)
-        depth = 0
-        while len(alive):
-            q = (cur[alive] << 32) | flat[starts[ks_a[alive]] + depth]
-            pos = np.minimum(np.searchsorted(keys, q), len(keys) - 1)
-            found = keys[pos] == q
-            alive = alive[found]
-            if not len(alive):
-                break
-            nodes = order[pos[found]]
-            cur[alive] = nodes
-            hits.append(slot_base[alive] + o.bits[nodes])
-            if depth >= len(per_depth):
-                per_depth.append(0)
-            per_depth[depth] += len(alive)
-            depth += 1
-            alive = alive[lengths[alive] > depth]
-    by: dict[int, int] = {}
-    if hits:
-        counted = np.bincount(np.concatenate(hits))
-        by = {int(i): int(counted[i]) for i in np.flatnonzero(counted)}
-    return by, per_depth
+        if counted is not None:
+            lasts, keys, tokens, counts = counted
+            _count_batch(lasts, tokens, counts, keys, out.offsets, out.bits,
+                         metrics.batch_counts, metrics.keys, N_BITS)
+        metrics.batch(time.perf_counter() - t0, rows)
 
 
 class _PackedSteps:

@@ -221,8 +221,9 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         p = self.checks.settings(opening.params)
         tenant = self.checks.tenant(tenant, opening.tenant)
         if slot[0] < 0:  # without auth: its declared tenant's share from now on
-            limits.join(self.checks.slot("", tenant))
-            slot[0] = self.checks.slot("", tenant)
+            joined = self.checks.slot("", tenant)
+            limits.join(joined)
+            slot[0] = joined  # where it was counted, given back at the end
         drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
         try:
             # Headers go out on their own first: gRPC marks them sent only when a write
@@ -233,7 +234,8 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             last, labels = self._draft(drafter, p.budget, msg.draft, None)
             metrics = self.stats.metrics if self.stats.metrics.enabled else None
             if metrics is not None:  # each step's accepted tokens walk the tree before
-                metrics.drafted(slot[0], None, last.sources, labels, ())
+                counter = metrics.key(slot[0], p.corpora)  # its tenant's and corpora's
+                metrics.drafted(counter, None, last.sources, labels, ())
             await limits.wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
                 req = await limits.read(context, waiter)
@@ -251,7 +253,7 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                     tokens = last.tokens
                     walked = walk_accepted(tokens, last.parents, last.sources, 0, len(tokens),
                                            step.accepted)
-                    metrics.drafted(slot[0], time.perf_counter() - t0, tree.sources, labels,
+                    metrics.drafted(counter, time.perf_counter() - t0, tree.sources, labels,
                                     walked)
                     last = tree
                 await limits.wait(waiter, context.write(msg), writing=True)

@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.metrics import (
+    CORPUS_SLOTS,
     COUNTERS,
     ENTRY_BUCKETS,
     N_BITS,
@@ -72,23 +73,30 @@ class ServiceCollector(Collector):
         m = self.stats.metrics.read()
         stats = self.stats
         tenants = self.labels
+        corpora = m["corpora"]
+
+        def key_labels(key: int) -> list[str]:  # MetricSlots.key: tenant slot, corpus slot
+            return [tenants[key // CORPUS_SLOTS], corpora[key % CORPUS_SLOTS]
+                    or f"corpus-{key % CORPUS_SLOTS}"]
+
         drafts = CounterMetricFamily(
             PREFIX + "spec_decode_num_drafts", "Replies that carried a draft tree of at least "
             "one node (Session opens and steps, Batch entries and packed steps)",
-            labels=["tenant"])
-        for t, n in enumerate(m["drafts"]):
+            labels=["tenant", "corpus"])
+        for key, n in enumerate(m["drafts"]):
             if n:
-                drafts.add_metric([tenants[t]], n)
+                drafts.add_metric(key_labels(key), n)
         yield drafts
-        for name, key, what in (
+        for name, block, what in (
                 ("spec_decode_num_draft_tokens", "draft_tokens", "Draft tokens (tree nodes) "
                  "sent, by the sources that proposed each"),
                 ("spec_decode_num_accepted_tokens", "accepted", "Draft tokens accepted: the "
                  "nodes the tokens a client reported back followed, by their sources")):
-            family = CounterMetricFamily(PREFIX + name, what, labels=["tenant", "source"])
-            for i, n in enumerate(m[key]):
+            family = CounterMetricFamily(PREFIX + name, what,
+                                         labels=["tenant", "corpus", "source"])
+            for i, n in enumerate(m[block]):
                 if n:
-                    family.add_metric([tenants[i // N_BITS], SOURCE_NAMES[i % N_BITS]], n)
+                    family.add_metric([*key_labels(i // N_BITS), SOURCE_NAMES[i % N_BITS]], n)
             yield family
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by "

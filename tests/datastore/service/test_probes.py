@@ -1,7 +1,8 @@
 """`redraft serve --metrics-port`: /metrics scraped with prometheus_client's own parser
 while two workers serve Session steps and Batch calls under two tokens, against what the
-clients saw; /readyz 503 before the workers listen and once shutting down, 200 between
-(real servers on real ports)."""
+clients saw, and by the corpora sessions and sequences restrict retrieval to; /readyz 503
+before the workers listen and once shutting down, 200 between (real servers on real
+ports)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections import Counter
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from redraft.datastore import build_datastore
+from redraft.datastore import append_corpus, build_datastore
 from redraft.datastore.service.client import (
     AuthenticationFailed,
     DraftClient,
@@ -165,15 +166,15 @@ def test_metrics_of_two_workers_and_two_tokens_match_what_clients_saw(store, ser
                     and sum(v for (name, _), v in m.items()
                             if name == "redraft:refusals_total") == len(mine) + 2
                     and all(m.get(("redraft:spec_decode_num_drafts_total",
-                                   (("tenant", who),))) == seen.drafts[who]
+                                   (("corpus", "all"), ("tenant", who)))) == seen.drafts[who]
                             for who in map(tenant, TOKENS)))
 
         until(lambda: published(scrape(url)[1]), timeout=10)
         text, m = scrape(url)
         assert not any(t in text for t in TOKENS)  # the raw tokens never appear
         for who in map(tenant, TOKENS):
-            assert m["redraft:spec_decode_num_drafts_total", (("tenant", who),)] == \
-                seen.drafts[who] > 0
+            assert m["redraft:spec_decode_num_drafts_total",
+                     (("corpus", "all"), ("tenant", who))] == seen.drafts[who] > 0
         got = {(dict(k)["tenant"], dict(k)["source"]): v for (name, k), v in m.items()
                if name == "redraft:spec_decode_num_draft_tokens_total"}
         assert got == dict(seen.tokens)
@@ -206,6 +207,78 @@ def test_metrics_of_two_workers_and_two_tokens_match_what_clients_saw(store, ser
             s.close()
         for c in clients:
             c.close()
+    assert serve.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("probes") / "two")
+    build_datastore(None, path, documents=DOCS[:6], fingerprint=FP, vocab_size=500,
+                    corpus="code")
+    append_corpus(None, path, documents=DOCS[6:], fingerprint=FP, corpus="docs")
+    return path
+
+
+def test_draft_and_accepted_tokens_are_counted_by_the_corpora_asked_for(two_corpora,
+                                                                        servers, until):
+    """A Session restricted to one corpus, one unrestricted, and batched sequences restricted
+    to both corpora or to none: each counted under its selection's `corpus` label."""
+    serve = servers.start(two_corpora, "--port", str(servers.free_port()), "--workers", "2",
+                          "--metrics-port", "0", "--learn-persist-seconds", "0")
+    seen = Seen()
+    steps = batch_calls = 0
+    with DraftClient(serve.address, own_connection=True) as c:
+        for n, corpora in enumerate([("docs",), (), ("docs",)]):
+            label = "+".join(corpora) or "all"
+            doc = DOCS[6 + n]
+            params = DraftParams(budget=16, max_depth=8, corpora=corpora)
+            with c.session(doc[:20], params, FP, tenant="t") as s:
+                before, pos = s.draft, 20
+                seen.reply(label, before)
+                for k in (2, 3, 1, 4):
+                    tree = s.step(doc[pos:pos + k])
+                    seen.step(label, before, doc[pos:pos + k])
+                    seen.reply(label, tree)
+                    before, pos, steps = tree, pos + k, steps + 1
+        docs = (DOCS[1], DOCS[8])
+        selections = [("docs", "code"), ()]
+        r = c.batch([SequenceOpen(f"s{j}", d[:20], DraftParams(budget=16, max_depth=8,
+                                                                 corpora=sel))
+                     for j, (d, sel) in enumerate(zip(docs, selections))], None, FP)
+        labels = ["code+docs", "all"]
+        befores, pos = [r.tree(0), r.tree(1)], 20
+        for j, tree in enumerate(befores):
+            seen.reply(labels[j], tree)
+        batch_calls += 1
+        for k in (3, 1, 2):
+            accepted = [d[pos:pos + k] for d in docs]
+            r = c.batch([SequenceStep(f"s{j}", a) for j, a in enumerate(accepted)], None, FP)
+            for j, a in enumerate(accepted):
+                seen.step(labels[j], befores[j], a)
+                befores[j] = r.tree(j)
+                seen.reply(labels[j], befores[j])
+            pos, batch_calls = pos + k, batch_calls + 1
+
+        def by_corpus(m: dict, name: str) -> dict:
+            out: Counter = Counter()
+            for (sample, k), v in m.items():
+                if sample == name:
+                    d = dict(k)
+                    out[(d["corpus"], d["source"]) if "source" in d else d["corpus"]] += v
+            return dict(out)
+
+        def published(m: dict) -> bool:
+            return (m.get(("redraft:session_step_seconds_count", ())) == steps
+                    and m.get(("redraft:batch_call_seconds_count", ())) == batch_calls)
+
+        until(lambda: published(scrape(serve.metrics_url)[1]), timeout=10)
+        _, m = scrape(serve.metrics_url)
+        assert by_corpus(m, "redraft:spec_decode_num_drafts_total") == dict(seen.drafts)
+        assert set(seen.drafts) == {"docs", "all", "code+docs"}
+        assert by_corpus(m, "redraft:spec_decode_num_draft_tokens_total") == dict(seen.tokens)
+        got = by_corpus(m, "redraft:spec_decode_num_accepted_tokens_total")
+        assert got == dict(seen.accepted)
+        assert {corpus for corpus, _ in got} == {"docs", "all", "code+docs"}
     assert serve.stop() == 0
 
 
