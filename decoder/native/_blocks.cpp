@@ -3,8 +3,9 @@
 //
 // Why: verifying a draft tree is a forward of many rows that a CPU can only afford if the
 // weights are read once for all of them. Each group of output columns is dequantized once
-// into a small buffer (it stays in L1) and multiplied into every row of the call, so the
-// bytes read per forward are the file's own, whatever the row count.
+// (in registers for a call of a few rows, else into a small buffer that stays in L1) and
+// multiplied into every row of the call, so the bytes read per forward are the file's own,
+// whatever the row count.
 //
 // Why it is exact: a row's result never depends on the other rows or on the thread count.
 // Every row runs the same instruction sequence over its own accumulators (rows are grouped
@@ -261,28 +262,126 @@ BF16_TARGET float reduce512(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
 
-// Rows per register tile (6 measured no faster on Zen 4: VDPBF16PS's throughput is the
-// bound); the rows past the last full tile run one by one, the same operations per row.
+// Sixteen registers' lane sums at once, each in reduce512's order (i + i+8, i + i+4,
+// i + i+2, 0 + 1): every level adds the same pairs, two or four registers packed into one by
+// shuffles, so a tile's outputs cost 30 shuffles and 15 adds, not 16 reductions of 8
+// dependent steps each (which cost a quarter of a 576-wide row's dot products). Register
+// 4a + b's sum lands in lane 4b + a.
+BF16_TARGET __m512 reduce512_sixteen(const __m512* v) {
+    __m512 w[8], z[4], q[2];
+    for (int i = 0; i < 8; ++i)  // lanes 0-7 + lanes 8-15, two registers per result
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // 0-3 + 4-7 of each: one register per 128-bit chunk
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // 0-1 + 2-3 within each chunk
+        q[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], 0x88),  // 0 + 1
+                         _mm512_shuffle_ps(q[0], q[1], 0xDD));
+}
+
+// Rows per register tile of a call of many rows (6 measured no faster on Zen 4: VDPBF16PS's
+// throughput is the bound); the rows past the last full tile run one by one, the same
+// operations per row.
 constexpr int BF16_ROWS = 4;
 
-template <int R>
-BF16_TARGET void tile_bf16(const uint16_t* x, size_t k, const uint16_t* const* w, float out[][NC]) {
-    __m512 acc[R][NC];
+// A tile's weights, a 32-wide slice of each of its columns at a time. A call of many rows
+// dequantizes a group of columns once into a buffer that its row tiles share
+// (LoadedColumns); a call of a few rows, one tile of all its rows, dequantizes each slice in
+// registers as it is needed (BlockColumns), saving the buffer's store and reload, and
+// prefetches the next group's blocks as it goes (the hardware's prefetchers lose the
+// interleaved streams of a group's columns: without it this path was slower, not faster).
+// Both give the tile the same values, so a row's bits never depend on which ran.
+struct LoadedColumns {
+    const uint16_t* const* w;
+    BF16_TARGET __m512bh operator()(int c, size_t j) const {
+        return (__m512bh)_mm512_loadu_si512(w[c] + j);
+    }
+    void prefetch(size_t) const {}
+};
+
+template <int FMT, int C>
+struct BlockColumns {
+    static constexpr size_t BYTES = FMT == Q4_1 ? 20 : 34;  // block_bytes(FMT)
+    const uint8_t* const* w;  // the group's C columns, one after another in memory
+    size_t rb;                // bytes per column
+    BF16_TARGET __m512bh operator()(int c, size_t j) const {
+        return dequant_block_bf16(FMT, w[c] + j / QK * BYTES);
+    }
+    // The next group's bytes, as far into them as slice j is into this group's.
+    // (Past the last group it names bytes past the weights: a prefetch never faults.)
+    void prefetch(size_t j) const {
+        const uintptr_t next = reinterpret_cast<uintptr_t>(w[C - 1]) + rb + j / QK * C * BYTES;
+        for (size_t off = 0; off < C * BYTES; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+    }
+};
+
+// R rows by C columns: each (row, column) its own accumulator, summed at the end in
+// reduce512's order; a row's result is the same whatever R, C and Columns are.
+template <int R, int C, class Columns>
+BF16_TARGET void tile_bf16(const uint16_t* x, size_t k, const Columns& w, float out[][NC]) {
+    __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (size_t j = 0; j < k; j += 32) {
-        __m512bh wv[NC];
-        for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w[c] + j);
+        w.prefetch(j);
+        __m512bh wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = w(c, j);
         for (int r = 0; r < R; ++r) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + j);
-            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NC; ++c) out[r][c] = reduce512(acc[r][c]);
+    if constexpr (R * C == 16) {
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, reduce512_sixteen(&acc[0][0]));
+        for (int v = 0; v < 16; ++v) out[v / C][v % C] = sums[4 * (v % 4) + v / 4];
+    } else {
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) out[r][c] = reduce512(acc[r][c]);
+    }
+}
+
+// A call of R rows over FMT blocks, one tile of all its rows per group of C columns.
+template <int FMT, int R, int C>
+BF16_TARGET void few_rows_bf16(const Call& c, size_t col0, size_t col1) {
+    const size_t rb = row_bytes(FMT, c.k);
+    const uint16_t* x = static_cast<const uint16_t*>(c.x);
+    for (size_t col = col0; col < col1; col += C) {
+        const int nc = (int)std::min<size_t>(C, col1 - col);
+        const uint8_t* w[C];
+        for (int i = 0; i < C; ++i) w[i] = c.w + (col + std::min(i, nc - 1)) * rb;
+        float out[R][NC];
+        tile_bf16<R, C>(x, c.k, BlockColumns<FMT, C>{w, rb}, out);
+        for (int i = 0; i < R; ++i)
+            for (int j = 0; j < nc; ++j) store(c, i, col + j, out[i][j]);
+    }
+}
+
+// Up to FEW_ROWS rows: one tile (4 columns to 6 rows, 2 columns past that: 16 to 28
+// accumulators, within the 32 registers); faster than sharing a buffer up to 8 rows, measured.
+constexpr size_t FEW_ROWS = 8;
+
+template <int FMT>
+BF16_TARGET void few_rows_bf16(const Call& c, size_t col0, size_t col1) {
+    switch (c.m) {
+        case 1: return few_rows_bf16<FMT, 1, NC>(c, col0, col1);
+        case 2: return few_rows_bf16<FMT, 2, NC>(c, col0, col1);
+        case 3: return few_rows_bf16<FMT, 3, NC>(c, col0, col1);
+        case 4: return few_rows_bf16<FMT, 4, NC>(c, col0, col1);
+        case 5: return few_rows_bf16<FMT, 5, NC>(c, col0, col1);
+        case 6: return few_rows_bf16<FMT, 6, NC>(c, col0, col1);
+        case 7: return few_rows_bf16<FMT, 7, 2>(c, col0, col1);
+        default: return few_rows_bf16<FMT, 8, 2>(c, col0, col1);
+    }
 }
 
 BF16_TARGET void columns_bf16_avx512(const Call& c, size_t col0, size_t col1) {
+    if (c.m <= FEW_ROWS && c.fmt == Q4_1) return few_rows_bf16<Q4_1>(c, col0, col1);
+    if (c.m <= FEW_ROWS && c.fmt == Q8_0) return few_rows_bf16<Q8_0>(c, col0, col1);
     const size_t k = c.k, rb = row_bytes(c.fmt, k);
     thread_local std::vector<uint16_t> buffer;
     if (c.fmt != BF16) buffer.resize(NC * k);
@@ -299,15 +398,18 @@ BF16_TARGET void columns_bf16_avx512(const Call& c, size_t col0, size_t col1) {
                 w[i] = &buffer[i * k];
             }
         }
+        if (c.fmt != BF16 && col + 2 * NC <= col1)  // the next group, read while these multiply
+            for (size_t off = 0; off < NC * rb; off += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(c.w + (col + NC) * rb + off), _MM_HINT_T0);
         float out[BF16_ROWS][NC];
         size_t r = 0;
         for (; r + BF16_ROWS <= c.m; r += BF16_ROWS) {
-            tile_bf16<BF16_ROWS>(x + r * k, k, w, out);
+            tile_bf16<BF16_ROWS, NC>(x + r * k, k, LoadedColumns{w}, out);
             for (int i = 0; i < BF16_ROWS; ++i)
                 for (int j = 0; j < nc; ++j) store(c, r + i, col + j, out[i][j]);
         }
         for (; r < c.m; ++r) {
-            tile_bf16<1>(x + r * k, k, w, out);
+            tile_bf16<1, NC>(x + r * k, k, LoadedColumns{w}, out);
             for (int j = 0; j < nc; ++j) store(c, r, col + j, out[0][j]);
         }
     }
