@@ -27,6 +27,10 @@ so at most 62 drafts per call; and a logits buffer with a row per context positi
 draft model and `logits_all=False`, llama-cpp-python sizes it to `n_batch` rows yet writes
 every position's logits there, which fails once the context passes `n_batch` tokens
 (`DraftingLlama` has the full buffer without computing the prompt's unused logits).
+
+`RedraftDraft.metrics` counts drafts handed out and accepted with vLLM's `spec_decode_*`
+meanings (`adapter_counters`); llama-cpp-python has no metrics registry, so
+`adapter_prometheus.AdapterCollector` goes into the caller's (or `serve_http` serves it).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("redraft's llama.cpp adapter needs llama-cpp-python: "
                       "pip install 'redraft[llamacpp]'") from exc
 
+from redraft.decoder.engines.adapter_counters import AdapterCounters
 from redraft.decoder.engines.pacing import ChainPacer
 from redraft.decoder.engines.streams import (
     DraftOptions,
@@ -98,12 +103,14 @@ class RedraftDraft(LlamaDraftModel):
         self._handed_at = 0.0
         self.stats = {"calls": 0, "generations": 0, "drafted_calls": 0, "drafted": 0,
                       "accepted": 0, "skipped_calls": 0, "draft_seconds": 0.0}
+        self.metrics = AdapterCounters("llama_cpp")  # vLLM's spec_decode counters' meanings
 
     # ---- the LlamaDraftModel interface ---------------------------------------------------
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         now = time.perf_counter()
         ids = np.asarray(input_ids).astype(np.int64, copy=False).ravel()
         self.stats["calls"] += 1
+        self.metrics.steps += 1
         self._follow(ids, now)
         self._known = ids.copy()
         drafts = self._draft() if self.pacer.wants_drafts() else self._skip()
@@ -126,6 +133,7 @@ class RedraftDraft(LlamaDraftModel):
             if len(handed):
                 self.pacer.verified(handed.probs, handed.sources, extra)
                 self.stats["accepted"] += extra
+                self.metrics.accepted(handed.sources, extra)
             self.pacer.forward(1 + len(handed), now - self._handed_at)
             self._stream.extend(ids[m:].tolist())
             return
@@ -138,13 +146,16 @@ class RedraftDraft(LlamaDraftModel):
         chain = best_chain(self._stream.propose(), self.max_drafts)
         self.pacer.drafted(time.perf_counter() - start)
         keep = self.pacer.choose(chain.probs, chain.sources)
+        chain = chain.head(keep)
         if keep:
             self.stats["drafted_calls"] += 1
             self.stats["drafted"] += keep
-        return chain.head(keep)
+            self.metrics.drafted(chain.sources)
+        return chain
 
     def _skip(self) -> Chain:
         self.stats["skipped_calls"] += 1
+        self.metrics.skipped_steps += 1
         return Chain()
 
     # ---- lifecycle ---------------------------------------------------------------------

@@ -21,6 +21,9 @@ key, with the same names lower-cased and without the prefix.
     REDRAFT_TOKENIZER    a model name or .gguf path whose tokenizer must be the datastore's
     REDRAFT_ADAPTIVE     1/0: hand each row only the drafts that pay at the engine's measured
                          step cost (default 1); 0: every row's whole chain
+    REDRAFT_ADAPTER_METRICS_PORT  serve the adapter's Prometheus counters at /metrics on this
+                         port of the engine's process (`adapter_prometheus`; default: not)
+    REDRAFT_ADAPTER_METRICS_HOST  the address it listens on (default 127.0.0.1)
 
 Tested by: tests/decoder/engines/test_sglang.py, tests/decoder/engines/test_vllm.py
 """
@@ -35,7 +38,8 @@ from redraft.decoder.engines.streams import DraftOptions, DraftSource, EngineCon
 
 PREFIX = "REDRAFT_"
 NAMES = ("service", "datastore", "token", "token_file", "tenant", "corpora", "budget",
-         "max_depth", "learn", "timeout", "retry_after", "tokenizer", "adaptive")
+         "max_depth", "learn", "timeout", "retry_after", "tokenizer", "adaptive",
+         "adapter_metrics_port", "adapter_metrics_host")
 
 
 @dataclass
@@ -50,6 +54,8 @@ class EngineSettings:
     timeout: float = 0.5
     retry_after: float = 30.0
     adaptive: bool = True
+    metrics_port: int | None = None  # the adapter's own /metrics (adapter_prometheus)
+    metrics_host: str = "127.0.0.1"
 
     @classmethod
     def read(cls, config: Mapping | None = None,
@@ -88,7 +94,9 @@ class EngineSettings:
                    token=token or None, tokenizer=raw["tokenizer"] or None, options=options,
                    timeout=_number(raw["timeout"], "timeout", float, 0.5),
                    retry_after=_number(raw["retry_after"], "retry_after", float, 30.0),
-                   adaptive=_flag(raw["adaptive"], "adaptive", True))
+                   adaptive=_flag(raw["adaptive"], "adaptive", True),
+                   metrics_port=_port(raw["adapter_metrics_port"], "adapter_metrics_port"),
+                   metrics_host=str(raw["adapter_metrics_host"] or "127.0.0.1"))
 
     def source(self, budget: int | None = None, max_depth: int | None = None) -> DraftSource:
         """The draft source these settings name, its tree no larger than `budget` nodes and
@@ -120,6 +128,18 @@ def _number(value, name: str, kind: type, default):
     if not number > 0:
         raise EngineConfigError(f"{name} must be positive, got {value!r}")
     return number
+
+
+def _port(value, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        port = -1
+    if isinstance(value, bool) or not 0 < port < 65536:
+        raise EngineConfigError(f"{name} must be a port number 1..65535, got {value!r}")
+    return port
 
 
 def _flag(value, name: str, default: bool) -> bool:

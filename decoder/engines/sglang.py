@@ -16,6 +16,11 @@ step with one batched call to the draft service; the worker is told the step's r
 and asks for whole contexts (its match window made unbounded), so each request is one
 sequence on the service. Nothing of SGLang is imported until `register` runs.
 
+`RedraftNgramCache.metrics` counts drafts handed out and accepted with vLLM's
+`spec_decode_*` meanings (`adapter_counters`), what was accepted read from how each request
+grew by the next call; with SGLang's `--enable-metrics` (its prometheus_client
+multiprocess mode) they are published beside SGLang's own (`adapter_prometheus`).
+
 Options: the environment (REDRAFT_SERVICE, REDRAFT_TOKEN, ...: see `settings`).
 """
 
@@ -25,6 +30,7 @@ import logging
 from collections.abc import Hashable, Sequence
 
 import numpy as np
+from redraft.decoder.engines.adapter_counters import AdapterCounters
 from redraft.decoder.engines.rows import RowIdentity
 from redraft.decoder.engines.settings import EngineSettings
 from redraft.decoder.engines.step_drafts import BatchedDrafts
@@ -57,6 +63,8 @@ class RedraftNgramCache:
         self._expected: list[Hashable] | None = None
         self._missing: dict[Hashable, int] = {}
         self.stats = {"calls": 0, "requests": 0, "drafted_nodes": 0, "errors": 0}
+        self.metrics = AdapterCounters("sglang")  # vLLM's spec_decode counters' meanings
+        self._pending: dict[Hashable, tuple[int, Tree, int]] = {}  # handed at the last call
 
     @classmethod
     def from_settings(cls, draft_token_num: int,
@@ -64,6 +72,11 @@ class RedraftNgramCache:
         """A cache drafting at most `draft_token_num - 1` nodes per request (node 0 is the
         request's last token), from `settings` (default: the environment)."""
         settings = settings or EngineSettings.read()
+        # lazy: prometheus_client only in SGLang's scheduler processes, never where SGLang
+        # has not yet chosen its multiprocess mode (it reads the mode when first imported)
+        from redraft.decoder.engines.adapter_prometheus import expose
+
+        expose(settings.metrics_port, settings.metrics_host)
         nodes = max(1, int(draft_token_num) - 1)
         return cls(BatchedDrafts(settings.source(budget=nodes, max_depth=nodes)),
                    draft_token_num)
@@ -77,6 +90,7 @@ class RedraftNgramCache:
         bs = len(batch_tokens)
         self.stats["calls"] += 1
         self.stats["requests"] += bs
+        self.metrics.steps += 1
         last = [int(t[-1]) if len(t) else 0 for t in batch_tokens]
         try:
             trees = self._trees(batch_tokens)
@@ -85,6 +99,7 @@ class RedraftNgramCache:
             log.warning("redraft: drafting failed this step (%s: %s); no drafts",
                         type(exc).__name__, exc)
             trees = [Tree() for _ in range(bs)]
+            self._pending = {}
         ids, mask = tree_arrays(last, trees, self.n)
         return ids, mask
 
@@ -98,6 +113,7 @@ class RedraftNgramCache:
         """SGLang flushed its caches: end every sequence (their outputs become final)."""
         ended = list(self._missing) + self.rows.clear()
         self._missing.clear()
+        self._pending = {}
         try:
             self.drafts.step({}, end=ended)
         except Exception as exc:
@@ -115,12 +131,46 @@ class RedraftNgramCache:
         else:
             rows = [np.asarray(t, dtype=np.int64) for t in batch_tokens]
             keys, ended = self.rows.assign(rows)
+        self._count_accepted(keys, batch_tokens)
         if self.n < 2:
             self.drafts.step({}, end=ended)
             return [Tree() for _ in keys]
         wanted = {k: t for k, t in zip(keys, batch_tokens) if len(t)}
         drafts = self.drafts.step(wanted, ended)
-        return [drafts.get(k, Tree()) for k in keys]
+        trees = [drafts.get(k, Tree()) for k in keys]
+        self._count_handed(keys, batch_tokens, trees)
+        return trees
+
+    def _count_handed(self, keys: Sequence[Hashable], batch_tokens: Sequence[Sequence[int]],
+                      trees: Sequence[Tree]) -> None:
+        """Count the nodes SGLang gets (the first n - 1 of each tree) and keep each tree and
+        its request's length, to count what was accepted of it at the next call."""
+        pending: dict[Hashable, tuple[int, Tree, int]] = {}
+        most = self.n - 1
+        metrics = self.metrics
+        for key, context, tree in zip(keys, batch_tokens, trees):
+            m = min(len(tree), most)
+            if m > 0:
+                metrics.drafted(tree.sources[:m])
+                pending[key] = (len(context), tree, m)
+        self._pending = pending
+
+    def _count_accepted(self, keys: Sequence[Hashable],
+                        batch_tokens: Sequence[Sequence[int]]) -> None:
+        """A request drafted at the last call now holds the tree's accepted path and one
+        token of the target's own after its old context: count that path's nodes. (A request
+        that finished at the last step never comes back: its last step is not counted.)"""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        for key, context in zip(keys, batch_tokens):
+            handed = pending.get(key)
+            if handed is None:
+                continue
+            length, tree, m = handed
+            path = accepted_path(tree, m, context[length:])
+            if path:
+                self.metrics.accepted([tree.sources[i] for i in path], len(path))
 
     def _absent(self, keys: Sequence[Hashable]) -> list[Hashable]:
         """Request ids absent from more than `grace` calls in a row (and forgets them)."""
@@ -135,6 +185,23 @@ class RedraftNgramCache:
         for key in keys:
             self._missing[key] = 0
         return ended
+
+
+def accepted_path(tree: Tree, m: int, new: Sequence[int]) -> list[int]:
+    """The nodes (of the tree's first `m`) that `new` followed from the root: the accepted
+    drafts, when `new` is what a step added (those drafts, then the target's own token, which
+    is never a draft and is left out). One pass: a parent precedes its children."""
+    path: list[int] = []
+    limit = len(new) - 1
+    at = -1
+    tokens, parents = tree.tokens, tree.parents
+    for i in range(m):
+        if len(path) >= limit:
+            break
+        if parents[i] == at and tokens[i] == new[len(path)]:
+            path.append(i)
+            at = i
+    return path
 
 
 def tree_arrays(last_tokens: Sequence[int], trees: Sequence[Tree],

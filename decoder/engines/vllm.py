@@ -34,6 +34,11 @@ are sent all the same, without waiting (`BatchedDrafts.learn`): it learns each s
 what it is sent.
 `REDRAFT_ADAPTIVE=0` hands every row its whole chain.
 
+`.metrics` (`adapter_counters.AdapterCounters`) counts what vLLM's `spec_decode_*` counters
+count, from the proposer's side: drafts handed out and accepted, by source and position
+(`adapter_prometheus` serves them: `REDRAFT_ADAPTER_METRICS_PORT`, or vLLM's own `/metrics`
+in prometheus_client's multiprocess mode).
+
 Options: the environment (REDRAFT_SERVICE, REDRAFT_TOKEN, REDRAFT_TENANT, REDRAFT_CORPORA, ...:
 see `settings`), overridden by `additional_config={"redraft": {...}}` of the vLLM config.
 """
@@ -46,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from redraft.decoder.engines.adapter_counters import AdapterCounters
 from redraft.decoder.engines.pacing import BatchPacer
 from redraft.decoder.engines.rows import RowIdentity
 from redraft.decoder.engines.settings import EngineSettings
@@ -73,6 +79,7 @@ class RedraftProposer:
         config = extra.get("redraft") if isinstance(extra, Mapping) else None
         settings = EngineSettings.read(config)
         self.drafts = BatchedDrafts(settings.source(max_depth=k), chain=k)
+        self.metrics = AdapterCounters("vllm")  # vLLM's spec_decode counters, in process
         self.pacer = BatchPacer(adaptive=settings.adaptive)
         self.rows = RowIdentity()
         self.keys: list[int] = []  # the sequence of each row at the last step
@@ -82,7 +89,12 @@ class RedraftProposer:
         self.stats = {"steps": 0, "rows": 0, "offered_rows": 0, "offered_tokens": 0,
                       "drafted_rows": 0, "drafted_tokens": 0,
                       "accepted_tokens": 0, "errors": 0, "seconds": 0.0, "unasked_steps": 0,
-                      "drafted_by_source": {}, "accepted_by_source": {}}
+                      "drafted_by_source": self.metrics.draft_tokens,
+                      "accepted_by_source": self.metrics.accepted_tokens}
+        # lazy: prometheus_client only once an engine builds the proposer
+        from redraft.decoder.engines.adapter_prometheus import expose
+
+        expose(settings.metrics_port, settings.metrics_host)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM hands the target model here; redraft drafts without it."""
@@ -95,6 +107,7 @@ class RedraftProposer:
         start = time.perf_counter()
         n_rows = len(sampled_token_ids)
         self.stats["steps"] += 1
+        self.metrics.steps += 1
         self.stats["rows"] += n_rows
         try:
             out = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, n_rows)
@@ -122,6 +135,7 @@ class RedraftProposer:
         wanted = {keys[i]: rows[i] for i in range(n_rows) if room[i] and len(sampled[i])}
         if not self.pacer.wants_drafts(n_rows):  # learned, not waited for: no drafts
             self.stats["unasked_steps"] += 1
+            self.metrics.skipped_steps += 1
             self._handed = {}
             # copies: the engine changes its rows in place before the reply is read
             self.drafts.learn({key: np.array(row) for key, row in wanted.items()}, ended)
@@ -135,15 +149,14 @@ class RedraftProposer:
         self._handed = {key: c.head(n) for (key, c), n in zip(offered, keep) if n}
         out: list[list[int]] = []
         drafted_tokens = 0
-        by_source = self.stats["drafted_by_source"]
+        metrics = self.metrics
         for key in keys:
             chain = self._handed.get(key)
             if chain is None:
                 out.append([])
                 continue
             drafted_tokens += len(chain)
-            for src in chain.sources:
-                by_source[src] = by_source.get(src, 0) + 1
+            metrics.drafted(chain.sources)
             out.append(list(chain.tokens))
         self.stats["drafted_rows"] += len(self._handed)
         self.stats["drafted_tokens"] += drafted_tokens
@@ -154,7 +167,7 @@ class RedraftProposer:
         sampled them plus one token), and the forward's time against its tokens when this
         step's rows are the last step's, all decoding (no prefill ran in it)."""
         handed, last = self._handed, set(self.keys)
-        by_source = self.stats["accepted_by_source"]
+        metrics = self.metrics
         for key, s in zip(keys, sampled):
             chain = handed.get(key)
             if chain is None or not len(s):
@@ -162,8 +175,7 @@ class RedraftProposer:
             accepted = min(len(s) - 1, len(chain))
             self.pacer.verified(chain.probs, chain.sources, accepted)
             self.stats["accepted_tokens"] += accepted
-            for src in chain.sources[:accepted]:
-                by_source[src] = by_source.get(src, 0) + 1
+            metrics.accepted(chain.sources, accepted)
         decoding = all(len(s) for s in sampled)
         if (self._returned_at is not None and last and decoding and self._decoding
                 and all(key in last for key in keys)):

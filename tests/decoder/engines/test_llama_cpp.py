@@ -136,6 +136,13 @@ def test_greedy_with_an_in_process_datastore_equals_plain(store, answers):
         assert s["accepted"] >= NEW_TOKENS
         # every forward stayed below llama.cpp's 64-row tiled attention
         assert s["drafted"] <= s["drafted_calls"] * 62
+        # the in-process counters (what Prometheus reads) are the adapter's own statistics
+        m = draft.metrics
+        assert (m.drafts, m.num_draft_tokens) == (s["drafted_calls"], s["drafted"])
+        assert m.num_accepted_tokens == s["accepted"] and m.steps == s["calls"]
+        assert m.accepted_per_pos[0] > 0 and set(m.draft_tokens) <= {
+            "rest", "pld", "learned", "pld+rest", "learned+rest", "learned+pld",
+            "learned+pld+rest"}
 
 
 def test_greedy_with_the_draft_service_equals_plain(store, answers, servers):
@@ -226,6 +233,8 @@ def test_the_adapter_follows_generations_from_its_calls(store):
         seq = np.concatenate([prompt, prompt[:5], first[:2], [7]]).astype(np.intc)
         draft(seq)
         assert draft.stats["generations"] == 1 and draft.stats["accepted"] == 2
+        assert draft.metrics.accepted_per_pos[:3] == [1, 1, 0]
+        assert sum(draft.metrics.accepted_tokens.values()) == 2
         # the same tokens with a token that was never drafted in between: a new generation
         draft(np.concatenate([seq, [8, 9]]).astype(np.intc))
         assert draft.stats["generations"] == 2

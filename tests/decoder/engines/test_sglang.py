@@ -97,6 +97,7 @@ def test_trees_are_the_services_in_sglangs_layout(service, plain_answers):
     client = DraftClient(service.address, timeout=10)
     answers = {f"r{i}": plain_answers[q][1] for i, q in enumerate(QUESTIONS)}
     reqs = [request(f"r{i}", plain_answers[q][0]) for i, q in enumerate(QUESTIONS[:3])]
+    handed_nodes = handed_trees = 0
     for step in range(8):
         if step == 3:
             reqs.reverse()  # the batch was filtered and merged: another order
@@ -110,6 +111,8 @@ def test_trees_are_the_services_in_sglangs_layout(service, plain_answers):
             want = client.propose(context, source.params, source.fingerprint())
             assert len(want) <= N - 1
             assert nodes_without_padding(tree, len(want)) == (want.tokens, want.parents)
+            handed_nodes += len(want)
+            handed_trees += len(want) > 0
             # padding: token 0 under the root, as SGLang's own NgramCache pads
             assert tree.tokens[len(want):] == [0] * (N - 1 - len(want))
             assert tree.parents[len(want):] == [-1] * (N - 1 - len(want))
@@ -118,6 +121,9 @@ def test_trees_are_the_services_in_sglangs_layout(service, plain_answers):
             req.output_ids.extend(answer[len(req.output_ids):len(req.output_ids) + 2])
         put(cache, reqs)
     assert cache.drafts.calls == 8 and cache.stats["errors"] == 0
+    assert cache.metrics.num_draft_tokens == handed_nodes > 0
+    assert cache.metrics.drafts == handed_trees
+    assert cache.metrics.steps == 8
     # The server saw one Batch call per decode step, drafting every request of it (3 a step);
     # r1 was ended on it when it had been absent for more than the grace steps.
     stats = client.stats()
@@ -171,16 +177,23 @@ def test_greedy_tree_verification_equals_plain(service, default_model, plain_ans
     seqs = {r.rid: GreedySequence(model, r.origin_input_ids) for r in reqs}
     for r in reqs:  # the prefill (extend) step samples the first token without drafts
         r.output_ids.extend(seqs[r.rid].step(Tree()))
+    seen = 0  # accepted drafts of steps after which the request comes back to the cache
     while reqs:
         for req, (root, tree) in zip(reqs, decode_step(cache, reqs)):
             assert root == req.output_ids[-1] == seqs[req.rid].root
-            req.output_ids.extend(seqs[req.rid].step(tree))
+            made = seqs[req.rid].step(tree)
+            req.output_ids.extend(made)
+            seen += (len(made) - 1) * (len(req.output_ids) < NEW_TOKENS)
         put(cache, reqs)
         reqs = [r for r in reqs if len(r.output_ids) < NEW_TOKENS]
     for rid, seq in seqs.items():
         assert seq.output[:NEW_TOKENS] == plain_answers[QUESTIONS[int(rid[1:])]][1], rid
     accepted = sum(s.accepted for s in seqs.values())
     assert accepted >= NEW_TOKENS
+    # The adapter's counters read what was accepted from how each request grew: every
+    # accepted draft but those of a request's last step (it never comes back).
+    assert cache.metrics.num_accepted_tokens == seen > 0
+    assert cache.metrics.accepted_per_pos[0] > 0
     assert sum(s.forwards for s in seqs.values()) < len(QUESTIONS) * NEW_TOKENS
     cache.close()
 

@@ -220,6 +220,9 @@ def test_chains_are_the_services_best_chains_as_rows_move(service_env, plain_ans
     assert len(proposer.drafts._batch) == 2 and len(proposer.rows) == 2
     assert proposer.stats["errors"] == 0 and proposer.drafts.source.failures == 0
     assert proposer.stats["drafted_tokens"] > 0
+    m, s = proposer.metrics, proposer.stats  # the counters Prometheus reads
+    assert (m.drafts, m.num_draft_tokens) == (s["drafted_rows"], s["drafted_tokens"])
+    assert m.num_accepted_tokens == s["accepted_tokens"] > 0 and m.steps == s["steps"]
     proposer.close()  # the engine shuts down: its sequences end on the server
     assert client.stats()["sessions_active"] == 0
     client.close()
