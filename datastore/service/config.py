@@ -119,7 +119,7 @@ KEEP_FREE = 8
 
 # Without auth, declared tenants (and the default one) count against their share in
 # this many slots, by a hash of their name: bounded memory whatever names clients declare
-# (two tenants in one slot share its share).
+# (each slot counts up to `stats.LANES` tenants apart; only more at once share a count).
 TENANT_BUCKETS = 64
 
 # The longest client or sequence id a Batch call may name, in UTF-8 bytes: the server keeps

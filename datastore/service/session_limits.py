@@ -7,8 +7,9 @@ A session waits either for its client's next request or for its client to read a
 (HTTP/2 flow control blocks the write of a client that stops reading). Both count: without
 a deadline there, a stalled client would hold its session slot forever.
 
-Tested by: tests/datastore/service/test_server.py,
-tests/datastore/service/test_client.py, tests/datastore/service/test_batch_rpc.py
+Tested by: tests/datastore/service/test_session_limits.py,
+tests/datastore/service/test_server.py, tests/datastore/service/test_client.py,
+tests/datastore/service/test_batch_rpc.py
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import time
 from typing import Any, NamedTuple
 
 from redraft.datastore.service.metrics import MetricSlots
+from redraft.datastore.service.tenants import TenantSlot
 
 # Counter slots in the shared array.
 FIELDS = (
@@ -51,12 +52,16 @@ _HIST0 = len(FIELDS)
 WORKER_FIELDS = ("pid", "learned_tokens", "learned_docs", "learned_pools")
 _CLAIMED = _HIST0 + _N_BUCKETS  # how many workers have claimed their slots
 _WORKER0 = _CLAIMED + 1
+# Tenants counted apart in each tenant slot (a hash bucket of declared tenants): a session
+# of a tenant that names itself (`TenantSlot.tenant`) counts in a lane of its slot holding
+# that tenant, or in a free one; only a ninth tenant of one slot at once shares a lane.
+LANES = 8
 
 
 class Full(NamedTuple):
     """Why a session slot was refused: what is full, "server" or "tenant" (the caller's
-    tenant slot holds its share); for a tenant, that share and, when shares are fair (an
-    equal part for each tenant slot holding sessions), how many hold some."""
+    tenant holds its share); for a tenant, that share and, when shares are fair (an equal
+    part for each tenant holding sessions), how many hold some."""
 
     what: str
     share: int = 0
@@ -72,10 +77,14 @@ class ServiceStats:
         sessions (one per configured token; one for a server without auth)."""
         self._tenant0 = _WORKER0 + workers * len(WORKER_FIELDS)
         self.tenants = max(1, tenants)
-        # per worker, the sessions it holds and, per tenant slot, those counted there: what
-        # a worker that died held is given back (`release_worker`), never leaked
-        self._held0 = self._tenant0 + self.tenants
-        self._held_per_worker = self.tenants + 1  # [0]: all its sessions
+        # per lane of each tenant slot: the tenant counted there, its sessions; then how
+        # many lanes hold some (the tenants holding slots, for fair shares)
+        self._lane0 = self._tenant0 + self.tenants
+        self._holders = self._lane0 + 2 * self.tenants * LANES
+        # per worker, the sessions it holds and, per tenant slot and per lane, those counted
+        # there: what a worker that died held is given back (`release_worker`), never leaked
+        self._held0 = self._holders + 1
+        self._held_per_worker = 1 + self.tenants + self.tenants * LANES  # [0]: all its sessions
         size = self._held0 + workers * self._held_per_worker
         if ctx is None:
             self._arr: Any = [0.0] * size
@@ -130,6 +139,11 @@ class ServiceStats:
                     n = int(self._arr[base + 1 + t])
                     self._arr[base + 1 + t] = 0
                     self._arr[self._tenant0 + t] -= n
+                for lane in range(self.tenants * LANES):
+                    n = int(self._arr[base + 1 + self.tenants + lane])
+                    if n:
+                        self._arr[base + 1 + self.tenants + lane] = 0
+                        self._count_lane(lane, -n)
                 for i in range(k):
                     self._arr[_WORKER0 + w * k + i] = 0
                 self.metrics.clear_worker(w)
@@ -170,25 +184,16 @@ class ServiceStats:
         """Take a session slot atomically across processes, for tenant slot `tenant` (-1:
         none yet, `join_tenant` later): None when taken, else what is full (the server, or
         the tenant's share: `tenant_share`, or with `fair_room` an equal part of it for each
-        tenant slot holding sessions)."""
+        tenant holding sessions). A `TenantSlot` is counted as its own tenant, apart from
+        the others of its slot, and keeps the lane it was counted in for `close_session`."""
         a = self._arr
-        at = self._tenant0 + tenant
-        held = self._held0 + self._slot * self._held_per_worker
         with self._lock:
             if a[_SLOT["sessions_active"]] >= max_sessions:
                 a[_SLOT["refused_sessions"]] += 1
                 return Full("server")
-            full = self._over_share(tenant, tenant_share, fair_room)
-            if full is not None:
-                return full
-            a[_SLOT["sessions_active"]] += 1
-            a[_SLOT["sessions_opened"]] += 1
-            if self._slot >= 0:
-                a[held] += 1
             if tenant >= 0:
-                a[at] += 1
-                if self._slot >= 0:
-                    a[held + 1 + tenant] += 1
+                return self._count_in(tenant, tenant_share, fair_room, opening=True)
+            self._count_open(+1)
             return None
 
     def join_tenant(self, tenant: int, tenant_share: int | None = None,
@@ -196,45 +201,86 @@ class ServiceStats:
         """Count a session taken without a tenant slot (-1) against `tenant` now; what is
         full (and it stays without) when that tenant already holds its share."""
         with self._lock:
-            full = self._over_share(tenant, tenant_share, fair_room)
-            if full is not None:
-                return full
-            self._arr[self._tenant0 + tenant] += 1
-            if self._slot >= 0:
-                self._arr[self._held0 + self._slot * self._held_per_worker + 1 + tenant] += 1
-            return None
+            return self._count_in(tenant, tenant_share, fair_room, opening=False)
 
-    def _over_share(self, tenant: int, tenant_share: int | None,
-                    fair_room: int | None) -> Full | None:
-        """Under the lock: a refusal (counted) when tenant slot `tenant` holds its share."""
-        if tenant < 0:
-            return None
-        holders = 0
+    def _count_in(self, tenant: int, tenant_share: int | None, fair_room: int | None,
+                  opening: bool) -> Full | None:
+        """Under the lock: count a session (`opening`: a new one, else one counted already)
+        against `tenant`'s lane, or refuse it (counted) when that tenant holds its share."""
+        lane = self._lane_of(tenant)
+        held = self._arr[self._lane0 + 2 * lane + 1]
         if fair_room is not None:  # the caller counts as holding, whether it does yet or not
-            counts = self._arr[self._tenant0:self._tenant0 + self.tenants]
-            holders = sum(1 for n in counts if n > 0) + (1 if counts[tenant] <= 0 else 0)
+            holders = int(self._arr[self._holders]) + (1 if held <= 0 else 0)
             share = max(1, fair_room // holders)
-        elif tenant_share is not None:
-            share = tenant_share
         else:
-            return None
-        if self._arr[self._tenant0 + tenant] < share:
-            return None
-        self._arr[_SLOT["refused_sessions"]] += 1
-        self._arr[_SLOT["refused_tenant_sessions"]] += 1
-        return Full("tenant", share, holders)
+            holders, share = 0, tenant_share
+        if share is not None and held >= share:
+            self._arr[_SLOT["refused_sessions"]] += 1
+            self._arr[_SLOT["refused_tenant_sessions"]] += 1
+            return Full("tenant", share, holders)
+        if opening:
+            self._count_open(+1)
+        self._arr[self._tenant0 + tenant] += 1
+        self._count_lane(lane, +1)
+        if self._slot >= 0:
+            mine = self._held0 + self._slot * self._held_per_worker
+            self._arr[mine + 1 + tenant] += 1
+            self._arr[mine + 1 + self.tenants + lane] += 1
+        if isinstance(tenant, TenantSlot):
+            tenant.lane = lane
+        return None
+
+    def _lane_of(self, tenant: int) -> int:
+        """Under the lock: the lane `tenant` counts in: the one of its slot that holds this
+        tenant, else a free one (an unnamed tenant, a token's: the slot's first), else (all
+        held by other tenants) one it shares, as all tenants of a slot once did."""
+        first = tenant * LANES
+        named = getattr(tenant, "tenant", None)
+        if named is None:
+            return first
+        free = -1
+        for lane in range(first, first + LANES):
+            at = self._lane0 + 2 * lane
+            if self._arr[at + 1] <= 0:
+                if free < 0:
+                    free = lane
+            elif self._arr[at] == named:
+                return lane
+        if free < 0:
+            return first + named % LANES
+        self._arr[self._lane0 + 2 * free] = named
+        return free
+
+    def _count_lane(self, lane: int, n: int) -> None:
+        """Under the lock: `n` more sessions in `lane`, and the tenants holding some."""
+        at = self._lane0 + 2 * lane + 1
+        before = self._arr[at]
+        self._arr[at] = before + n
+        self._arr[self._holders] += (before + n > 0) - (before > 0)
+
+    def _count_open(self, n: int) -> None:
+        """Under the lock: `n` more sessions open (this worker's among them)."""
+        self._arr[_SLOT["sessions_active"]] += n
+        if n > 0:
+            self._arr[_SLOT["sessions_opened"]] += n
+        if self._slot >= 0:
+            self._arr[self._held0 + self._slot * self._held_per_worker] += n
 
     def close_session(self, tenant: int = 0) -> None:
-        """A session of tenant slot `tenant` (-1: none) ended."""
-        held = self._held0 + self._slot * self._held_per_worker
+        """A session of tenant slot `tenant` (-1: none) ended (a `TenantSlot`: in the lane it
+        was counted in)."""
         with self._lock:
-            self._arr[_SLOT["sessions_active"]] -= 1
+            self._count_open(-1)
+            if tenant < 0:
+                return
+            lane = getattr(tenant, "lane", None)
+            lane = tenant * LANES if lane is None else lane
+            self._arr[self._tenant0 + tenant] -= 1
+            self._count_lane(lane, -1)
             if self._slot >= 0:
-                self._arr[held] -= 1
-            if tenant >= 0:
-                self._arr[self._tenant0 + tenant] -= 1
-                if self._slot >= 0:
-                    self._arr[held + 1 + tenant] -= 1
+                mine = self._held0 + self._slot * self._held_per_worker
+                self._arr[mine + 1 + tenant] -= 1
+                self._arr[mine + 1 + self.tenants + lane] -= 1
 
     def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str],
                kind: str | None = None) -> None:

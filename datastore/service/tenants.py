@@ -10,12 +10,18 @@ configuration is later (restarted without auth, a session declaring anything sti
 Outputs persisted before keys (`learned:<tenant>`) map safely: `learned:token-<hex16>[/name]`
 (a token's tenant then) only to a token configured now whose digest starts with those 16
 digits (else it is not loaded at all), any other `learned:<name>` to `t:<name>`.
+
+Without auth, a declared tenant's sessions count against its share of max_sessions in one of
+a few tenant slots, by a hash of its key (`TenantSlot`): what the statistics are kept by.
+The slot also names the tenant exactly, so that the server counts the tenants of one slot
+apart (two tenants of one slot would otherwise refuse each other while the server has room).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import zlib
 from collections.abc import Iterable
 
 TOKEN_PREFIX = "k:"
@@ -84,3 +90,20 @@ def shareable(key: str, token_keys: Iterable[str]) -> bool:
     did not present that token, after a restart without auth or on a replica either."""
     token = token_of(key)
     return not token or token in set(token_keys)
+
+
+class TenantSlot(int):
+    """A declared tenant's slot: the int is its hash bucket (what statistics and metrics
+    count by); `tenant` names the tenant within it (48 bits of its key's digest: exact in
+    the shared counters' doubles); `lane`: where its session is counted, once it is (the
+    statistics set it, and read it back when the session ends)."""
+
+    tenant: int
+    lane: int | None
+
+    def __new__(cls, key: str, buckets: int) -> TenantSlot:
+        raw = key.encode("utf-8", "surrogatepass")
+        slot = super().__new__(cls, zlib.crc32(raw) % buckets)
+        slot.tenant = int.from_bytes(hashlib.blake2b(raw, digest_size=6).digest(), "big")
+        slot.lane = None
+        return slot

@@ -12,7 +12,6 @@ tests/datastore/service/test_batch_rpc.py
 from __future__ import annotations
 
 import hmac
-import zlib
 from collections.abc import Sequence
 
 import grpc
@@ -20,7 +19,7 @@ import numpy as np
 from redraft.datastore.drafting import LEARNED_CORPUS, DraftSettings
 from redraft.datastore.service.config import ServiceConfig
 from redraft.datastore.service.refusals import Refusal, bad, over_context
-from redraft.datastore.service.tenants import session_key, token_key
+from redraft.datastore.service.tenants import TenantSlot, session_key, token_key
 from redraft.datastore.service.wire import source_names
 from redraft.proto import draft_pb2
 from redraft.proto.tree import PLD, REST
@@ -62,12 +61,13 @@ class RequestValidator:
     def slot(self, authenticated: str, tenant_key: str | None = None) -> int:
         """The tenant slot whose share of max_sessions a caller's sessions count against:
         its token's (`auth`'s key); without auth, its declared tenant's (`tenant_key`, by a
-        hash: `config.TENANT_BUCKETS`), or none yet (-1) while it is not known."""
+        hash: `config.TENANT_BUCKETS`; a `TenantSlot`, which names the tenant too, so that
+        the tenants of one slot are counted apart), or none yet (-1) while it is not known."""
         if self._tokens:
             return self._slots.get(authenticated, 0)
         if tenant_key is None:
             return -1
-        return zlib.crc32(tenant_key.encode("utf-8", "surrogatepass")) % self.buckets
+        return TenantSlot(tenant_key, self.buckets)  # counted apart from its slot's others
 
     def auth(self, context: grpc.aio.ServicerContext) -> str:
         """Check the bearer token; returns the tenant key it stands for ("" without auth)."""
