@@ -18,6 +18,9 @@ Layers, and what each may not import:
 - `policy` (`redraft.decoder.policy`: calibration and the budget's rule, shared by the loop
   and the engines) imports nothing of the decoder nor of the datastore side; it and the
   engines import without torch (checked in a process where torch cannot be imported).
+- `source` (`redraft.decoder.draft_source`: a generation's retrieval drafts and their
+  fallback, shared by the drafters and the engines) imports nothing of the decoder but the
+  policy; the loop, models and heads do not import it; it imports without torch too.
 - From the datastore side the decoder imports only its public surfaces: `redraft.datastore`,
   `redraft.datastore.drafting`, `redraft.datastore.service.client` and
   `redraft.datastore.service.batch_client` (and its CLI, the `redraft` entry point's).
@@ -56,21 +59,23 @@ PACKAGES = {"proto": "redraft.proto", "datastore": "redraft.datastore",
 FACADES = {"redraft.decoder"}
 
 DATASTORE = {"storage", "drafting", "service", "datastore-cli"}
-DECODER = {"loop", "policy", "models", "drafters", "heads", "bench", "cli", "engines"}
+DECODER = {"loop", "policy", "source", "models", "drafters", "heads", "bench", "cli",
+           "engines"}
 FORBIDDEN: dict[str, set[str]] = {
     "proto": DATASTORE | DECODER,
     "storage": {"drafting", "service", "datastore-cli"} | DECODER,
     "drafting": {"service", "datastore-cli"} | DECODER,
     "service": {"datastore-cli"} | DECODER,
     "datastore-cli": DECODER,
-    "loop": {"models", "drafters", "heads", "bench", "cli"} | DATASTORE,
-    "models": {"drafters", "heads", "bench", "cli"} | DATASTORE,
-    "heads": {"drafters", "bench", "cli"} | DATASTORE,
+    "loop": {"source", "models", "drafters", "heads", "bench", "cli"} | DATASTORE,
+    "models": {"source", "drafters", "heads", "bench", "cli"} | DATASTORE,
+    "heads": {"source", "drafters", "bench", "cli"} | DATASTORE,
     "drafters": {"bench", "cli"},
     "bench": {"cli"},
     "cli": set(),
     "engines": {"loop", "models", "drafters", "heads", "bench", "cli"},
     "policy": (DECODER - {"policy"}) | DATASTORE,
+    "source": DECODER - {"source", "policy"},
 }
 # Who may import a leaf layer at all.
 LEAVES = {"bench": {"bench", "cli"}, "cli": {"cli"}, "datastore-cli": {"datastore-cli", "cli"},
@@ -155,6 +160,7 @@ def layer(name: str) -> str:
                          ("redraft.decoder.bench", "bench"), ("redraft.decoder.cli", "cli"),
                          ("redraft.decoder.engines", "engines"),
                          ("redraft.decoder.policy", "policy"),
+                         ("redraft.decoder.draft_source", "source"),
                          ("redraft.decoder", "loop")):
         if name == prefix or name.startswith(prefix + "."):
             return kind
@@ -262,7 +268,8 @@ def test_the_policy_and_the_engines_import_without_torch():
     """The serving engines' adapters may run where torch is not installed: they and the policy
     they share with the loop must import in a process where `import torch` fails."""
     engines = sorted(name for name, mod in KNOWN.items()
-                     if layer(name) in ("engines", "policy") and mod.path.suffix == ".py")
+                     if layer(name) in ("engines", "policy", "source")
+                     and mod.path.suffix == ".py")
     assert "redraft.decoder.policy" in engines and "redraft.decoder.engines.pacing" in engines
     code = ("import importlib, sys\n"
             "sys.modules['torch'] = None  # any import of torch now raises ImportError\n"

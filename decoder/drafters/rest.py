@@ -21,9 +21,9 @@ __all__ = ["DatastoreDrafter", "ServiceDrafter", "make"]
 
 
 def make(ctx) -> Drafter:
-    """In-process retrieval with a datastore, else the draft service; PLD is the service's
-    fallback unless the combination already runs PLD. Learned drafts come with either
-    unless `--learn off`."""
+    """In-process retrieval with a datastore, else the draft service (its tokenizer checked
+    as it is made); PLD is the service's fallback unless the combination already runs PLD.
+    Learned drafts come with either unless `--learn off`."""
     if ctx.datastore and ctx.draft_service:
         raise UnknownDrafter("give either a datastore or a draft service, not both")
     learn = str(ctx.option("learn")).lower()
@@ -39,11 +39,8 @@ def make(ctx) -> Drafter:
     if ctx.draft_service:
         fallback = None if "pld" in ctx.names else PLDDrafter(max_depth=ctx.max_depth)
         sources = (REST, LEARNED) if learn == "on" else (REST,)
-        service = ServiceDrafter(ctx.draft_service, tokenizer_fingerprint(ctx.tokenizer),
-                                 fallback, max_depth=ctx.max_depth, token=ctx.token,
-                                 sources=sources, tenant=str(ctx.option("tenant")),
-                                 tls=ctx.tls)
-        service.check()
-        return service
+        return ServiceDrafter(ctx.draft_service, tokenizer_fingerprint(ctx.tokenizer),
+                              fallback, max_depth=ctx.max_depth, token=ctx.token,
+                              sources=sources, tenant=str(ctx.option("tenant")), tls=ctx.tls)
     raise UnknownDrafter("drafter 'rest' needs a datastore (--datastore DIR) or a "
                          "draft service (--draft-service ADDR)")
