@@ -2,7 +2,9 @@
 
 On the CPU at hand and in one run: the bytes of weights one forward reads (the GGUF's blocks,
 or the dense copy in the model's dtype), this core's measured read bandwidth (a sum over a
-512 MB array, the same threads), the floor those give, and the forward's time split into its
+512 MB array, the same threads), the floor those give, the block kernel's multiply-add rate
+on weights in cache (a forward of many rows cannot beat its multiply-adds at that rate: the
+floor at n rows is the larger of the two), and the forward's time split into its
 linear layers, its attention and the rest (norms, rotary, the cache, Python), for the block
 kernel and the dense packed kernels, interleaved round by round (the fastest round kept:
 noise only adds time). At one thread every time is this thread's CPU time (as the cost curve
@@ -43,6 +45,42 @@ def read_bandwidth(seconds: float = 1.0) -> float:
         data.sum()
         best = min(best, time.perf_counter() - t)
     return data.numel() * 4 / best
+
+
+def multiply_rate(dtype: torch.dtype, threads: int, seconds: float = 1.0) -> float | None:
+    """Multiply-adds per second the block kernel reaches at 64 rows over weights that stay in
+    cache (dense rows in the activations' dtype, so nothing is dequantized): what this core's
+    dot-product units allow, the floor of a forward of many rows. None without a fast path."""
+    from redraft.decoder import block_linear
+    from redraft.decoder.native import _blocks
+
+    if not block_linear.fast(dtype):
+        return None
+    fmt, kind = ((_blocks.BF16, _blocks.KIND_BF16) if dtype == torch.bfloat16
+                 else (_blocks.F32, _blocks.KIND_F32))
+    m, n, k, calls = 64, 256, 576, 10
+    w, x = torch.randn(n, k).to(dtype), torch.randn(m, k).to(dtype)
+    y = torch.empty(m, n, dtype=dtype)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds or best == float("inf"):
+        t = cpu_clock()
+        for _ in range(calls):
+            _blocks.matmul(x.data_ptr(), m, k, w.data_ptr(), fmt, n, y.data_ptr(), kind, threads)
+        best = min(best, cpu_clock() - t)
+    return m * n * k * calls / best
+
+
+def multiply_adds(verifier) -> int:
+    """Multiply-adds of one row through the verifier's linear layers (the lm head included)."""
+    total = 0
+    for linear in verifier.runner.stack.linears:
+        run = getattr(linear, "run", linear)
+        weight = getattr(run, "weight", None)
+        if hasattr(weight, "nbytes") and not isinstance(weight, torch.Tensor):
+            total += weight.n * weight.k  # a BlockWeight
+        else:
+            total += sum(mod.weight.numel() for mod in linear.modules)
+    return total
 
 
 def cpu_clock() -> float:
@@ -139,28 +177,35 @@ def main(argv: list[str] | None = None) -> int:
                 if rnd and ((kind, n) not in best or total < best[(kind, n)]["total"]):
                     best[(kind, n)] = stages  # round 0 warms up
     bandwidth = read_bandwidth()
+    rate = multiply_rate(dtype, args.threads)
     state = machine_state()
     print(f"{dtype}, {args.threads} thread(s), block kernel path "
           f"{block_linear.kernel_path(dtype) if block_linear.supports(dtype) else '-'}; "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s; the kernel's multiply-adds on cached "
+          f"weights {f'{rate / 1e9:.1f} G/s' if rate else '-'}")
     report: dict = {"dtype": str(dtype), "threads": args.threads, "bandwidth": bandwidth,
-                    "machine": state, "kinds": {}}
+                    "multiply_rate": rate, "machine": state, "kinds": {}}
     for kind, v in kinds.items():
-        nbytes = weight_bytes(v)
+        nbytes, macs = weight_bytes(v), multiply_adds(v)
         floor = nbytes / bandwidth
-        print(f"\n{kind}: {nbytes / 1e6:.1f} MB of weights per forward, floor "
-              f"{floor * 1e3:.1f} ms")
-        print("| rows | forward ms | x floor | x one row | linear ms | attention ms | rest ms |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+        # a forward of n rows reads the weights once and multiplies n times: the floor is
+        # the larger of the two (the compute one from the block kernel's own rate)
+        floors = {n: max(floor, n * macs / rate if rate else 0.0) for n in SIZES}
+        print(f"\n{kind}: {nbytes / 1e6:.1f} MB of weights per forward, bytes floor "
+              f"{floor * 1e3:.1f} ms; {macs / 1e6:.0f} M multiply-adds per row")
+        print("| rows | forward ms | floor ms | x floor | x one row | linear ms | attention ms "
+              "| rest ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         one = best[(kind, 1)]["total"]
         for n in SIZES:
             s = best[(kind, n)]
             split = ("| - | - | - |" if kind == "blocks" else
                      f"| {s['linear'] * 1e3:.1f} | {s['attention'] * 1e3:.1f} | "
                      f"{s['rest'] * 1e3:.1f} |")
-            print(f"| {n} | {s['total'] * 1e3:.1f} | {s['total'] / floor:.2f} | "
-                  f"{s['total'] / one:.2f} {split}")
-        report["kinds"][kind] = {"bytes": nbytes, "floor": floor, "verifier": v.kind,
+            print(f"| {n} | {s['total'] * 1e3:.1f} | {floors[n] * 1e3:.1f} | "
+                  f"{s['total'] / floors[n]:.2f} | {s['total'] / one:.2f} {split}")
+        report["kinds"][kind] = {"bytes": nbytes, "floor": floor, "multiply_adds": macs,
+                                 "floors": floors, "verifier": v.kind,
                                  "sizes": {n: best[(kind, n)] for n in SIZES}}
     print(f"\nmachine: {json.dumps(state)}")
     if args.json:
