@@ -29,8 +29,8 @@ from redraft.proto.tree import Tree
 
 # Dense at small sizes: CPU matrix kernels are not smooth there (on the default model with one
 # thread, 3 tokens cost more than 4: small-M GEMMs fall back to slower paths; the block
-# kernel's few-rows path ends at 8 rows, so 9 costs a step more than 8).
-DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 48, 64)
+# kernel's few-rows path ends at 14 rows, so 15 costs a step more than 14).
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 15, 16, 24, 32, 48, 64)
 MAX_TREE_NODES = 256  # the largest fixed tree (`CostModel.flat`) a command accepts
 
 

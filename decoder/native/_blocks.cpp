@@ -368,9 +368,10 @@ BF16_TARGET void few_rows_bf16(const Call& c, size_t col0, size_t col1) {
     }
 }
 
-// Up to FEW_ROWS rows: one tile (4 columns to 6 rows, 2 columns past that: 16 to 28
-// accumulators, within the 32 registers); faster than sharing a buffer up to 8 rows, measured.
-constexpr size_t FEW_ROWS = 8;
+// Up to FEW_ROWS rows: one tile of all of them (4 columns to 6 rows, 2 columns past that:
+// 8 to 28 accumulators, within the 32 registers). Faster than the shared buffer up to 14
+// rows, measured on Zen 4 (one column per tile at 13-16 rows was slower).
+constexpr size_t FEW_ROWS = 14;
 
 template <int FMT>
 BF16_TARGET void few_rows_bf16(const Call& c, size_t col0, size_t col1) {
@@ -382,7 +383,13 @@ BF16_TARGET void few_rows_bf16(const Call& c, size_t col0, size_t col1) {
         case 5: return few_rows_bf16<FMT, 5, NC>(c, col0, col1);
         case 6: return few_rows_bf16<FMT, 6, NC>(c, col0, col1);
         case 7: return few_rows_bf16<FMT, 7, 2>(c, col0, col1);
-        default: return few_rows_bf16<FMT, 8, 2>(c, col0, col1);
+        case 8: return few_rows_bf16<FMT, 8, 2>(c, col0, col1);
+        case 9: return few_rows_bf16<FMT, 9, 2>(c, col0, col1);
+        case 10: return few_rows_bf16<FMT, 10, 2>(c, col0, col1);
+        case 11: return few_rows_bf16<FMT, 11, 2>(c, col0, col1);
+        case 12: return few_rows_bf16<FMT, 12, 2>(c, col0, col1);
+        case 13: return few_rows_bf16<FMT, 13, 2>(c, col0, col1);
+        default: return few_rows_bf16<FMT, 14, 2>(c, col0, col1);
     }
 }
 
