@@ -11,5 +11,6 @@ service), `streams` (one generation's drafts from the draft service or an in-pro
 datastore, falling back to prompt lookup when the service fails), `step_drafts` (every sequence
 of an engine step in one batched call), `rows` (which sequence each row of a batch holds)
 and `pacing` (an online rule that stops drafting when drafts do not pay on the machine at
-hand).
+hand), `adapter_counters` (what each adapter drafted and its engine accepted, counted in
+process) and `adapter_prometheus` (those counts on a Prometheus `/metrics`).
 """

@@ -40,7 +40,7 @@ class AdapterCounters:
     another thread may read `snapshot()` at any time."""
 
     __slots__ = ("engine", "steps", "skipped_steps", "drafts", "draft_tokens",
-                 "accepted_tokens", "accepted_per_pos")
+                 "accepted_tokens", "_accepted_runs")
 
     def __init__(self, engine: str) -> None:
         self.engine = engine
@@ -49,7 +49,9 @@ class AdapterCounters:
         self.drafts = 0
         self.draft_tokens: dict[str, int] = {}  # by source label
         self.accepted_tokens: dict[str, int] = {}  # by source label
-        self.accepted_per_pos = [0] * POSITIONS
+        # accepted paths by length (the last entry: POSITIONS or longer), so that a step adds
+        # one to one entry; accepted_per_pos is read from it
+        self._accepted_runs = [0] * (POSITIONS + 1)
         ALL.append(self)
 
     def drafted(self, sources: Sequence[str]) -> None:
@@ -70,9 +72,19 @@ class AdapterCounters:
         tokens = self.accepted_tokens
         for src in sources[:n]:
             tokens[src] = tokens.get(src, 0) + 1
-        pos = self.accepted_per_pos
-        for i in range(min(n, POSITIONS)):
-            pos[i] += 1
+        self._accepted_runs[n if n < POSITIONS else POSITIONS] += 1
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """Accepted draft tokens at each position 0..POSITIONS-1: the paths at least that
+        long."""
+        runs = self._accepted_runs.copy()
+        out = [0] * POSITIONS
+        longer = 0  # paths longer than position i
+        for i in range(POSITIONS - 1, -1, -1):
+            longer += runs[i + 1]
+            out[i] = longer
+        return out
 
     @property
     def num_draft_tokens(self) -> int:
@@ -89,7 +101,7 @@ class AdapterCounters:
                 "skipped_steps": self.skipped_steps, "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens.copy(),
                 "accepted_tokens": self.accepted_tokens.copy(),
-                "accepted_per_pos": self.accepted_per_pos.copy()}
+                "accepted_per_pos": self.accepted_per_pos}
 
 
 def totals(counters: Iterable[AdapterCounters]) -> dict[str, dict[str, Any]]:

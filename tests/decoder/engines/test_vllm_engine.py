@@ -168,13 +168,15 @@ def test_plain_vllm_is_deterministic_across_batching(plain):
 
 
 def counted(server: ApiServer, serve, timeout: float = 60) -> tuple[list, list]:
-    """vLLM's and the service's /metrics once both count accepted drafts (the service
-    publishes its counts every 0.1 s; vLLM's frontend records each step's as it reads it),
-    or as they are after `timeout` seconds."""
+    """vLLM's and the service's /metrics once both count accepted drafts, the proposer's
+    own counters on vLLM's too (the service publishes its counts every 0.1 s, the proposer
+    every second; vLLM's frontend records each step's as it reads it), or as they are after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         engine, service = scrape(server.url), scrape(serve.metrics_url)
         if (total(engine, "vllm:spec_decode_num_accepted_tokens_total") > 0
+                and total(engine, "redraft:adapter_spec_decode_num_accepted_tokens_total") > 0
                 and total(service, "redraft:spec_decode_num_accepted_tokens_total") > 0) \
                 or time.monotonic() > deadline:
             return engine, service
@@ -183,10 +185,12 @@ def counted(server: ApiServer, serve, timeout: float = 60) -> tuple[list, list]:
 
 @pytest.mark.timeout(600)  # the server's start is waited for up to 420 s on a busy machine
 def test_openai_server_with_the_proposer_answers_as_plain_vllm(plain, prompts, code_datastore,
-                                                               servers):
+                                                               servers, tmp_path):
     """vLLM's OpenAI-compatible server as users run it, RedraftProposer drafting from a real
     `redraft serve`: chat, completions and streams, from one client and from two at once,
-    each the plain server's greedy answer; both /metrics count accepted drafts."""
+    each the plain server's greedy answer; both /metrics count accepted drafts, vLLM's
+    the proposer's own counters too (prometheus_client's multiprocess mode, which vLLM's
+    /metrics reads when PROMETHEUS_MULTIPROC_DIR is set)."""
     serve = servers.start(code_datastore, "--port", "0", "--metrics-port", "0",
                           "--learn-persist-seconds", "0")
     # Every row gets its whole chain, whatever the busy machine's step times say (pacing is
@@ -194,7 +198,7 @@ def test_openai_server_with_the_proposer_answers_as_plain_vllm(plain, prompts, c
     # lookup: the counts below then never depend on the machine's load.
     server = ApiServer(servers.free_port(), REDRAFT_SPEC,
                        env={"REDRAFT_SERVICE": serve.address, "REDRAFT_ADAPTIVE": "0",
-                            "REDRAFT_TIMEOUT": "10"})
+                            "REDRAFT_TIMEOUT": "10", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     first, second = QUESTIONS[:2]
     try:
         server.wait_ready()
@@ -223,6 +227,9 @@ def test_openai_server_with_the_proposer_answers_as_plain_vllm(plain, prompts, c
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert total(engine, f"vllm:spec_decode_{name}_total") > 0, name
     assert total(engine, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    # The proposer's own counters, from the engine core process, on vLLM's /metrics.
+    assert total(engine, "redraft:adapter_spec_decode_num_accepted_tokens_total",
+                 engine="vllm") > 0
     # The service's, from what the proposer reported back: Batch calls, accepted tokens.
     assert total(service, "redraft:batch_call_seconds_count") > 0
     assert total(service, "redraft:spec_decode_num_accepted_tokens_total") > 0
