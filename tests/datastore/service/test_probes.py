@@ -319,7 +319,7 @@ def test_readyz_is_503_until_the_workers_listen_and_once_shutting_down(store, se
         serve.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()  # the signal is handled a moment later: 503 from then on
         while (answer := get(base + "/readyz")) == (200, "ready\n"):
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < 30  # generous: a loaded machine delays the handler
         assert answer == (503, "not ready\n")
         assert get(base + "/healthz") == (200, "ok\n")  # the process is still up
     finally:
