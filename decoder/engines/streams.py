@@ -93,7 +93,7 @@ class DraftSource(draft_source.DraftSource):
             raise EngineConfigError("token must be a string")
         if service is not None and datastore is None:
             check_address(service)
-        o = options
+        self.options = o = options
         super().__init__(
             service=service, datastore=datastore, budget=o.budget, max_depth=o.max_depth,
             sources=o.sources, corpora=o.corpora, tenant=o.tenant, token=token,
