@@ -26,6 +26,15 @@ neither learns from the other's logs), whose accepted tokens per step must be eq
 
     python -m tools.bench_service --datastore data/stdlib --batch 1,8,64 --json
 
+`--batch 8,64 --metrics-baseline`: what counting for Prometheus costs a Batch call instead.
+Two servers that differ only in `--metrics-port` are given the same replay (one engine
+each, steps packed), call by call in turn (which of the two goes first alternating), and
+the server time of each call (the reply's `server_us`, which includes the counting) is
+compared: medians, and the median of the per-pair differences. `--in-process`: two
+services in this process instead (`BatchDrafting.run` timed; no gRPC, no second process, so
+that nothing but the counting differs); `--metrics-control`: neither counts (the noise
+floor of the comparison).
+
 The report starts with the run's record (`tools.harness`: machine, load, commit, command).
 """
 
@@ -47,10 +56,23 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from redraft.datastore.service.client import DraftClient, DraftParams
+from redraft.datastore.service.client import (
+    DraftClient,
+    DraftParams,
+    PackedSteps,
+    SequenceEnd,
+    SequenceOpen,
+)
 
 from tools import harness
-from tools.bench_batch_replay import batch_report, empty_call_ms, same_replay
+from tools.bench_batch_replay import (
+    PROMPT_TOKENS,
+    Replay,
+    batch_report,
+    empty_call_ms,
+    matched,
+    same_replay,
+)
 from tools.harness import free_port
 
 ROOT = str(harness.ROOT)
@@ -193,12 +215,20 @@ def main() -> int:
                     "packed (--batch)")
     ap.add_argument("--reference-calls", type=int, default=40,
                     help="calls of the core-against-reference replay (--batch; 0 = skip)")
+    ap.add_argument("--metrics-control", action="store_true",
+                    help="--batch with --metrics-baseline: the second server without metrics "
+                    "too (the noise floor of the comparison)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="--batch with --metrics-baseline: two services in this process "
+                    "(no gRPC, no second process) instead of two servers")
     ap.add_argument("--serve-arg", action="append", metavar="ARG",
                     help="one more argument for `redraft serve` (repeat: --serve-arg=--x "
                     "--serve-arg=1)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     run = harness.Run()
+    if args.batch and args.metrics_baseline:
+        return batch_metrics_main(args, run)
     if args.batch:
         return batch_main(args, run)
 
@@ -406,6 +436,204 @@ def batch_main(args, run: harness.Run) -> int:
               f"python reference {r['accepted_per_step_python']:.4f}")
     return 0
 
+
+class BatchEngine:
+    """One engine's replay of `n` sequences (tools.bench_batch_replay's), a call at a time:
+    so that two servers can be given the same calls in turn. `send(entries, steps)` makes a
+    call: its results (as `DraftClient.batch` gives them) and its server time (s)."""
+
+    def __init__(self, send, docs: list[list[int]], n: int, seed: int) -> None:
+        self.send, self.n = send, n
+        self.replay = Replay(docs, n, seed)
+        self.ids = [str(i) for i in range(n)]
+        self.entries, self.steps = self.replay.opens(), PackedSteps([], [])
+        self.where = list(range(n))
+
+    def call(self) -> float:
+        """The next call; its server time (s)."""
+        r, seconds = self.send(self.entries, self.steps)
+        bad = [e for e in r.errors if e is not None]
+        if bad:
+            raise SystemExit(f"bench: a batch entry failed: {bad[0]}")
+        replay, ids = self.replay, self.ids
+        ends, opens, stepping, steps = [], [], [], PackedSteps([], [])
+        for i in range(self.n):
+            doc, pos = replay.cursor[i]
+            a, b = int(r.offsets[self.where[i]]), int(r.offsets[self.where[i] + 1])
+            end = pos + matched(r.tokens[a:b], r.parents[a:b], doc[pos:pos + 64]) + 1
+            if end + 8 >= len(doc):  # the generation ends; another one starts
+                ends.append(SequenceEnd(ids[i], doc[pos:end]))
+                ids[i] = str(replay.next_id)
+                replay.next_id += 1
+                replay.cursor[i] = replay._new_doc()
+                self.where[i] = len(opens)
+                opens.append(SequenceOpen(ids[i], replay.cursor[i][0][:PROMPT_TOKENS]))
+                continue
+            stepping.append(i)
+            steps.sequences.append(ids[i])
+            steps.accepted.append(doc[pos:end])
+            replay.cursor[i] = (doc, end)
+        self.entries, self.steps = ends + opens, steps
+        for i in range(self.n):
+            self.where[i] += len(ends)
+        for j, i in enumerate(stepping):
+            self.where[i] = len(self.entries) + j
+        return seconds
+
+    def close(self) -> None:
+        self.send([SequenceEnd(s) for s in self.ids], PackedSteps([], []))
+
+
+def grpc_sender(client: DraftClient, fp: str, params: DraftParams):
+    """Calls over gRPC; the server time is the reply's `server_us`."""
+    def send(entries, steps):
+        r = client.batch(entries, params, fp, client_id="bench", steps=steps)
+        return r, r.server_us * 1e-6
+    return send
+
+
+def in_process_sender(service, fp: str, params: DraftParams):
+    """Calls to `service.batch_rpc.run` in this process, through the wire bytes; the server
+    time is the call's wall-clock time, then this thread's CPU time in it (what the counting
+    adds, all of it on the event loop's thread, without the time others held the CPU: the
+    drafting on the core's threads is not in it)."""
+    import asyncio
+
+    from redraft.datastore.service.wire import add_entry, batch_results, params_message
+    from redraft.proto import draft_pb2
+
+    loop = asyncio.new_event_loop()
+
+    def send(entries, steps):
+        req = draft_pb2.BatchRequest(client="bench", tokenizer_fingerprint=fp,
+                                     params=params_message(params))
+        steps.to_proto(req.steps)
+        for e in entries:
+            add_entry(req.entries.add, e)
+        req = draft_pb2.BatchRequest.FromString(req.SerializeToString())
+        t0, c0 = time.perf_counter(), time.thread_time()
+        reply = loop.run_until_complete(service.batch_rpc.run(req, ""))
+        seconds = (time.perf_counter() - t0, time.thread_time() - c0)
+        reply = draft_pb2.BatchReply.FromString(reply.SerializeToString())
+        return batch_results(reply, "in-process", steps), seconds
+    return send
+
+
+def interleaved(senders: list, docs: list[list[int]], n: int, seconds: float) -> dict:
+    """The same replay through each of two senders, call by call in turn (which goes first
+    alternating), for `seconds` after a second of warm-up: the server times compared."""
+    engines = [BatchEngine(send, docs, n, seed=n) for send in senders]
+    times: list[list[float]] = [[], []]
+    warm = time.monotonic() + 1.0
+    until = warm + seconds
+    k = 0
+    while time.monotonic() < until:
+        for j in ((0, 1) if k % 2 == 0 else (1, 0)):
+            spent = engines[j].call()
+            if time.monotonic() > warm:
+                times[j].append(spent)
+        k += 1
+    for e in engines:
+        e.close()
+    pairs = min(map(len, times))
+    cpu = isinstance(times[0][0], tuple)  # (wall, this thread's CPU) per call
+    off, on = ([(x[0] if cpu else x) * 1e3 for x in t[:pairs]] for t in times)
+    diff = statistics.median(b - a for a, b in zip(off, on))
+    out = {"batch": n, "calls": pairs, "off_p50_ms": statistics.median(off),
+           "on_p50_ms": statistics.median(on), "paired_diff_p50_us": diff * 1e3,
+           "ratio_p50": statistics.median(on) / statistics.median(off),
+           "paired_diff_share": diff / statistics.median(off)}
+    if cpu:
+        off_cpu, on_cpu = ([x[1] * 1e3 for x in t[:pairs]] for t in times)
+        diff = statistics.median(b - a for a, b in zip(off_cpu, on_cpu))
+        out.update({"off_cpu_p50_ms": statistics.median(off_cpu),
+                    "on_cpu_p50_ms": statistics.median(on_cpu),
+                    "paired_cpu_diff_p50_us": diff * 1e3,
+                    # what counting adds, against the server time of a call without it
+                    "cpu_diff_share": diff / statistics.median(off)})
+    return out
+
+
+def batch_metrics_main(args, run: harness.Run) -> int:
+    """`--batch ... --metrics-baseline` (module docstring): per batch size, the same calls
+    to a server without and one with `--metrics-port`, in turn; `--in-process`: to two
+    services in this process, the second counting for /metrics."""
+    sizes = [int(x) for x in args.batch.split(",")]
+    room = max(sizes) * 2 + 64
+    report: dict = {"workers": args.workers, "budget": args.budget, "depth": args.depth,
+                    "learn": args.learn, "in_process": args.in_process,
+                    "control": args.metrics_control, "batches": []}
+    sources = ("rest", "pld") if args.learn == "off" else ("rest", "pld", "learned")
+    params = DraftParams(budget=args.budget, max_depth=args.depth, sources=sources)
+    if args.in_process:
+        import gc
+
+        from redraft.datastore import Reader
+        from redraft.datastore.service.config import ServiceConfig
+        from redraft.datastore.service.handlers import DrafterService
+        from redraft.datastore.service.stats import ServiceStats
+
+        reader = Reader(args.datastore)
+        docs = [d for d in held_out_tokens(reader.tokenizer_name) if len(d) > 400]
+        config = ServiceConfig(max_sessions=room, tenant_sessions=room,
+                               learn=args.learn, learn_max_tokens=args.learn_max_tokens)
+        services = [DrafterService(reader, config, ServiceStats(tenants=config.tenant_slots()))
+                    for _ in range(2)]
+        services[1].stats.metrics.enabled = not args.metrics_control
+        fp = services[0].checks.fingerprint
+        report["datastore_tokens"] = int(reader.n_tokens)
+        gc.collect()
+        gc.freeze()
+        for n in sizes:
+            report["batches"].append(interleaved(
+                [in_process_sender(s, fp, params) for s in services], docs, n,
+                args.batch_seconds))
+        reader.close()
+    else:
+        with contextlib.ExitStack() as stack:
+            servers = [start_server(stack, args, args.learn, "--max-sessions", str(room),
+                                    *extra) for extra in ((), () if args.metrics_control
+                                                          else ("--metrics-port", "0"))]
+            clients = [stack.enter_context(DraftClient(a, timeout=30, own_connection=True))
+                       for _, a in servers]
+            info = clients[0].info()
+            docs = [d for d in held_out_tokens(info.tokenizer_name) if len(d) > 400]
+            fp = info.tokenizer_fingerprint
+            report["datastore_tokens"] = info.n_tokens
+            for n in sizes:
+                cpu = [cpu_seconds(serve.pid) for serve, _ in servers]
+                b = interleaved([grpc_sender(c, fp, params) for c in clients], docs, n,
+                                args.batch_seconds)
+                # each server's whole CPU per call (gRPC, the warm-up and publishing included)
+                off_cpu, on_cpu = ((cpu_seconds(serve.pid) - c) / b["calls"] * 1e3
+                                   for (serve, _), c in zip(servers, cpu))
+                b.update({"off_server_cpu_per_call_ms": off_cpu,
+                          "on_server_cpu_per_call_ms": on_cpu})
+                report["batches"].append(b)
+            report["server_exit_code"] = max((s.stop() for s, _ in servers), key=abs)
+    report["load_average_end"] = os.getloadavg()
+    if args.json:
+        run.print(report)
+        return 0
+    print(f"datastore {report['datastore_tokens']:,} tokens, budget {args.budget}, depth "
+          f"{args.depth}, learn {args.learn}, {'in process' if args.in_process else 'gRPC'}"
+          f"{', control: neither counts' if args.metrics_control else ''}; "
+          f"load average at the start {' '.join(map(str, run.header['load_average']))}, at "
+          f"the end {' '.join(f'{x:.2f}' for x in report['load_average_end'])}")
+    for b in report["batches"]:
+        print(f"batch {b['batch']:>3}, {b['calls']} calls each: server p50 "
+              f"{b['off_p50_ms']:.3f} ms without metrics, {b['on_p50_ms']:.3f} ms with "
+              f"(ratio {b['ratio_p50']:.3f}); per-pair difference p50 "
+              f"{b['paired_diff_p50_us']:+.1f} us ({b['paired_diff_share']:+.1%})")
+        if "off_server_cpu_per_call_ms" in b:
+            print(f"    server CPU per call (gRPC included): {b['off_server_cpu_per_call_ms']:.3f}"
+                  f" ms without, {b['on_server_cpu_per_call_ms']:.3f} ms with")
+        if "paired_cpu_diff_p50_us" in b:
+            print(f"    the event loop thread's CPU per call: p50 {b['off_cpu_p50_ms']:.3f} ms "
+                  f"without, {b['on_cpu_p50_ms']:.3f} ms with; per-pair difference p50 "
+                  f"{b['paired_cpu_diff_p50_us']:+.1f} us ({b['cpu_diff_share']:+.1%} of the "
+                  "server time without)")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,6 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 
 import grpc
 import numpy as np
@@ -363,10 +364,11 @@ class BatchDrafting:
             out.counted = ([seq.last for seq in seqs], [seq.counter for seq in seqs], tokens,
                            counts)
             trees = (out.offsets, out.tokens, out.parents, out.bits)  # as the reply has them
-            for i, (seq, n) in enumerate(zip(seqs, out.context_lens.tolist())):
+            for seq, n, last in zip(seqs, out.context_lens.tolist(),
+                                    zip(repeat(trees), range(len(seqs)))):
                 seq.since = now
                 seq.length = n
-                seq.last = (trees, i)
+                seq.last = last
         else:
             for seq, n in zip(seqs, out.context_lens.tolist()):
                 seq.since = now

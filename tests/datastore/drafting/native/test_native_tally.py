@@ -47,7 +47,7 @@ def a_path(rng: random.Random, trees: tuple, row: int) -> list[int]:
 @pytest.mark.parametrize("seed", range(6))
 def test_the_core_counts_what_the_reference_counts(seed):
     rng = random.Random(seed)
-    n_keys, n_bits, depths = 6, 8, rng.choice([0, 4, 16])
+    n_keys, n_bits, depths = 6, rng.choice([8, 8, 3, 20]), rng.choice([0, 4, 16])
     size = n_keys * (1 + 2 * n_bits) + depths
     want, got = np.zeros(size), np.zeros(size)
     earlier = [random_trees(rng, rng.randint(1, 30)) for _ in range(3)]
