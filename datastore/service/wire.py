@@ -34,31 +34,17 @@ from redraft.datastore.service.client_errors import (
 )
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.proto import draft_pb2
-from redraft.proto.tree import LEARNED, PLD, REST, Tree, source_bits, source_label
 
-SOURCE_ENUM = {REST: draft_pb2.SOURCE_REST, PLD: draft_pb2.SOURCE_PLD,
-               LEARNED: draft_pb2.SOURCE_LEARNED}
-SOURCE_NAMES = {v: k for k, v in SOURCE_ENUM.items()}
+# DraftParams: the request's parameters, one value for every side (its home is proto/params;
+# the client's users import it from here and from the client).
+from redraft.proto.params import SOURCE_NAMES, DraftParams, InvalidParams
+from redraft.proto.tree import Tree, source_bits, source_label
+
 _LABELS = [source_label(bits) for bits in range(8)]
 _UINT32 = 1 << 32
 
 
 # ---- values ------------------------------------------------------------------------------
-
-
-@dataclass
-class DraftParams:
-    """Drafting parameters; 0 / empty means the server's default."""
-
-    budget: int = 0
-    max_depth: int = 0
-    sources: Sequence[str] = (REST, PLD)
-    corpora: Sequence[str] = ()
-    min_match_len: int = 0
-    max_match_len: int = 0
-
-    def to_proto(self) -> draft_pb2.DraftParams:
-        return params_message(self)
 
 
 @dataclass
@@ -201,20 +187,11 @@ def _check_uint32(name: str, value: Any) -> None:
 
 
 def params_message(p: DraftParams) -> draft_pb2.DraftParams:
-    for name in ("budget", "max_depth", "min_match_len", "max_match_len"):
-        _check_uint32(name, getattr(p, name))
-    unknown = [s for s in p.sources if s not in SOURCE_ENUM]
-    if unknown:
-        raise InvalidRequest(f"unknown draft sources {unknown} (use 'rest', 'pld', "
-                             "'learned')")
-    return draft_pb2.DraftParams(
-        budget=p.budget,
-        max_depth=p.max_depth,
-        sources=[SOURCE_ENUM[s] for s in p.sources],
-        corpora=list(p.corpora),
-        min_match_len=p.min_match_len,
-        max_match_len=p.max_match_len,
-    )
+    """`p` on the wire; a value it cannot carry raises InvalidRequest (`DraftParams.check`)."""
+    try:
+        return p.to_proto()
+    except InvalidParams as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def propose_request(context: Sequence[int], params: DraftParams | None,
@@ -357,10 +334,7 @@ def source_names(sources: Sequence[int]) -> set[str]:
 def params_value(p: draft_pb2.DraftParams) -> DraftParams:
     """A request's parameters as the client gave them (sources in the message's order)."""
     source_names(p.sources)  # refuses an unknown one
-    return DraftParams(budget=p.budget, max_depth=p.max_depth,
-                       sources=tuple(SOURCE_NAMES[s] for s in p.sources),
-                       corpora=tuple(p.corpora), min_match_len=p.min_match_len,
-                       max_match_len=p.max_match_len)
+    return DraftParams.from_proto(p)
 
 
 def session_open(request: draft_pb2.SessionRequest) -> draft_pb2.SessionOpen:
