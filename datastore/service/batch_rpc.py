@@ -33,7 +33,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from itertools import repeat
 
 import grpc
 import numpy as np
@@ -70,7 +69,8 @@ def _too_long(name: str) -> bool:
 class BatchedSequence:
     """One sequence held between calls."""
 
-    __slots__ = ("key", "drafter", "since", "busy", "length", "slot", "last", "counter")
+    __slots__ = ("key", "drafter", "since", "busy", "length", "slot", "last", "row",
+                 "counter")
 
     def __init__(self, key: tuple, drafter, length: int | None = None, slot: int = 0,
                  counter: int = 0) -> None:
@@ -82,9 +82,11 @@ class BatchedSequence:
         self.busy = False  # a call is drafting it on a thread
         # tokens of its context (kept here: no call per check)
         self.length = len(drafter) if length is None else length
-        # with metrics on: the tree drafted for it last ((offsets, tokens, parents, bits) of
-        # its call, its row), which its next step's accepted tokens are walked down
+        # with metrics on: the trees of the call that drafted for it last ((offsets, tokens,
+        # parents, bits)) and its row there, which its next step's accepted tokens walk down
+        # (`count_batch` reads and sets them)
         self.last: tuple | None = None
+        self.row = 0
 
 
 class SequenceTable:
@@ -360,19 +362,11 @@ class BatchDrafting:
                     d.use_reader(self.service.reader)
         _fit_reply(out, self._reply_nodes(rows), self.config)
         now = time.monotonic()
+        for seq, n in zip(seqs, out.context_lens.tolist()):
+            seq.since = now
+            seq.length = n
         if self.service.stats.metrics.enabled:  # counted with the reply (`_count`)
-            out.counted = ([seq.last for seq in seqs], [seq.counter for seq in seqs], tokens,
-                           counts)
-            trees = (out.offsets, out.tokens, out.parents, out.bits)  # as the reply has them
-            for seq, n, last in zip(seqs, out.context_lens.tolist(),
-                                    zip(repeat(trees), range(len(seqs)))):
-                seq.since = now
-                seq.length = n
-                seq.last = last
-        else:
-            for seq, n in zip(seqs, out.context_lens.tolist()):
-                seq.since = now
-                seq.length = n
+            out.counted = (seqs, tokens, counts)
         if out.errors:
             n_entries = len(drafting)
             for i, err in out.errors.items():
@@ -445,13 +439,14 @@ class BatchDrafting:
 
     def _count(self, metrics, out: BatchStep | None, rows: int, t0: float) -> None:
         """A call's figures for /metrics: its time and entries, and in one call of the core
-        (`count_batch`) each drafted tree's nodes by counter key and source and the draft
-        tokens its steps accepted, walked down the trees drafted for them before."""
+        (`count_batch`) each drafted tree's nodes by its sequence's counter key and source,
+        and the draft tokens its steps accepted, walked down the trees drafted for them
+        before (each sequence's `last` and `row`, which the call then sets to its own)."""
         counted = getattr(out, "counted", None)
-        if counted is not None:
-            lasts, keys, tokens, counts = counted
-            _count_batch(lasts, tokens, counts, keys, out.offsets, out.bits,
-                         metrics.batch_counts, metrics.keys, N_BITS)
+        if counted is not None:  # the trees as the reply has them
+            seqs, tokens, counts = counted
+            _count_batch(seqs, (out.offsets, out.tokens, out.parents, out.bits), tokens,
+                         counts, metrics.batch_counts, metrics.keys, N_BITS)
         metrics.batch(time.perf_counter() - t0, rows)
 
 

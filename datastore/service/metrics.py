@@ -353,36 +353,38 @@ def walk_accepted(tokens: Sequence[int], parents: Sequence[int], bits: Sequence,
     return out
 
 
-def count_batch(lasts: Sequence, accepted, counts, keys: Sequence[int], offsets, bits,
-                into, n_keys: int, n_bits: int) -> None:
+def count_batch(seqs: Sequence, trees: tuple, accepted, counts, into, n_keys: int,
+                n_bits: int) -> None:
     """What a Batch call counts, added to `into` ([drafts: n_keys][draft tokens: n_keys x
-    n_bits][accepted: n_keys x n_bits][accepted by depth: the rest]): sequence i counts under
-    keys[i]; its tree now (nodes offsets[i]..offsets[i+1] of `bits`) is a draft if it has a
-    node, each node a draft token under its source bits; lasts[i] is None or (trees, row),
-    the tree drafted for it before (row `row` of trees = (offsets, tokens, parents, bits)),
-    down which its counts[i] tokens of `accepted` walk (`walk_accepted`).
+    n_bits][accepted: n_keys x n_bits][accepted by depth: the rest]); then each sequence's
+    `last` is `trees` and its `row` its index. Sequence i (a BatchedSequence, or any object
+    with `counter`, `last` and `row`) counts under its `counter`: its tree now, row i of
+    `trees` = (offsets, tokens, parents, bits), is a draft if it has a node, each node a
+    draft token under its source bits; its `last` is None or the trees of its call before,
+    down whose row `row` its counts[i] tokens of `accepted` walk (`walk_accepted`).
 
     The reference of the compiled core's count_batch (what the service runs: one call per
-    Batch call, no numpy or Python loop per sequence), and what runs without the core."""
+    Batch call, no Python loop per sequence), and what runs without the core."""
     if len(into) < n_keys * (1 + 2 * n_bits):
         raise ValueError("into is smaller than n_keys * (1 + 2 * n_bits)")
-    keys = [int(k) for k in keys]
+    keys = [int(seq.counter) for seq in seqs]
     if any(not 0 <= k < n_keys for k in keys):
-        raise ValueError(f"a key is outside [0, {n_keys})")
+        raise ValueError(f"a counter is outside [0, {n_keys})")
     tokens_at, accepted_at, depth_at = n_keys, n_keys * (1 + n_bits), n_keys * (1 + 2 * n_bits)
     depths = len(into) - depth_at
-    offsets, bits = [int(x) for x in offsets], [int(b) for b in bits]
+    offsets, bits = [int(x) for x in trees[0]], [int(b) for b in trees[3]]
     flat = [int(t) for t in accepted]
     start = 0
-    for i, key in enumerate(keys):
+    for i, (seq, key) in enumerate(zip(seqs, keys)):
         a, b = offsets[i], offsets[i + 1]
         if b > a:
             into[key] += 1
             for bit in bits[a:b]:
                 into[tokens_at + key * n_bits + (bit if bit < n_bits else 0)] += 1
         end = start + int(counts[i])
-        if lasts[i] is not None:
-            (t_offsets, t_tokens, t_parents, t_bits), row = lasts[i]
+        if seq.last is not None:
+            t_offsets, t_tokens, t_parents, t_bits = seq.last
+            row = seq.row
             walked = walk_accepted([int(x) for x in t_tokens], [int(x) for x in t_parents],
                                    [int(x) for x in t_bits], int(t_offsets[row]),
                                    int(t_offsets[row + 1]), flat[start:end])
@@ -391,6 +393,8 @@ def count_batch(lasts: Sequence, accepted, counts, keys: Sequence[int], offsets,
                 if depth < depths:
                     into[depth_at + depth] += 1
         start = end
+    for i, seq in enumerate(seqs):
+        seq.last, seq.row = trees, i
 
 
 def label_bits(label: str) -> int:

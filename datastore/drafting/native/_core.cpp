@@ -1000,7 +1000,9 @@ struct CountedView {
 struct TreesView {
     PyObject* obj = nullptr;
     CountedView offsets, tokens, parents, bits;
+    ~TreesView() { Py_XDECREF(obj); }
     bool get(PyObject* trees) {
+        Py_INCREF(trees);
         obj = trees;
         if (!PyTuple_Check(trees) || PyTuple_GET_SIZE(trees) != 4) {
             PyErr_SetString(PyExc_TypeError, "trees must be (offsets, tokens, parents, bits)");
@@ -1030,38 +1032,40 @@ struct TreesView {
     }
 };
 
-// count_batch(lasts, accepted, counts, keys, offsets, bits, into, n_keys, n_bits): what the
-// service's metrics count of a batched step (tally.h), added to `into` (float64, writable:
-// [drafts: n_keys][draft tokens: n_keys x n_bits][accepted: n_keys x n_bits][by depth]).
-// Sequence i counts under keys[i] (< n_keys); its tree now is nodes offsets[i]..offsets[i+1]
-// (int64) of `bits` (uint8); lasts[i] is None or (trees, row), the tree drafted for it
-// before (row `row` of trees = (offsets, tokens, parents, bits): int64, uint32, int32,
-// uint8), down which its counts[i] (uint32) tokens of `accepted` (uint32) walk. Everything is
-// checked before anything is counted.
+// count_batch(seqs, trees, accepted, counts, into, n_keys, n_bits): what the service's
+// metrics count of a batched step (tally.h), added to `into` (float64, writable: [drafts:
+// n_keys][draft tokens: n_keys x n_bits][accepted: n_keys x n_bits][by depth]); then each
+// sequence's `last` is `trees` and its `row` its index. Sequence i (an object with those
+// attributes and `counter`) counts under its counter (< n_keys); its tree now is row i of
+// `trees` = (offsets, tokens, parents, bits) (int64, uint32, int32, uint8); its `last` is
+// None or the trees of the call before, down whose row `row` its counts[i] (uint32) tokens of
+// `accepted` (uint32) walk. They are read and set here: a loop in the interpreter over an
+// engine's sequences was most of what a call's counting cost. Everything is checked before
+// anything is counted.
 // Python: redraft.datastore.service.metrics.count_batch
 PyObject* count_batch(PyObject*, PyObject* args) {
-    PyObject *lasts, *accepted, *counts_in, *keys, *offsets_in, *bits_in, *into_in;
+    static PyObject* s_last = PyUnicode_InternFromString("last");
+    static PyObject* s_row = PyUnicode_InternFromString("row");
+    static PyObject* s_counter = PyUnicode_InternFromString("counter");
+    PyObject *seqs, *now_trees, *accepted, *counts_in, *into_in;
     long long n_keys, n_bits;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLL", &lasts, &accepted, &counts_in, &keys, &offsets_in,
-                          &bits_in, &into_in, &n_keys, &n_bits))
+    if (s_last == nullptr || s_row == nullptr || s_counter == nullptr ||
+        !PyArg_ParseTuple(args, "OOOOOLL", &seqs, &now_trees, &accepted, &counts_in, &into_in,
+                          &n_keys, &n_bits))
         return nullptr;
-    PyObject* ls = PySequence_Fast(lasts, "lasts must be a sequence");
-    if (ls == nullptr) return nullptr;
-    PyObject* ks = PySequence_Fast(keys, "keys must be a sequence");
-    if (ks == nullptr) {
-        Py_DECREF(ls);
-        return nullptr;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(ls);
-    CountedView acc, cnt, off, bits, into;
-    std::deque<TreesView> trees;  // each distinct one, its buffers held until the end
+    PyObject* ss = PySequence_Fast(seqs, "seqs must be a sequence");
+    if (ss == nullptr) return nullptr;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ss);
+    PyObject* const* items = PySequence_Fast_ITEMS(ss);
+    CountedView acc, cnt, into;
+    TreesView now;
+    std::deque<TreesView> trees;  // each distinct one before, its buffers held until the end
     std::vector<const TreesView*> prev(n, nullptr);
-    std::vector<int64_t> key(n), from(n), to(n);
-    bool ok = acc.get(accepted, 4, "accepted") && cnt.get(counts_in, 4, "counts") &&
-              off.get(offsets_in, 8, "offsets") && bits.get(bits_in, 1, "bits") &&
-              into.get(into_in, 8, "into", true);
-    if (ok && (cnt.n != n || PySequence_Fast_GET_SIZE(ks) != n || off.n != n + 1)) {
-        PyErr_SetString(PyExc_ValueError, "lasts, counts, keys and offsets differ in length");
+    std::vector<int64_t> key(n), from(n), to(n), at(n + 1);
+    bool ok = now.get(now_trees) && acc.get(accepted, 4, "accepted") &&
+              cnt.get(counts_in, 4, "counts") && into.get(into_in, 8, "into", true);
+    if (ok && (cnt.n != n || now.offsets.n != n + 1)) {
+        PyErr_SetString(PyExc_ValueError, "seqs, counts and the trees' rows differ in number");
         ok = false;
     }
     if (ok && (n_keys < 1 || n_bits < 1 || into.n < n_keys * (1 + 2 * n_bits))) {
@@ -1069,28 +1073,28 @@ PyObject* count_batch(PyObject*, PyObject* args) {
         ok = false;
     }
     int64_t total = 0;
+    auto integer = [](PyObject* obj, PyObject* name, int64_t& out) {
+        PyObject* v = PyObject_GetAttr(obj, name);
+        if (v == nullptr) return false;
+        out = PyLong_AsLongLong(v);
+        Py_DECREF(v);
+        return !(out == -1 && PyErr_Occurred());
+    };
     for (Py_ssize_t i = 0; ok && i < n; ++i) {
-        key[i] = PyLong_AsLongLong(PySequence_Fast_ITEMS(ks)[i]);
-        const int64_t* o = off.of<int64_t>();
         total += cnt.of<uint32_t>()[i];
-        if (key[i] == -1 && PyErr_Occurred()) {
-            ok = false;
-        } else if (key[i] < 0 || key[i] >= n_keys) {
-            PyErr_Format(PyExc_ValueError, "key %lld is outside [0, %lld)",
+        ok = now.row(i, at[i], at[i + 1]) && integer(items[i], s_counter, key[i]);
+        if (ok && (key[i] < 0 || key[i] >= n_keys)) {
+            PyErr_Format(PyExc_ValueError, "counter %lld is outside [0, %lld)",
                          static_cast<long long>(key[i]), n_keys);
             ok = false;
-        } else if (o[i] < 0 || o[i] > o[i + 1] || o[i + 1] > bits.n) {
-            PyErr_SetString(PyExc_ValueError, "offsets are not within bits, ascending");
-            ok = false;
         }
-        PyObject* last = ok ? PySequence_Fast_ITEMS(ls)[i] : Py_None;
-        if (last == Py_None) continue;
-        if (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) != 2) {
-            PyErr_SetString(PyExc_TypeError, "lasts[i] must be None or (trees, row)");
+        PyObject* t = ok ? PyObject_GetAttr(items[i], s_last) : nullptr;
+        if (t == nullptr) {
             ok = false;
             continue;
         }
-        PyObject* t = PyTuple_GET_ITEM(last, 0);
+        Py_DECREF(t);  // the sequence holds it until it is set below, after the counting
+        if (t == Py_None) continue;
         const TreesView* view = i > 0 && prev[i - 1] != nullptr && prev[i - 1]->obj == t
                                     ? prev[i - 1] : nullptr;
         for (auto it = trees.begin(); view == nullptr && it != trees.end(); ++it)
@@ -1103,8 +1107,8 @@ PyObject* count_batch(PyObject*, PyObject* args) {
             }
             view = &trees.back();
         }
-        long long r = PyLong_AsLongLong(PyTuple_GET_ITEM(last, 1));
-        ok = !(r == -1 && PyErr_Occurred()) && view->row(r, from[i], to[i]);
+        int64_t r;
+        ok = integer(items[i], s_row, r) && view->row(r, from[i], to[i]);
         prev[i] = view;
     }
     if (ok && total > acc.n) {
@@ -1112,12 +1116,11 @@ PyObject* count_batch(PyObject*, PyObject* args) {
         ok = false;
     }
     if (ok) {
-        double* out = static_cast<double*>(into.view.buf);
-        const Tally t{out, n_keys, n_bits, into.n - n_keys * (1 + 2 * n_bits)};
-        const int64_t* o = off.of<int64_t>();
+        const Tally t{static_cast<double*>(into.view.buf), n_keys, n_bits,
+                      into.n - n_keys * (1 + 2 * n_bits)};
         const uint32_t* a = acc.of<uint32_t>();
         for (Py_ssize_t i = 0; i < n; ++i) {
-            tally_tree(t, key[i], bits.of<uint8_t>() + o[i], o[i + 1] - o[i]);
+            tally_tree(t, key[i], now.bits.of<uint8_t>() + at[i], at[i + 1] - at[i]);
             int64_t c = cnt.of<uint32_t>()[i];
             if (const TreesView* p = prev[i]) {
                 tally_walk(t, key[i], p->tokens.of<uint32_t>() + from[i],
@@ -1126,9 +1129,14 @@ PyObject* count_batch(PyObject*, PyObject* args) {
             }
             a += c;
         }
+        for (Py_ssize_t i = 0; ok && i < n; ++i) {  // the trees its next step walks down
+            PyObject* r = PyLong_FromSsize_t(i);
+            ok = r != nullptr && PyObject_SetAttr(items[i], s_last, now_trees) == 0 &&
+                 PyObject_SetAttr(items[i], s_row, r) == 0;
+            Py_XDECREF(r);
+        }
     }
-    Py_DECREF(ls);
-    Py_DECREF(ks);
+    Py_DECREF(ss);
     if (!ok) return nullptr;
     Py_RETURN_NONE;
 }
@@ -1181,8 +1189,8 @@ PyMethodDef module_methods[] = {
      "tokens, parents, probs, bits, match_lens, expected, used, context_lens) as bytes"},
     {"set_sources", set_sources, METH_VARARGS, "set_sources(rest, pld, learned, labels)"},
     {"count_batch", count_batch, METH_VARARGS,
-     "count_batch(lasts, accepted, counts, keys, offsets, bits, into, n_keys, n_bits): a "
-     "batched step's metrics, added to into"},
+     "count_batch(seqs, trees, accepted, counts, into, n_keys, n_bits): a batched step's "
+     "metrics, added to into; each sequence's last and row set to this step's"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_core",

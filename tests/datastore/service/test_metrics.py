@@ -9,6 +9,7 @@ import multiprocessing as mp
 
 import numpy as np
 from redraft.datastore.drafting.native import _core
+from redraft.datastore.service.batch_rpc import BatchedSequence
 from redraft.datastore.service.metrics import (
     ALL_CORPORA,
     CORPUS_SLOTS,
@@ -129,9 +130,12 @@ def test_a_batch_calls_counts_are_published_under_their_keys():
     # the tree before: root 10 (rest) -> 11 (pld); the step accepts 10, 11, then 5 (bonus)
     before = (np.array([0, 2], np.int64), np.array([10, 11], np.uint32),
               np.array([-1, 0], np.int32), np.array([1, 2], np.uint8))
-    _core.count_batch([(before, 0)], np.array([10, 11, 5], np.uint32),
-                      np.array([3], np.uint32), [key], np.array([0, 3], np.int64),
-                      np.array([4, 4, 1], np.uint8), slots.batch_counts, slots.keys, N_BITS)
+    now = (np.array([0, 3], np.int64), np.array([1, 2, 3], np.uint32),
+           np.array([-1, 0, 1], np.int32), np.array([4, 4, 1], np.uint8))
+    seq = BatchedSequence(("", "", "s"), None, 3, 1, key)
+    seq.last = before
+    _core.count_batch([seq], now, np.array([10, 11, 5], np.uint32), np.array([3], np.uint32),
+                      slots.batch_counts, slots.keys, N_BITS)
     slots.batch(0.0004, 1)
     slots.publish()
     m = slots.read()

@@ -1,7 +1,7 @@
 """The core's count_batch (what the service's metrics count of a Batch call) against its
 Python reference, metrics.count_batch (walk_accepted down each previous tree), on random
-trees: the same counts to the last one, whatever the trees, their rows, the keys; and a bad
-argument refused before anything is counted."""
+trees: the same counts to the last one and the same trees left to each sequence, whatever
+the trees, their rows, the keys; and a bad argument refused before anything is counted."""
 
 from __future__ import annotations
 
@@ -11,6 +11,15 @@ import numpy as np
 import pytest
 from redraft.datastore.drafting.native import _core
 from redraft.datastore.service.metrics import count_batch
+
+
+class Seq:
+    """What count_batch reads of a sequence (a BatchedSequence's attributes)."""
+
+    __slots__ = ("counter", "last", "row")
+
+    def __init__(self, counter: int, last=None, row: int = 0) -> None:
+        self.counter, self.last, self.row = counter, last, row
 
 
 def random_trees(rng: random.Random, rows: int) -> tuple:
@@ -51,25 +60,32 @@ def test_the_core_counts_what_the_reference_counts(seed):
     size = n_keys * (1 + 2 * n_bits) + depths
     want, got = np.zeros(size), np.zeros(size)
     earlier = [random_trees(rng, rng.randint(1, 30)) for _ in range(3)]
+    pool: list[tuple[Seq, Seq]] = []  # each sequence twice: the reference's, the core's
     for _ in range(40):
         n = rng.randint(0, 40)
-        lasts, accepted, counts = [], [], []
-        for _ in range(n):
+        while len(pool) < n:
             trees = rng.choice(earlier)
+            last = None if rng.random() < 0.15 else trees
             row = rng.randrange(len(trees[0]) - 1)
-            last = None if rng.random() < 0.15 else (trees, row)
-            path = a_path(rng, trees, row) if rng.random() < 0.9 else []
-            lasts.append(last)
+            key = rng.randrange(n_keys)
+            pool.append((Seq(key, last, row), Seq(key, last, row)))
+        calls = rng.sample(pool, n)
+        accepted, counts = [], []
+        for ref, _ in calls:
+            path = a_path(rng, ref.last, ref.row) if ref.last is not None and \
+                rng.random() < 0.9 else []
             accepted += path
             counts.append(len(path))
-        keys = [rng.randrange(n_keys) for _ in range(n)]
         now = random_trees(rng, n)
-        args = (lasts, np.array(accepted, np.uint32), np.array(counts, np.uint32), keys,
-                now[0], now[3])
-        count_batch(*args, want, n_keys, n_bits)
-        _core.count_batch(*args, got, n_keys, n_bits)
+        flat = (np.array(accepted, np.uint32), np.array(counts, np.uint32))
+        count_batch([r for r, _ in calls], now, *flat, want, n_keys, n_bits)
+        _core.count_batch([c for _, c in calls], now, *flat, got, n_keys, n_bits)
         assert got.tolist() == want.tolist()
-        if n:  # the next call walks down these
+        for ref, core in pool:
+            assert (core.last is ref.last, core.row) == (True, ref.row)
+        for i, (_, core) in enumerate(calls):
+            assert core.last is now and core.row == i
+        if n:
             earlier = [now, *earlier[:2]]
     at = n_keys * (1 + n_bits)
     assert want[at:at + n_keys * n_bits].sum() > 100  # accepted tokens were walked
@@ -77,33 +93,43 @@ def test_the_core_counts_what_the_reference_counts(seed):
 
 def test_one_tree_walked_as_walk_accepted_walks_it():
     #            0   1   2   3   4   a tree: 0 -> 1 -> 3, 0 -> 2, a second root 4
-    trees = (np.array([0, 5], np.int64), np.array([10, 11, 12, 13, 11], np.uint32),
-             np.array([-1, 0, 0, 1, -1], np.int32), np.array([1, 3, 2, 1, 4], np.uint8))
+    before = (np.array([0, 5], np.int64), np.array([10, 11, 12, 13, 11], np.uint32),
+              np.array([-1, 0, 0, 1, -1], np.int32), np.array([1, 3, 2, 1, 4], np.uint8))
+    now = (np.array([0, 2], np.int64), np.array([7, 8], np.uint32),
+           np.array([-1, 0], np.int32), np.array([4, 4], np.uint8))
     into = np.zeros(1 + 2 * 8 + 4)
-    now = (np.array([0, 2], np.int64), np.array([4, 4], np.uint8))
-    _core.count_batch([(trees, 0)], np.array([10, 11, 13, 99], np.uint32),
-                      np.array([4], np.uint32), [0], *now, into, 1, 8)
+    seq = Seq(0, before, 0)
+    _core.count_batch([seq], now, np.array([10, 11, 13, 99], np.uint32),
+                      np.array([4], np.uint32), into, 1, 8)
     assert into[0] == 1 and into[1 + 4] == 2  # a draft now, its two nodes' source 4
     assert into[9:17].tolist() == [0, 2, 0, 1, 0, 0, 0, 0]  # nodes 0, 1, 3: sources 1, 3, 1
     assert into[17:].tolist() == [1, 1, 1, 0]
+    assert seq.last is now and seq.row == 0
 
 
 def test_a_bad_argument_is_refused_before_anything_is_counted():
-    trees = (np.array([0, 1], np.int64), np.array([5], np.uint32), np.array([-1], np.int32),
-             np.array([1], np.uint8))
+    before = (np.array([0, 1], np.int64), np.array([5], np.uint32), np.array([-1], np.int32),
+              np.array([1], np.uint8))
+    now = (np.array([0, 1, 2], np.int64), np.array([5, 5], np.uint32),
+           np.array([-1, -1], np.int32), np.array([1, 1], np.uint8))
     into = np.zeros(2 * (1 + 2 * 8))
-    now = (np.array([0, 1, 2], np.int64), np.array([1, 1], np.uint8))
     acc, counts = np.array([5, 5], np.uint32), np.array([1, 1], np.uint32)
     with pytest.raises(ValueError, match="outside"):
-        _core.count_batch([(trees, 0), None], acc, counts, [0, 2], *now, into, 2, 8)
+        _core.count_batch([Seq(0, before), Seq(2)], now, acc, counts, into, 2, 8)
     with pytest.raises(ValueError, match="no row 1"):
-        _core.count_batch([(trees, 0), (trees, 1)], acc, counts, [0, 1], *now, into, 2, 8)
+        _core.count_batch([Seq(0, before), Seq(1, before, 1)], now, acc, counts, into, 2, 8)
     with pytest.raises(ValueError, match="more than accepted"):
-        _core.count_batch([None, None], acc[:1], counts, [0, 1], *now, into, 2, 8)
-    with pytest.raises(ValueError, match="differ in length"):
-        _core.count_batch([None], acc, counts, [0, 1], *now, into, 2, 8)
+        _core.count_batch([Seq(0), Seq(1)], now, acc[:1], counts, into, 2, 8)
+    with pytest.raises(ValueError, match="differ in number"):
+        _core.count_batch([Seq(0)], now, acc, counts, into, 2, 8)
     with pytest.raises(ValueError, match="smaller"):
-        _core.count_batch([None, None], acc, counts, [0, 1], *now, into[:5], 2, 8)
+        _core.count_batch([Seq(0), Seq(1)], now, acc, counts, into[:5], 2, 8)
+    with pytest.raises(TypeError, match="trees must be"):
+        _core.count_batch([Seq(0, (1, 2)), Seq(1)], now, acc, counts, into, 2, 8)
+    with pytest.raises(AttributeError):
+        _core.count_batch([object(), Seq(1)], now, acc, counts, into, 2, 8)
     assert not into.any()
-    _core.count_batch([(trees, 0), None], acc, counts, [0, 1], *now, into, 2, 8)
+    seqs = [Seq(0, before), Seq(1)]
+    _core.count_batch(seqs, now, acc, counts, into, 2, 8)
     assert into[:2].tolist() == [1, 1] and into[2 + 16 + 1] == 1  # key 0 walked node 0
+    assert [(s.last is now, s.row) for s in seqs] == [(True, 0), (True, 1)]
