@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from redraft.datastore import Reader
 from redraft.datastore.drafting import DraftSettings, LearnedIndex, new_session_drafter
 from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
+from redraft.proto.params import DraftParams
 from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, LEARNED, PLD, REST, Tree
 
 log = logging.getLogger("redraft.drafts")
@@ -184,11 +185,10 @@ class DraftSource:
         self._wanted: str | None = None  # the model's tokenizer fingerprint, once known
         self._info = None  # what the service said it serves, once reached
         self.reader = self.client = None
-        self.fallback_settings = DraftSettings(budget=budget, max_depth=max_depth,
-                                               sources=frozenset({PLD}))
-        self.settings = DraftSettings(budget=budget, max_depth=max_depth,
-                                      sources=frozenset(sources),
-                                      corpora=self.corpora or None)
+        params = DraftParams(budget=budget, max_depth=max_depth, sources=tuple(sources),
+                             corpora=self.corpora)
+        self.fallback_settings = DraftSettings(params.replace(sources=(PLD,), corpora=()))
+        self.settings = DraftSettings(params)
         if datastore is not None:
             self._open_datastore(str(datastore), tokenizer)
         else:
@@ -211,11 +211,9 @@ class DraftSource:
     def _open_service(self, address: str, token: str | None, tls: bool | str, tokenizer,
                       timeout: float, sources: Sequence[str]) -> None:
         # lazy: grpc is loaded only when a service is used
-        from redraft.datastore.service.client import DraftClient, DraftParams
+        from redraft.datastore.service.client import DraftClient
 
-        s = self.settings
-        self.params = DraftParams(budget=s.budget, max_depth=s.max_depth,
-                                  sources=tuple(sources), corpora=self.corpora)
+        self.params = self.settings.params
         self.params.to_proto()  # bad values fail here, not at the first generation
         if tokenizer is not None:
             self._wanted = fingerprint_of(tokenizer)

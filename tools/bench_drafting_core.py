@@ -37,6 +37,7 @@ from redraft.datastore.drafting import (
     step_batch,
 )
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
+from redraft.datastore.drafting.session_drafter import DEFAULT_PARAMS
 
 from tools import harness
 from tools.bench_service import held_out_tokens, pct
@@ -100,8 +101,8 @@ def main() -> int:
 
     reader = Reader(args.datastore)
     docs = held_out_tokens(reader.tokenizer_name)
-    settings = DraftSettings(budget=args.budget, max_depth=args.depth,
-                             sources=frozenset(SOURCES))
+    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=args.budget, max_depth=args.depth,
+                                                    sources=frozenset(SOURCES)))
     learned = (LearnedIndex(args.learn_max_tokens), NativeLearnedIndex(args.learn_max_tokens))
     rng = random.Random(args.seed)
     gc.collect()

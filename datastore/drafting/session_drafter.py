@@ -16,36 +16,46 @@ from redraft.datastore.drafting.prompt_lookup import PromptLookup
 from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
 from redraft.datastore.manifest import LEARNED_CORPUS  # learned outputs persist as this corpus
 from redraft.proto.errors import InvalidQuery
-from redraft.proto.tree import (
-    DEFAULT_BUDGET,
-    DEFAULT_MAX_DEPTH,
-    LEARNED,
-    PLD,
-    REST,
-    Tree,
-    merge,
-)
+from redraft.proto.params import SOURCES, DraftParams
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, LEARNED, PLD, REST, Tree, merge
 
-SOURCES = (REST, PLD, LEARNED)
+# What an in-process drafter drafts by default: every source, the usual budget and depth.
+DEFAULT_PARAMS = DraftParams(budget=DEFAULT_BUDGET, max_depth=DEFAULT_MAX_DEPTH, sources=SOURCES)
 
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """How a session drafts. 0 for a match length means each source's own default."""
+    """How a session drafts: what was asked for (`params`, the one parameters value, its budget
+    and depth as drafted: the server fills a request's 0s from its defaults first, in
+    `ServiceConfig.draft_settings`) and the retrieval knobs only a drafter in process has."""
 
-    budget: int = DEFAULT_BUDGET
-    max_depth: int = DEFAULT_MAX_DEPTH
-    sources: frozenset[str] = frozenset(SOURCES)
-    corpora: tuple[str, ...] | None = None  # retrieval from these corpora only
-    min_match: int = 0
-    max_match: int = 0
-    rest_min_match: int = 2
+    params: DraftParams = DEFAULT_PARAMS
+    rest_min_match: int = 2  # REST's match lengths where params ask 0
     rest_max_match: int = 16
     # Occurrences of the longest match the Reader samples: 64 drafts as well as its default
     # 256 on held-out code (same accepted tokens per step) at ~70% of the lookup time.
     rest_max_occurrences: int = 64
     # REST probabilities p become scale * p**power (retrieval.REST_CALIBRATION; (1, 1) = raw)
     rest_calibration: tuple[float, float] = REST_CALIBRATION
+
+    # What the drafters and the server read of `params`, resolved.
+    @property
+    def budget(self) -> int:
+        return self.params.budget
+
+    @property
+    def max_depth(self) -> int:
+        return self.params.max_depth
+
+    @property
+    def sources(self) -> frozenset[str]:
+        """The sources drafted from (empty `params.sources`: REST and PLD)."""
+        return self.params.source_set()
+
+    @property
+    def corpora(self) -> Sequence[str]:
+        """The corpora retrieval reads (empty: every corpus but the learned one)."""
+        return self.params.corpora
 
 
 def retrieval_corpora(reader, corpora: Sequence[str] | None) -> list[str] | None:
@@ -85,9 +95,9 @@ class SessionDrafter:
                          else None)
         self.pld: PromptLookup | None = None
         if PLD in s.sources:
-            max_ngram = s.max_match or 8
-            self.pld = PromptLookup(max_ngram=max_ngram, min_ngram=min(s.min_match or 1,
-                                                                       max_ngram))
+            max_ngram = s.params.max_match_len or 8
+            self.pld = PromptLookup(max_ngram=max_ngram,
+                                    min_ngram=min(s.params.min_match_len or 1, max_ngram))
             self.pld.extend(self.context)
         self.learned = learned
         self.tenant = tenant
@@ -123,11 +133,11 @@ class SessionDrafter:
         drafts: list[Tree] = []
         self.rest_match_len = self.pld_match_len = self.learned_match_len = 0
         if self.reader is not None and self._corpora is not None and context:
-            max_match = s.max_match or s.rest_max_match
+            max_match = s.params.max_match_len or s.rest_max_match
+            min_match = min(s.params.min_match_len or s.rest_min_match, max_match)
             rest = retrieval_tree(
                 self.reader, context[-max_match:], budget=budget, max_depth=s.max_depth,
-                max_match_len=max_match, min_match_len=min(s.min_match or s.rest_min_match,
-                                                           max_match),
+                max_match_len=max_match, min_match_len=min_match,
                 max_occurrences=s.rest_max_occurrences, corpora=self._corpora)
             self.rest_match_len = rest.match_len
             drafts.append(calibrate(rest, *s.rest_calibration))

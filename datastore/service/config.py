@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from redraft.datastore.drafting import DraftSettings
 from redraft.datastore.manifest import POLL_INTERVAL_S
 from redraft.proto import draft_pb2
+from redraft.proto.params import DraftParams
 from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -75,6 +76,13 @@ class ServiceConfig:
     # tokens configured (all of them with one token); without, `fair_room` divided by the
     # tenants holding slots. One engine must not take every slot from the others.
     tenant_sessions: int = 0
+
+    def draft_settings(self, params: DraftParams) -> DraftSettings:
+        """How a request's parameters (checked against the limits) draft on this server: a 0
+        budget or depth is this server's default, the retrieval knobs are its own."""
+        return DraftSettings(params.with_defaults(self.default_budget, self.default_depth),
+                             rest_max_occurrences=self.rest_max_occurrences,
+                             rest_calibration=self.rest_calibration)
 
     def tokens(self) -> list[str]:
         """The bearer tokens configured (none: no auth)."""

@@ -22,7 +22,7 @@ from redraft.datastore.service.refusals import Refusal, bad, over_context
 from redraft.datastore.service.tenants import TenantSlot, session_key, token_key
 from redraft.datastore.service.wire import source_names
 from redraft.proto import draft_pb2
-from redraft.proto.tree import PLD, REST
+from redraft.proto.params import DraftParams
 
 _MAX_TENANT_LEN = 200
 STEP_ACCEPTED, STEP_BUDGET = "step.accepted", "step.budget"  # what a step's refusals name
@@ -177,7 +177,7 @@ class RequestValidator:
         self.check_budget(p.budget, "budget")
         if p.max_depth > c.max_depth:
             raise bad(f"max_depth {p.max_depth} exceeds the server's limit {c.max_depth}")
-        sources = source_names(p.sources)
+        source_names(p.sources)  # refuses an unknown source with the wire's message
         if LEARNED_CORPUS in p.corpora:
             raise bad(f"corpus {LEARNED_CORPUS!r} is drafted through SOURCE_LEARNED (which "
                       "keeps tenants apart), not through retrieval")
@@ -189,13 +189,4 @@ class RequestValidator:
             raise bad(f"min_match_len {p.min_match_len} > max_match_len {p.max_match_len}")
         if max(p.min_match_len, p.max_match_len) > 1024:
             raise bad("min_match_len and max_match_len must be at most 1024")
-        return DraftSettings(
-            budget=p.budget or c.default_budget,
-            max_depth=p.max_depth or c.default_depth,
-            sources=frozenset(sources or (REST, PLD)),
-            corpora=tuple(p.corpora) or None,
-            min_match=p.min_match_len,
-            max_match=p.max_match_len,
-            rest_max_occurrences=c.rest_max_occurrences,
-            rest_calibration=c.rest_calibration,
-        )
+        return c.draft_settings(DraftParams.from_proto(p))

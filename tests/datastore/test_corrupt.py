@@ -426,11 +426,12 @@ def _damage_continuation(store, doc: int, at: int, n: int) -> list[int]:
 @pytest.mark.parametrize("choice", ["python", "native"])
 def test_ids_past_the_vocabulary_in_unverified_arrays_are_never_drafted(make_store, choice):
     from redraft.datastore.drafting import DraftSettings, new_session_drafter
+    from redraft.datastore.drafting.session_drafter import DEFAULT_PARAMS
     rng = np.random.default_rng(7)
     docs = [rng.integers(1, VOCAB_7, 200).tolist() for _ in range(20)]
     store = make_store(docs, vocab=VOCAB_7)
     doc = _damage_continuation(store, 5, 30, 4)
-    settings = DraftSettings(budget=16, sources=("rest",))
+    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=16, sources=("rest",)))
     with Reader(store) as r:  # no verification: opening reads no array
         d = new_session_drafter(doc[:30], settings, r, choice=choice)
         with pytest.raises(DatastoreCorrupt, match="damaged token arrays .*65535"):

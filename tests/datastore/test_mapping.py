@@ -72,11 +72,12 @@ TRUNCATE_UNDER_THE_CORE = """
     import os, shutil, sys
     from redraft.datastore import DatastoreCorrupt, Reader
     from redraft.datastore.drafting import DraftSettings, new_session_drafter
+    from redraft.proto.params import DraftParams
     src, work = sys.argv[1], sys.argv[2]
     shutil.copytree(src, work)
     r = Reader(work)
     docs = r.shard_documents(0)
-    d = new_session_drafter(docs[7][:20].tolist(), DraftSettings(budget=16, sources=("rest",)),
+    d = new_session_drafter(docs[7][:20].tolist(), DraftSettings(DraftParams(16, 16, ("rest",))),
                             r, choice="native")
     assert d.propose().tokens[0] == docs[7][20]
     os.truncate(os.path.join(work, r.segments[0]), 8192)

@@ -43,16 +43,16 @@ class NativeSessionDrafter:
                             f"not a {type(learned).__name__}")
         self.learned = learned
         self.tenant = tenant
-        self._max_match = s.max_match or s.rest_max_match
-        self._min_match = min(s.min_match or s.rest_min_match, self._max_match)
+        self._max_match = s.params.max_match_len or s.rest_max_match
+        self._min_match = min(s.params.min_match_len or s.rest_min_match, self._max_match)
         self.reader = reader if REST in s.sources else None
         self._corpora = (retrieval_corpora(reader, s.corpora) if self.reader is not None
                          else None)
         store, shards, rest_ok = self._retrieval()
         pld_max = pld_min = 0
         if PLD in s.sources:
-            pld_max = s.max_match or 8
-            pld_min = min(s.min_match or 1, pld_max)
+            pld_max = s.params.max_match_len or 8
+            pld_min = min(s.params.min_match_len or 1, pld_max)
             if pld_min < 1:  # what PromptLookup says
                 raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {pld_min}, {pld_max}")
         scale, power = s.rest_calibration

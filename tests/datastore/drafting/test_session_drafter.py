@@ -10,7 +10,7 @@ from redraft.datastore import Reader, append_corpus, build_datastore
 from redraft.datastore.drafting import REST_CALIBRATION, calibrate, retrieval_tree
 from redraft.datastore.drafting.learned_index import PROMPT_TAIL, LearnedIndex
 from redraft.datastore.drafting.prompt_lookup import PromptLookup
-from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.session_drafter import DEFAULT_PARAMS, DraftSettings, SessionDrafter
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.tree import merge
 
@@ -33,7 +33,7 @@ def reader(tmp_path_factory):
 
 
 def test_drafts_equal_the_sources_merged_independently(reader):
-    settings = DraftSettings(budget=24, max_depth=8)
+    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=24, max_depth=8))
     learned = LearnedIndex()
     earlier = DOCS[3][:40]
     w = learned.writer("t", earlier[:10])
@@ -72,20 +72,22 @@ def test_drafts_equal_the_sources_merged_independently(reader):
 
 
 def test_retrieval_never_reads_the_learned_corpus(reader):
-    s = SessionDrafter(SECRET[:20], DraftSettings(sources=frozenset({"rest"})), reader)
+    s = SessionDrafter(SECRET[:20],
+                       DraftSettings(DEFAULT_PARAMS.replace(sources=frozenset({"rest"}))), reader)
     for i in range(20, 50, 3):
         s.extend(SECRET[i:i + 3])
         assert len(s.propose()) == 0
     assert len(retrieval_tree(reader, SECRET[:20], corpora=["learned"])) > 0  # it is there
     with pytest.raises(InvalidQuery, match="learned"):
-        SessionDrafter([1, 2], DraftSettings(corpora=("learned",)), reader)
+        SessionDrafter([1, 2], DraftSettings(DEFAULT_PARAMS.replace(corpora=("learned",))), reader)
 
 
 def test_sources_not_asked_for_are_not_drafted(reader):
     learned = LearnedIndex()
     w = learned.writer("", [1])
     w.extend(DOCS[0])
-    s = SessionDrafter(DOCS[0][:20], DraftSettings(sources=frozenset({"pld"})), reader,
+    s = SessionDrafter(DOCS[0][:20],
+                       DraftSettings(DEFAULT_PARAMS.replace(sources=frozenset({"pld"}))), reader,
                        learned)
     assert set(s.propose().sources) <= {"pld"}
     s.extend(DOCS[0][20:25])  # still learned, though not drafted from

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from redraft.datastore.drafting import DraftSettings, new_session_drafter
+from redraft.datastore.drafting.session_drafter import DEFAULT_PARAMS
 from redraft.datastore.service.client import DraftClient
 from redraft.decoder.engines.settings import EngineSettings
 from redraft.decoder.engines.sglang import WHOLE_CONTEXT, RedraftNgramCache, register
@@ -160,7 +161,8 @@ def test_a_dead_service_gives_prompt_lookup_trees(monkeypatch, servers, answers_
     serve.kill()
     ((root, tree),) = decode_step(cache, [req])  # no exception: prompt lookup in process
     assert cache.drafts.source.failures == 1
-    settings = DraftSettings(budget=N - 1, max_depth=N - 1, sources=frozenset({PLD}))
+    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=N - 1, max_depth=N - 1,
+                                                    sources=frozenset({PLD})))
     want = new_session_drafter(req.origin_input_ids, settings).propose()
     assert len(want) > 0
     assert nodes_without_padding(tree, len(want)) == (want.tokens, want.parents)

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from redraft.datastore import build_datastore
 from redraft.datastore.drafting import DraftSettings, new_session_drafter
+from redraft.datastore.drafting.session_drafter import DEFAULT_PARAMS
 from redraft.datastore.service.client import DraftClient
 from redraft.decoder.engines.streams import EngineConfigError
 from redraft.proto.tree import PLD, Tree, best_chain
@@ -157,9 +158,10 @@ def service_chain(client: DraftClient, proposer, context: list[int], k: int) -> 
 
 def pld_chain(proposer, context: list[int], k: int) -> list[int]:
     """The chain prompt lookup alone drafts for `context` in process."""
-    settings = DraftSettings(budget=proposer.drafts.source.options.budget,
-                             max_depth=proposer.drafts.source.options.max_depth,
-                             sources=frozenset({PLD}))
+    options = proposer.drafts.source.options
+    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=options.budget,
+                                                    max_depth=options.max_depth,
+                                                    sources=frozenset({PLD})))
     return best_chain(new_session_drafter(context, settings).propose(), k).tokens
 
 

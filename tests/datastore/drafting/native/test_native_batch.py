@@ -12,7 +12,7 @@ from redraft.datastore import Reader
 from redraft.datastore.drafting import step_batch, step_flat
 from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
-from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.session_drafter import DEFAULT_PARAMS, DraftSettings, SessionDrafter
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.tree import LEARNED, PLD, REST, SOURCE_BITS, best_chain, source_bits
 
@@ -22,8 +22,9 @@ ALL = frozenset({REST, PLD, LEARNED})
 @pytest.mark.parametrize("threads", [1, 2, 5])
 def test_a_batch_step_is_every_session_step(narrow_store, same, threads):
     rng = random.Random(12)
-    settings = [DraftSettings(sources=ALL), DraftSettings(budget=8, max_depth=4, sources=ALL),
-                DraftSettings(corpora=("b",), sources=frozenset({REST, PLD}))]
+    settings = [DraftSettings(), DraftSettings(DEFAULT_PARAMS.replace(budget=8, max_depth=4)),
+                DraftSettings(DEFAULT_PARAMS.replace(corpora=("b",),
+                                                     sources=frozenset({REST, PLD})))]
     py_learned, native_learned = LearnedIndex(3000), NativeLearnedIndex(3000)
     docs = narrow_store.docs
     with Reader(narrow_store.path) as reader:
@@ -63,9 +64,9 @@ def test_a_batch_step_is_every_session_step(narrow_store, same, threads):
 
 def test_arrays_of_one_session_are_its_tree(narrow_store, same):
     with Reader(narrow_store.path) as reader:
-        a = NativeSessionDrafter(narrow_store.docs[3][:20], DraftSettings(sources=ALL), reader,
+        a = NativeSessionDrafter(narrow_store.docs[3][:20], DraftSettings(), reader,
                                  NativeLearnedIndex())
-        b = NativeSessionDrafter(narrow_store.docs[3][:20], DraftSettings(sources=ALL), reader,
+        b = NativeSessionDrafter(narrow_store.docs[3][:20], DraftSettings(), reader,
                                  NativeLearnedIndex())
         tokens, parents, probs, bits = a.propose_arrays()
         want = b.propose()
@@ -80,7 +81,7 @@ def test_arrays_of_one_session_are_its_tree(narrow_store, same):
 def test_a_failing_sequence_fails_alone(narrow_store, same):
     vocab = narrow_store.vocab
     docs = narrow_store.docs
-    s = DraftSettings(sources=ALL)
+    s = DraftSettings()
     with Reader(narrow_store.path) as reader:
         ref = [SessionDrafter(docs[i][:10], s, reader) for i in range(4)]
         natives = [NativeSessionDrafter(docs[i][:10], s, reader) for i in range(4)]
@@ -106,7 +107,7 @@ def test_a_failing_sequence_fails_alone(narrow_store, same):
 def test_threads_work_in_a_forked_child(narrow_store, same):
     """A server forks its workers: a child has none of its parent's drafting threads and
     must start its own (not wait for the parent's)."""
-    s = DraftSettings(sources=ALL)
+    s = DraftSettings()
     with Reader(narrow_store.path) as reader:
         natives = [NativeSessionDrafter(d[:12], s, reader) for d in narrow_store.docs[:8]]
         step_batch(natives, [[1]] * 8, threads=3)  # the parent's threads exist now
@@ -152,7 +153,7 @@ def test_a_child_forked_during_a_batch_drafts_on_threads(narrow_store):
     lock held and the threads' state mid-step, and must start afresh (not wait forever)."""
     import threading
 
-    s = DraftSettings(sources=ALL)
+    s = DraftSettings()
     docs = narrow_store.docs
     with Reader(narrow_store.path) as reader:
         busy = [NativeSessionDrafter(d[:12], s, reader) for d in docs[:16]]
@@ -178,7 +179,7 @@ def test_a_child_forked_during_a_batch_drafts_on_threads(narrow_store):
 def test_best_chains_are_the_reference_chains(narrow_store, same, chain):
     """chain=k: each sequence's best chain of at most k nodes (proto.tree.best_chain of the
     reference's tree), from the compiled batch and from the reference's batch alike."""
-    s = DraftSettings(sources=ALL, budget=48, max_depth=12)
+    s = DraftSettings(DEFAULT_PARAMS.replace(budget=48, max_depth=12))
     docs = narrow_store.docs
     with Reader(narrow_store.path) as reader:
         refs = [SessionDrafter(docs[i][:6], s, reader, None, "t") for i in range(16)]
@@ -203,7 +204,7 @@ def test_best_chains_are_the_reference_chains(narrow_store, same, chain):
 
 def test_expected_and_sources_of_each_tree(narrow_store):
     docs = narrow_store.docs
-    s = DraftSettings(sources=ALL)
+    s = DraftSettings()
     learned = NativeLearnedIndex()
     with Reader(narrow_store.path) as reader:
         natives = [NativeSessionDrafter(docs[i][:9], s, reader, learned, "t") for i in range(8)]
@@ -220,7 +221,7 @@ def test_expected_and_sources_of_each_tree(narrow_store):
 def test_a_batch_of_python_drafters_is_the_reference(narrow_store, same):
     """With the Python reference (REDRAFT_DRAFTING=python), the batch is the same step."""
     docs = narrow_store.docs
-    s = DraftSettings(sources=ALL, budget=24)
+    s = DraftSettings(DEFAULT_PARAMS.replace(budget=24))
     with Reader(narrow_store.path) as reader:
         py = [SessionDrafter(docs[i][:7], s, reader, LearnedIndex(), "t") for i in range(6)]
         nat = [NativeSessionDrafter(docs[i][:7], s, reader, NativeLearnedIndex(), "t")
@@ -243,7 +244,7 @@ def test_a_flat_step_is_the_batch_step(narrow_store, threads, chain):
     arrays) drafts what step_batch drafts, array for array, and gives each context's length;
     a sequence the core refuses (tokens outside the datastore's vocabulary) fails alone."""
     rng = random.Random(31)
-    s = DraftSettings(sources=ALL)
+    s = DraftSettings()
     docs, vocab = narrow_store.docs, narrow_store.vocab
     with Reader(narrow_store.path) as reader:
         twins = []

@@ -11,30 +11,35 @@ import pytest
 from redraft.datastore import Reader, build_datastore
 from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionDrafter
-from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
+from redraft.datastore.drafting.session_drafter import DEFAULT_PARAMS, DraftSettings, SessionDrafter
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError, InvalidQuery
 from redraft.proto.tree import LEARNED, PLD, REST
 
 ALL = frozenset({REST, PLD, LEARNED})
 
 SETTINGS = {
-    "default": DraftSettings(sources=ALL),
-    "small": DraftSettings(budget=8, max_depth=4, rest_max_occurrences=3, sources=ALL),
-    "large": DraftSettings(budget=200, max_depth=40, rest_max_occurrences=256,
-                           rest_calibration=(1.0, 1.0), sources=ALL),
-    "match-3-5": DraftSettings(min_match=3, max_match=5, sources=ALL),
-    "match-1": DraftSettings(max_match=1, sources=ALL),
-    "rest-1-32": DraftSettings(rest_min_match=1, rest_max_match=32, budget=32,
-                               rest_calibration=(0.3, 2.0), sources=ALL),
-    "corpus-a": DraftSettings(corpora=("a",), sources=ALL),
-    "corpora-b-a": DraftSettings(corpora=("b", "a"), budget=24, max_depth=8, sources=ALL),
-    "rest-only": DraftSettings(sources=frozenset({REST}), rest_max_occurrences=5),
-    "pld-only": DraftSettings(sources=frozenset({PLD}), max_depth=24),
-    "learned-only": DraftSettings(sources=frozenset({LEARNED}), budget=16),
-    "rest-learned": DraftSettings(sources=frozenset({REST, LEARNED}), max_depth=1),
+    "default": DraftSettings(),
+    "small": DraftSettings(DEFAULT_PARAMS.replace(budget=8, max_depth=4), rest_max_occurrences=3),
+    "large": DraftSettings(DEFAULT_PARAMS.replace(budget=200, max_depth=40),
+                           rest_max_occurrences=256, rest_calibration=(1.0, 1.0)),
+    "match-3-5": DraftSettings(DEFAULT_PARAMS.replace(min_match_len=3, max_match_len=5)),
+    "match-1": DraftSettings(DEFAULT_PARAMS.replace(max_match_len=1)),
+    "rest-1-32": DraftSettings(DEFAULT_PARAMS.replace(budget=32), rest_min_match=1,
+                               rest_max_match=32, rest_calibration=(0.3, 2.0)),
+    "corpus-a": DraftSettings(DEFAULT_PARAMS.replace(corpora=("a",))),
+    "corpora-b-a": DraftSettings(DEFAULT_PARAMS.replace(corpora=("b", "a"), budget=24,
+                                                        max_depth=8)),
+    "rest-only": DraftSettings(DEFAULT_PARAMS.replace(sources=frozenset({REST})),
+                               rest_max_occurrences=5),
+    "pld-only": DraftSettings(DEFAULT_PARAMS.replace(sources=frozenset({PLD}), max_depth=24)),
+    "learned-only": DraftSettings(DEFAULT_PARAMS.replace(sources=frozenset({LEARNED}),
+                                                         budget=16)),
+    "rest-learned": DraftSettings(DEFAULT_PARAMS.replace(sources=frozenset({REST, LEARNED}),
+                                                         max_depth=1)),
     # probabilities above 1: a child can outrank its parent (the reference then drops it)
-    "over-confident": DraftSettings(rest_calibration=(2.5, 0.5), sources=ALL),
+    "over-confident": DraftSettings(rest_calibration=(2.5, 0.5)),
 }
+LEARNED_CORPUS_ONLY = DEFAULT_PARAMS.replace(corpora=("learned",))
 BUDGETS = (None, None, None, 0, 1, 3, 16, 64)
 
 
@@ -122,7 +127,7 @@ def test_learned_outputs_shared_by_every_tenant_and_evicted_early(narrow_store, 
     learned = (LearnedIndex(max_tokens=150, shared=True, journal=journals[0]),
                NativeLearnedIndex(max_tokens=150, shared=True, journal=journals[1]))
     with Reader(narrow_store.path) as reader:
-        replay(reader, narrow_store, DraftSettings(sources=ALL, budget=32), rng, same,
+        replay(reader, narrow_store, DraftSettings(DEFAULT_PARAMS.replace(budget=32)), rng, same,
                sessions=25, steps=25, learned=learned, tenants=("x", "y"))
     assert learned[1].stats() == learned[0].stats()
     assert journals[1].events == journals[0].events and journals[0].events
@@ -130,7 +135,7 @@ def test_learned_outputs_shared_by_every_tenant_and_evicted_early(narrow_store, 
 
 def test_without_a_reader_or_a_learned_index(narrow_store, same):
     rng = random.Random(4)
-    replay(None, narrow_store, DraftSettings(sources=ALL), rng, same, sessions=8)
+    replay(None, narrow_store, DraftSettings(), rng, same, sessions=8)
 
 
 def test_sessions_interleaved_share_the_learned_index(narrow_store, same):
@@ -138,7 +143,7 @@ def test_sessions_interleaved_share_the_learned_index(narrow_store, same):
     the others then draft."""
     rng = random.Random(8)
     py, native = LearnedIndex(max_tokens=2000), NativeLearnedIndex(max_tokens=2000)
-    s = DraftSettings(sources=ALL, budget=24, max_depth=8)
+    s = DraftSettings(DEFAULT_PARAMS.replace(budget=24, max_depth=8))
     with Reader(narrow_store.path) as reader:
         pairs = []
         for i in range(6):
@@ -168,7 +173,7 @@ def test_standard_library_text_with_the_real_tokenizer(tmp_path, same):
     held_out = [ids for p in sorted((root / "datastore").glob("*.py"))
                 if len(ids := tok(p.read_text(), add_special_tokens=False)["input_ids"]) > 400]
     rng = random.Random(9)
-    settings = DraftSettings(sources=ALL)
+    settings = DraftSettings()
     py, native = LearnedIndex(), NativeLearnedIndex()
     drafted = 0
     with Reader(tmp_path / "ds") as reader:
@@ -208,11 +213,11 @@ def raises_alike(call_a, call_b):
 
 @pytest.mark.parametrize("settings, budget", [
     (DraftSettings(), -1),
-    (DraftSettings(max_depth=2000), None),
-    (DraftSettings(max_depth=0), None),
+    (DraftSettings(DEFAULT_PARAMS.replace(max_depth=2000)), None),
+    (DraftSettings(DEFAULT_PARAMS.replace(max_depth=0)), None),
     (DraftSettings(rest_max_occurrences=0), None),
-    (DraftSettings(corpora=("nope",)), None),
-    (DraftSettings(corpora=("a", "nope")), None),
+    (DraftSettings(DEFAULT_PARAMS.replace(corpora=("nope",))), None),
+    (DraftSettings(DEFAULT_PARAMS.replace(corpora=("a", "nope"))), None),
 ])
 def test_refused_settings_raise_what_the_reference_raises(narrow_store, same, settings,
                                                           budget):
@@ -226,7 +231,7 @@ def test_refused_settings_raise_what_the_reference_raises(narrow_store, same, se
 def test_ids_outside_the_vocabulary_fail_the_step_only(narrow_store, same):
     vocab = narrow_store.vocab
     with Reader(narrow_store.path) as reader:
-        a, b = both(reader, DraftSettings(sources=ALL), narrow_store.docs[1][:10] + [vocab])
+        a, b = both(reader, DraftSettings(), narrow_store.docs[1][:10] + [vocab])
         raises_alike(a.propose, b.propose)
         for t in ([vocab + 7], sum(narrow_store.docs[1:4], [])[:30]):
             a.extend(t)
@@ -243,19 +248,19 @@ def test_ids_outside_the_vocabulary_fail_the_step_only(narrow_store, same):
 def test_the_learned_corpus_is_refused_as_by_the_reference(narrow_store):
     with Reader(narrow_store.path) as reader:
         with pytest.raises(InvalidQuery) as want:
-            SessionDrafter([1, 2], DraftSettings(corpora=("learned",)), reader)
+            SessionDrafter([1, 2], DraftSettings(LEARNED_CORPUS_ONLY), reader)
         with pytest.raises(InvalidQuery) as got:
-            NativeSessionDrafter([1, 2], DraftSettings(corpora=("learned",)), reader)
+            NativeSessionDrafter([1, 2], DraftSettings(LEARNED_CORPUS_ONLY), reader)
     assert str(got.value) == str(want.value)
 
 
 def test_a_closed_reader_refuses_as_the_reference_does(narrow_store, same):
     reader = Reader(narrow_store.path)
-    a, b = both(reader, DraftSettings(sources=ALL), narrow_store.docs[2][:12])
+    a, b = both(reader, DraftSettings(), narrow_store.docs[2][:12])
     same(a.propose(), b.propose())
     reader.close()
     raises_alike(a.propose, b.propose)
-    empty_a, empty_b = both(reader, DraftSettings(sources=ALL), [])  # no retrieval: no error
+    empty_a, empty_b = both(reader, DraftSettings(), [])  # no retrieval: no error
     same(empty_a.propose(), empty_b.propose())
 
 
@@ -268,7 +273,7 @@ def test_token_arrays_are_read_as_lists_are(narrow_store, same):
     import numpy as np
 
     doc = sum(narrow_store.docs[:3], [])
-    s = DraftSettings(sources=ALL)
+    s = DraftSettings()
     with Reader(narrow_store.path) as reader:
         a = NativeSessionDrafter(doc[:20], s, reader, NativeLearnedIndex())
         b = NativeSessionDrafter(np.asarray(doc[:20], np.int64), s, reader, NativeLearnedIndex())
@@ -294,7 +299,7 @@ def test_a_newer_snapshot_swapped_in_between_steps(tmp_path, narrow_store, same)
     path = tmp_path / "ds"
     shutil.copytree(narrow_store.path, path)
     rng = random.Random(21)
-    s = DraftSettings(sources=ALL)
+    s = DraftSettings()
     first = Reader(path)
     pairs = []
     for _ in range(6):
@@ -352,7 +357,8 @@ def test_damage_only_the_core_reads_is_datastore_corrupt_not_a_runtime_error(
     """Before: RuntimeError ("the compiled core refused a step ... that the reference
     drafts"), which the service passed on as UNKNOWN, never marking the datastore damaged."""
     path, docs, i = core_only_damage
-    settings = DraftSettings(budget=16, max_depth=16, sources=frozenset({REST}))
+    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=16, max_depth=16,
+                                                    sources=frozenset({REST})))
     with Reader(path) as r:
         with pytest.raises(DatastoreCorrupt, match="damaged token arrays"):
             NativeSessionDrafter(docs[i][:28], settings, r).propose()

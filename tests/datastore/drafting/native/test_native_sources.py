@@ -25,7 +25,7 @@ from redraft.datastore.drafting.native import NativeLearnedIndex, NativeSessionD
 from redraft.datastore.drafting.session_drafter import DraftSettings, SessionDrafter
 
 path, doc = sys.argv[1], json.loads(sys.argv[2])
-settings = DraftSettings(sources=frozenset({REST, PLD, LEARNED}))
+settings = DraftSettings()  # every source
 out = {"bits": [], "labels": [], "same": True}
 with Reader(path) as reader:
     learned = NativeLearnedIndex(), LearnedIndex()
