@@ -69,24 +69,22 @@ def _too_long(name: str) -> bool:
 class BatchedSequence:
     """One sequence held between calls."""
 
-    __slots__ = ("key", "drafter", "since", "busy", "length", "slot", "last", "row",
-                 "counter")
+    __slots__ = ("key", "drafter", "since", "busy", "length", "slot", "tally")
 
     def __init__(self, key: tuple, drafter, length: int | None = None, slot: int = 0,
                  counter: int = 0) -> None:
         self.key = key
         self.drafter = drafter
         self.slot = slot  # the tenant slot it counts against
-        self.counter = counter  # with metrics on: its key (MetricSlots.key: tenant, corpus)
         self.since = time.monotonic()  # last used
         self.busy = False  # a call is drafting it on a thread
         # tokens of its context (kept here: no call per check)
         self.length = len(drafter) if length is None else length
-        # with metrics on: the trees of the call that drafted for it last ((offsets, tokens,
-        # parents, bits)) and its row there, which its next step's accepted tokens walk down
-        # (`count_batch` reads and sets them)
-        self.last: tuple | None = None
-        self.row = 0
+        # with metrics on: [its counter key (MetricSlots.key: tenant, corpus), the trees of
+        # the call that drafted for it last ((offsets, tokens, parents, bits)) or None, its
+        # row there], which its next step's accepted tokens walk down (`count_batch` reads
+        # and sets them)
+        self.tally: list = [counter, None, 0]
 
 
 class SequenceTable:
@@ -366,7 +364,7 @@ class BatchDrafting:
             seq.since = now
             seq.length = n
         if self.service.stats.metrics.enabled:  # counted with the reply (`_count`)
-            out.counted = (seqs, tokens, counts)
+            out.counted = ([seq.tally for seq in seqs], tokens, counts)
         if out.errors:
             n_entries = len(drafting)
             for i, err in out.errors.items():
@@ -428,11 +426,12 @@ class BatchDrafting:
             self.service.stats.add(errors=failed)
         metrics = self.service.stats.metrics
         if metrics.enabled:
-            codes = [x.error.code for x in entries if x.error is not None]
-            if packed is not None:
-                codes += [e.code for e in packed.errors.values()]
-            for code in codes:
-                metrics.refused(code.value[0])
+            if failed:
+                codes = [x.error.code for x in entries if x.error is not None]
+                if packed is not None:
+                    codes += [e.code for e in packed.errors.values()]
+                for code in codes:
+                    metrics.refused(code.value[0])
             self._count(metrics, out, len(entries) + (len(packed.ids) if packed else 0), t0)
         reply.server_us = (time.perf_counter() - t0) * 1e6
         return reply
@@ -441,11 +440,11 @@ class BatchDrafting:
         """A call's figures for /metrics: its time and entries, and in one call of the core
         (`count_batch`) each drafted tree's nodes by its sequence's counter key and source,
         and the draft tokens its steps accepted, walked down the trees drafted for them
-        before (each sequence's `last` and `row`, which the call then sets to its own)."""
+        before (each sequence's `tally`, which the call then sets to its own)."""
         counted = getattr(out, "counted", None)
         if counted is not None:  # the trees as the reply has them
-            seqs, tokens, counts = counted
-            _count_batch(seqs, (out.offsets, out.tokens, out.parents, out.bits), tokens,
+            tallies, tokens, counts = counted
+            _count_batch(tallies, (out.offsets, out.tokens, out.parents, out.bits), tokens,
                          counts, metrics.batch_counts, metrics.keys, N_BITS)
         metrics.batch(time.perf_counter() - t0, rows)
 

@@ -353,21 +353,21 @@ def walk_accepted(tokens: Sequence[int], parents: Sequence[int], bits: Sequence,
     return out
 
 
-def count_batch(seqs: Sequence, trees: tuple, accepted, counts, into, n_keys: int,
+def count_batch(tallies: Sequence[list], trees: tuple, accepted, counts, into, n_keys: int,
                 n_bits: int) -> None:
     """What a Batch call counts, added to `into` ([drafts: n_keys][draft tokens: n_keys x
-    n_bits][accepted: n_keys x n_bits][accepted by depth: the rest]); then each sequence's
-    `last` is `trees` and its `row` its index. Sequence i (a BatchedSequence, or any object
-    with `counter`, `last` and `row`) counts under its `counter`: its tree now, row i of
-    `trees` = (offsets, tokens, parents, bits), is a draft if it has a node, each node a
-    draft token under its source bits; its `last` is None or the trees of its call before,
-    down whose row `row` its counts[i] tokens of `accepted` walk (`walk_accepted`).
+    n_bits][accepted: n_keys x n_bits][accepted by depth: the rest]). Sequence i's tally is
+    a list [counter, last, row] (a BatchedSequence's `tally`): it counts under its counter;
+    its tree now, row i of `trees` = (offsets, tokens, parents, bits), is a draft if it has a
+    node, each node a draft token under its source bits; `last` is None or the trees of its
+    call before, down whose row `row` its counts[i] tokens of `accepted` walk
+    (`walk_accepted`); then its last is `trees` and its row i.
 
     The reference of the compiled core's count_batch (what the service runs: one call per
     Batch call, no Python loop per sequence), and what runs without the core."""
     if len(into) < n_keys * (1 + 2 * n_bits):
         raise ValueError("into is smaller than n_keys * (1 + 2 * n_bits)")
-    keys = [int(seq.counter) for seq in seqs]
+    keys = [int(tally[0]) for tally in tallies]
     if any(not 0 <= k < n_keys for k in keys):
         raise ValueError(f"a counter is outside [0, {n_keys})")
     tokens_at, accepted_at, depth_at = n_keys, n_keys * (1 + n_bits), n_keys * (1 + 2 * n_bits)
@@ -375,16 +375,15 @@ def count_batch(seqs: Sequence, trees: tuple, accepted, counts, into, n_keys: in
     offsets, bits = [int(x) for x in trees[0]], [int(b) for b in trees[3]]
     flat = [int(t) for t in accepted]
     start = 0
-    for i, (seq, key) in enumerate(zip(seqs, keys)):
+    for i, ((_, last, row), key) in enumerate(zip(tallies, keys)):
         a, b = offsets[i], offsets[i + 1]
         if b > a:
             into[key] += 1
             for bit in bits[a:b]:
                 into[tokens_at + key * n_bits + (bit if bit < n_bits else 0)] += 1
         end = start + int(counts[i])
-        if seq.last is not None:
-            t_offsets, t_tokens, t_parents, t_bits = seq.last
-            row = seq.row
+        if last is not None:
+            t_offsets, t_tokens, t_parents, t_bits = last
             walked = walk_accepted([int(x) for x in t_tokens], [int(x) for x in t_parents],
                                    [int(x) for x in t_bits], int(t_offsets[row]),
                                    int(t_offsets[row + 1]), flat[start:end])
@@ -393,8 +392,8 @@ def count_batch(seqs: Sequence, trees: tuple, accepted, counts, into, n_keys: in
                 if depth < depths:
                     into[depth_at + depth] += 1
         start = end
-    for i, seq in enumerate(seqs):
-        seq.last, seq.row = trees, i
+    for i, tally in enumerate(tallies):
+        tally[1:] = [trees, i]
 
 
 def label_bits(label: str) -> int:

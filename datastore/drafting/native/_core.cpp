@@ -1032,31 +1032,26 @@ struct TreesView {
     }
 };
 
-// count_batch(seqs, trees, accepted, counts, into, n_keys, n_bits): what the service's
+// count_batch(tallies, trees, accepted, counts, into, n_keys, n_bits): what the service's
 // metrics count of a batched step (tally.h), added to `into` (float64, writable: [drafts:
-// n_keys][draft tokens: n_keys x n_bits][accepted: n_keys x n_bits][by depth]); then each
-// sequence's `last` is `trees` and its `row` its index. Sequence i (an object with those
-// attributes and `counter`) counts under its counter (< n_keys); its tree now is row i of
-// `trees` = (offsets, tokens, parents, bits) (int64, uint32, int32, uint8); its `last` is
-// None or the trees of the call before, down whose row `row` its counts[i] (uint32) tokens of
-// `accepted` (uint32) walk. They are read and set here: a loop in the interpreter over an
-// engine's sequences was most of what a call's counting cost. Everything is checked before
-// anything is counted.
+// n_keys][draft tokens: n_keys x n_bits][accepted: n_keys x n_bits][by depth]). Sequence i's
+// tally is a list [counter, last, row]: it counts under its counter (< n_keys); its tree now
+// is row i of `trees` = (offsets, tokens, parents, bits) (int64, uint32, int32, uint8); `last`
+// is None or the trees of its call before, down whose row `row` its counts[i] (uint32) tokens
+// of `accepted` (uint32) walk; then its last is `trees` and its row i. A list each, read and
+// set here: attributes, or a loop in the interpreter over an engine's sequences, were most of
+// what a call's counting cost. Everything is checked before anything is counted.
 // Python: redraft.datastore.service.metrics.count_batch
 PyObject* count_batch(PyObject*, PyObject* args) {
-    static PyObject* s_last = PyUnicode_InternFromString("last");
-    static PyObject* s_row = PyUnicode_InternFromString("row");
-    static PyObject* s_counter = PyUnicode_InternFromString("counter");
-    PyObject *seqs, *now_trees, *accepted, *counts_in, *into_in;
+    PyObject *tallies, *now_trees, *accepted, *counts_in, *into_in;
     long long n_keys, n_bits;
-    if (s_last == nullptr || s_row == nullptr || s_counter == nullptr ||
-        !PyArg_ParseTuple(args, "OOOOOLL", &seqs, &now_trees, &accepted, &counts_in, &into_in,
-                          &n_keys, &n_bits))
+    if (!PyArg_ParseTuple(args, "OOOOOLL", &tallies, &now_trees, &accepted, &counts_in,
+                          &into_in, &n_keys, &n_bits))
         return nullptr;
-    PyObject* ss = PySequence_Fast(seqs, "seqs must be a sequence");
-    if (ss == nullptr) return nullptr;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(ss);
-    PyObject* const* items = PySequence_Fast_ITEMS(ss);
+    PyObject* ts = PySequence_Fast(tallies, "tallies must be a sequence");
+    if (ts == nullptr) return nullptr;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ts);
+    PyObject* const* items = PySequence_Fast_ITEMS(ts);
     CountedView acc, cnt, into;
     TreesView now;
     std::deque<TreesView> trees;  // each distinct one before, its buffers held until the end
@@ -1065,7 +1060,7 @@ PyObject* count_batch(PyObject*, PyObject* args) {
     bool ok = now.get(now_trees) && acc.get(accepted, 4, "accepted") &&
               cnt.get(counts_in, 4, "counts") && into.get(into_in, 8, "into", true);
     if (ok && (cnt.n != n || now.offsets.n != n + 1)) {
-        PyErr_SetString(PyExc_ValueError, "seqs, counts and the trees' rows differ in number");
+        PyErr_SetString(PyExc_ValueError, "tallies, counts and the trees' rows differ in number");
         ok = false;
     }
     if (ok && (n_keys < 1 || n_bits < 1 || into.n < n_keys * (1 + 2 * n_bits))) {
@@ -1073,28 +1068,25 @@ PyObject* count_batch(PyObject*, PyObject* args) {
         ok = false;
     }
     int64_t total = 0;
-    auto integer = [](PyObject* obj, PyObject* name, int64_t& out) {
-        PyObject* v = PyObject_GetAttr(obj, name);
-        if (v == nullptr) return false;
-        out = PyLong_AsLongLong(v);
-        Py_DECREF(v);
-        return !(out == -1 && PyErr_Occurred());
-    };
     for (Py_ssize_t i = 0; ok && i < n; ++i) {
         total += cnt.of<uint32_t>()[i];
-        ok = now.row(i, at[i], at[i + 1]) && integer(items[i], s_counter, key[i]);
-        if (ok && (key[i] < 0 || key[i] >= n_keys)) {
+        PyObject* tally = items[i];
+        if (!PyList_Check(tally) || PyList_GET_SIZE(tally) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a tally must be a list [counter, last, row]");
+            ok = false;
+            break;
+        }
+        key[i] = PyLong_AsLongLong(PyList_GET_ITEM(tally, 0));
+        if (key[i] == -1 && PyErr_Occurred()) {
+            ok = false;
+        } else if (key[i] < 0 || key[i] >= n_keys) {
             PyErr_Format(PyExc_ValueError, "counter %lld is outside [0, %lld)",
                          static_cast<long long>(key[i]), n_keys);
             ok = false;
         }
-        PyObject* t = ok ? PyObject_GetAttr(items[i], s_last) : nullptr;
-        if (t == nullptr) {
-            ok = false;
-            continue;
-        }
-        Py_DECREF(t);  // the sequence holds it until it is set below, after the counting
-        if (t == Py_None) continue;
+        ok = ok && now.row(i, at[i], at[i + 1]);
+        PyObject* t = PyList_GET_ITEM(tally, 1);
+        if (!ok || t == Py_None) continue;
         const TreesView* view = i > 0 && prev[i - 1] != nullptr && prev[i - 1]->obj == t
                                     ? prev[i - 1] : nullptr;
         for (auto it = trees.begin(); view == nullptr && it != trees.end(); ++it)
@@ -1107,8 +1099,8 @@ PyObject* count_batch(PyObject*, PyObject* args) {
             }
             view = &trees.back();
         }
-        int64_t r;
-        ok = integer(items[i], s_row, r) && view->row(r, from[i], to[i]);
+        long long r = PyLong_AsLongLong(PyList_GET_ITEM(tally, 2));
+        ok = !(r == -1 && PyErr_Occurred()) && view->row(r, from[i], to[i]);
         prev[i] = view;
     }
     if (ok && total > acc.n) {
@@ -1131,12 +1123,15 @@ PyObject* count_batch(PyObject*, PyObject* args) {
         }
         for (Py_ssize_t i = 0; ok && i < n; ++i) {  // the trees its next step walks down
             PyObject* r = PyLong_FromSsize_t(i);
-            ok = r != nullptr && PyObject_SetAttr(items[i], s_last, now_trees) == 0 &&
-                 PyObject_SetAttr(items[i], s_row, r) == 0;
-            Py_XDECREF(r);
+            ok = r != nullptr;
+            if (ok) {
+                Py_INCREF(now_trees);
+                PyList_SetItem(items[i], 1, now_trees);  // steals the references
+                PyList_SetItem(items[i], 2, r);
+            }
         }
     }
-    Py_DECREF(ss);
+    Py_DECREF(ts);
     if (!ok) return nullptr;
     Py_RETURN_NONE;
 }
@@ -1189,8 +1184,8 @@ PyMethodDef module_methods[] = {
      "tokens, parents, probs, bits, match_lens, expected, used, context_lens) as bytes"},
     {"set_sources", set_sources, METH_VARARGS, "set_sources(rest, pld, learned, labels)"},
     {"count_batch", count_batch, METH_VARARGS,
-     "count_batch(seqs, trees, accepted, counts, into, n_keys, n_bits): a batched step's "
-     "metrics, added to into; each sequence's last and row set to this step's"},
+     "count_batch(tallies, trees, accepted, counts, into, n_keys, n_bits): a batched step's "
+     "metrics, added to into; each tally's last and row set to this step's"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_core",

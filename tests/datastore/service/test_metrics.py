@@ -133,8 +133,8 @@ def test_a_batch_calls_counts_are_published_under_their_keys():
     now = (np.array([0, 3], np.int64), np.array([1, 2, 3], np.uint32),
            np.array([-1, 0, 1], np.int32), np.array([4, 4, 1], np.uint8))
     seq = BatchedSequence(("", "", "s"), None, 3, 1, key)
-    seq.last = before
-    _core.count_batch([seq], now, np.array([10, 11, 5], np.uint32), np.array([3], np.uint32),
+    seq.tally[1] = before
+    _core.count_batch([seq.tally], now, np.array([10, 11, 5], np.uint32), np.array([3], np.uint32),
                       slots.batch_counts, slots.keys, N_BITS)
     slots.batch(0.0004, 1)
     slots.publish()

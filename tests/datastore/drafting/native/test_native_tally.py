@@ -13,13 +13,9 @@ from redraft.datastore.drafting.native import _core
 from redraft.datastore.service.metrics import count_batch
 
 
-class Seq:
-    """What count_batch reads of a sequence (a BatchedSequence's attributes)."""
-
-    __slots__ = ("counter", "last", "row")
-
-    def __init__(self, counter: int, last=None, row: int = 0) -> None:
-        self.counter, self.last, self.row = counter, last, row
+def tally(counter: int, last=None, row: int = 0) -> list:
+    """A sequence's tally as count_batch reads and sets it (a BatchedSequence's `tally`)."""
+    return [counter, last, row]
 
 
 def random_trees(rng: random.Random, rows: int) -> tuple:
@@ -60,7 +56,7 @@ def test_the_core_counts_what_the_reference_counts(seed):
     size = n_keys * (1 + 2 * n_bits) + depths
     want, got = np.zeros(size), np.zeros(size)
     earlier = [random_trees(rng, rng.randint(1, 30)) for _ in range(3)]
-    pool: list[tuple[Seq, Seq]] = []  # each sequence twice: the reference's, the core's
+    pool: list[tuple[list, list]] = []  # each sequence twice: the reference's, the core's
     for _ in range(40):
         n = rng.randint(0, 40)
         while len(pool) < n:
@@ -68,11 +64,11 @@ def test_the_core_counts_what_the_reference_counts(seed):
             last = None if rng.random() < 0.15 else trees
             row = rng.randrange(len(trees[0]) - 1)
             key = rng.randrange(n_keys)
-            pool.append((Seq(key, last, row), Seq(key, last, row)))
+            pool.append((tally(key, last, row), tally(key, last, row)))
         calls = rng.sample(pool, n)
         accepted, counts = [], []
         for ref, _ in calls:
-            path = a_path(rng, ref.last, ref.row) if ref.last is not None and \
+            path = a_path(rng, ref[1], ref[2]) if ref[1] is not None and \
                 rng.random() < 0.9 else []
             accepted += path
             counts.append(len(path))
@@ -82,9 +78,9 @@ def test_the_core_counts_what_the_reference_counts(seed):
         _core.count_batch([c for _, c in calls], now, *flat, got, n_keys, n_bits)
         assert got.tolist() == want.tolist()
         for ref, core in pool:
-            assert (core.last is ref.last, core.row) == (True, ref.row)
+            assert core[0] == ref[0] and core[1] is ref[1] and core[2] == ref[2]
         for i, (_, core) in enumerate(calls):
-            assert core.last is now and core.row == i
+            assert core[1] is now and core[2] == i
         if n:
             earlier = [now, *earlier[:2]]
     at = n_keys * (1 + n_bits)
@@ -98,13 +94,13 @@ def test_one_tree_walked_as_walk_accepted_walks_it():
     now = (np.array([0, 2], np.int64), np.array([7, 8], np.uint32),
            np.array([-1, 0], np.int32), np.array([4, 4], np.uint8))
     into = np.zeros(1 + 2 * 8 + 4)
-    seq = Seq(0, before, 0)
+    seq = tally(0, before, 0)
     _core.count_batch([seq], now, np.array([10, 11, 13, 99], np.uint32),
                       np.array([4], np.uint32), into, 1, 8)
     assert into[0] == 1 and into[1 + 4] == 2  # a draft now, its two nodes' source 4
     assert into[9:17].tolist() == [0, 2, 0, 1, 0, 0, 0, 0]  # nodes 0, 1, 3: sources 1, 3, 1
     assert into[17:].tolist() == [1, 1, 1, 0]
-    assert seq.last is now and seq.row == 0
+    assert seq[1] is now and seq[2] == 0
 
 
 def test_a_bad_argument_is_refused_before_anything_is_counted():
@@ -115,21 +111,21 @@ def test_a_bad_argument_is_refused_before_anything_is_counted():
     into = np.zeros(2 * (1 + 2 * 8))
     acc, counts = np.array([5, 5], np.uint32), np.array([1, 1], np.uint32)
     with pytest.raises(ValueError, match="outside"):
-        _core.count_batch([Seq(0, before), Seq(2)], now, acc, counts, into, 2, 8)
+        _core.count_batch([tally(0, before), tally(2)], now, acc, counts, into, 2, 8)
     with pytest.raises(ValueError, match="no row 1"):
-        _core.count_batch([Seq(0, before), Seq(1, before, 1)], now, acc, counts, into, 2, 8)
+        _core.count_batch([tally(0, before), tally(1, before, 1)], now, acc, counts, into, 2, 8)
     with pytest.raises(ValueError, match="more than accepted"):
-        _core.count_batch([Seq(0), Seq(1)], now, acc[:1], counts, into, 2, 8)
+        _core.count_batch([tally(0), tally(1)], now, acc[:1], counts, into, 2, 8)
     with pytest.raises(ValueError, match="differ in number"):
-        _core.count_batch([Seq(0)], now, acc, counts, into, 2, 8)
+        _core.count_batch([tally(0)], now, acc, counts, into, 2, 8)
     with pytest.raises(ValueError, match="smaller"):
-        _core.count_batch([Seq(0), Seq(1)], now, acc, counts, into[:5], 2, 8)
+        _core.count_batch([tally(0), tally(1)], now, acc, counts, into[:5], 2, 8)
     with pytest.raises(TypeError, match="trees must be"):
-        _core.count_batch([Seq(0, (1, 2)), Seq(1)], now, acc, counts, into, 2, 8)
-    with pytest.raises(AttributeError):
-        _core.count_batch([object(), Seq(1)], now, acc, counts, into, 2, 8)
+        _core.count_batch([tally(0, (1, 2)), tally(1)], now, acc, counts, into, 2, 8)
+    with pytest.raises(TypeError, match="a tally must be"):
+        _core.count_batch([(0, None, 0), tally(1)], now, acc, counts, into, 2, 8)
     assert not into.any()
-    seqs = [Seq(0, before), Seq(1)]
+    seqs = [tally(0, before), tally(1)]
     _core.count_batch(seqs, now, acc, counts, into, 2, 8)
     assert into[:2].tolist() == [1, 1] and into[2 + 16 + 1] == 1  # key 0 walked node 0
-    assert [(s.last is now, s.row) for s in seqs] == [(True, 0), (True, 1)]
+    assert [(s[1] is now, s[2]) for s in seqs] == [(True, 0), (True, 1)]
