@@ -60,6 +60,7 @@ from redraft.decoder.engines.streams import (
 )
 from redraft.proto.errors import ModelNotFound
 from redraft.proto.models import resolve_model
+from redraft.proto.params import DraftParams
 from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, Chain, best_chain
 
 log = logging.getLogger("redraft.engines")
@@ -90,7 +91,8 @@ class RedraftDraft(LlamaDraftModel):
                 or not 1 <= max_drafts <= MAX_DRAFTS):
             raise EngineConfigError(f"max_drafts must be 1..{MAX_DRAFTS} (llama.cpp stays "
                                     f"exact below 64 tokens per forward), got {max_drafts!r}")
-        options = DraftOptions(budget=budget, max_depth=max_depth, corpora=tuple(corpora),
+        options = DraftOptions(DraftParams(budget=budget, max_depth=max_depth,
+                                           corpora=tuple(corpora)),
                                tenant=tenant, learn=bool(learn))
         self.source = DraftSource(service=service, datastore=datastore, options=options,
                                   token=token, tokenizer=tokenizer, timeout=timeout)

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from redraft.decoder.engines.streams import DraftOptions, DraftSource, EngineConfigError
+from redraft.proto.params import DraftParams
 
 PREFIX = "REDRAFT_"
 NAMES = ("service", "datastore", "token", "token_file", "tenant", "corpora", "budget",
@@ -84,11 +85,12 @@ class EngineSettings:
         if isinstance(corpora, str):
             corpora = tuple(c.strip() for c in corpora.split(",") if c.strip())
         defaults = DraftOptions()
-        options = DraftOptions(
-            budget=_number(raw["budget"], "budget", int, defaults.budget),
-            max_depth=_number(raw["max_depth"], "max_depth", int, defaults.max_depth),
-            corpora=tuple(corpora), tenant=str(raw["tenant"] or ""),
-            learn=_flag(raw["learn"], "learn", defaults.learn))
+        params = DraftParams(
+            budget=_number(raw["budget"], "budget", int, defaults.params.budget),
+            max_depth=_number(raw["max_depth"], "max_depth", int, defaults.params.max_depth),
+            corpora=tuple(corpora))
+        options = DraftOptions(params, tenant=str(raw["tenant"] or ""),
+                               learn=_flag(raw["learn"], "learn", defaults.learn))
         options.check()
         return cls(service=raw["service"] or None, datastore=raw["datastore"] or None,
                    token=token or None, tokenizer=raw["tokenizer"] or None, options=options,
@@ -108,11 +110,10 @@ class EngineSettings:
         if self.service is not None and self.datastore is not None:
             raise EngineConfigError(f"set only one of {PREFIX}SERVICE and "
                                     f"{PREFIX}DATASTORE")
-        o = self.options
-        options = DraftOptions(budget=min(o.budget, budget or o.budget),
-                               max_depth=min(o.max_depth, max_depth or o.max_depth),
-                               corpora=o.corpora, tenant=o.tenant, learn=o.learn,
-                               learn_max_tokens=o.learn_max_tokens)
+        p = self.options.params
+        options = replace(self.options, params=p.replace(
+            budget=min(p.budget, budget or p.budget),
+            max_depth=min(p.max_depth, max_depth or p.max_depth)))
         return DraftSource(service=self.service, datastore=self.datastore, options=options,
                            token=self.token, tokenizer=self.tokenizer, timeout=self.timeout,
                            retry_after=self.retry_after)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from redraft.datastore.drafting import new_learned_index
 from redraft.decoder import draft_source
 from redraft.decoder.draft_source import DraftStream, LocalStream, ServiceStream
-from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, LEARNED, PLD, REST
+from redraft.proto.params import SOURCES, DraftParams, InvalidParams
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, LEARNED
 
 __all__ = ["DraftOptions", "DraftSource", "DraftStream", "EngineConfigError", "LocalStream",
            "ServiceStream", "check_address"]
@@ -34,28 +35,38 @@ EngineConfigError = draft_source.DraftConfigError
 
 @dataclass(frozen=True)
 class DraftOptions:
-    """The drafters' usual options, as an engine adapter takes them."""
+    """What an engine adapter drafts with: the request's parameters (`params`: the budget is
+    tree nodes per request, the chain cut from the tree; an adapter names both budget and
+    depth, no 0) and the adapter's own fields."""
 
-    budget: int = DEFAULT_BUDGET  # tree nodes drafted per request (the chain is cut from the tree)
-    max_depth: int = DEFAULT_MAX_DEPTH
-    corpora: tuple[str, ...] = ()
+    params: DraftParams = DraftParams(budget=DEFAULT_BUDGET, max_depth=DEFAULT_MAX_DEPTH)
     tenant: str = ""
-    learn: bool = True
+    learn: bool = True  # draft from, and add to, served outputs (the LEARNED source)
     learn_max_tokens: int = 1_000_000  # in process only (the service has its own bound)
 
     def check(self) -> None:
-        for name in ("budget", "max_depth", "learn_max_tokens"):
-            value = getattr(self, name)
+        p = self.params
+        if not isinstance(p, DraftParams):
+            raise EngineConfigError(f"params must be a DraftParams, got {p!r}")
+        for name, value in (("budget", p.budget), ("max_depth", p.max_depth),
+                            ("learn_max_tokens", self.learn_max_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.tenant, str):
             raise EngineConfigError(f"tenant must be a string, got {self.tenant!r}")
-        if any(not isinstance(c, str) or not c for c in self.corpora):
-            raise EngineConfigError(f"corpora must be non-empty names, got {self.corpora!r}")
+        if isinstance(p.corpora, str) or any(not isinstance(c, str) or not c
+                                             for c in p.corpora):
+            raise EngineConfigError(f"corpora must be non-empty names, got {p.corpora!r}")
+        try:
+            p.check()
+        except InvalidParams as exc:
+            raise EngineConfigError(str(exc)) from None
 
     @property
     def sources(self) -> tuple[str, ...]:
-        return (REST, PLD, LEARNED) if self.learn else (REST, PLD)
+        """The sources asked for, LEARNED added when learning and removed when not."""
+        asked = self.params.source_set() - {LEARNED} | ({LEARNED} if self.learn else set())
+        return tuple(s for s in SOURCES if s in asked)
 
 
 def check_address(address: str) -> str:
@@ -94,9 +105,10 @@ class DraftSource(draft_source.DraftSource):
         if service is not None and datastore is None:
             check_address(service)
         self.options = o = options
+        p = o.params
         super().__init__(
-            service=service, datastore=datastore, budget=o.budget, max_depth=o.max_depth,
-            sources=o.sources, corpora=o.corpora, tenant=o.tenant, token=token,
+            service=service, datastore=datastore, budget=p.budget, max_depth=p.max_depth,
+            sources=o.sources, corpora=tuple(p.corpora), tenant=o.tenant, token=token,
             tokenizer=tokenizer, timeout=float(timeout), retry_after=retry_after,
             learned=new_learned_index(o.learn_max_tokens) if o.learn and service is None
             else None)

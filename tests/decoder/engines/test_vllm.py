@@ -158,9 +158,9 @@ def service_chain(client: DraftClient, proposer, context: list[int], k: int) -> 
 
 def pld_chain(proposer, context: list[int], k: int) -> list[int]:
     """The chain prompt lookup alone drafts for `context` in process."""
-    options = proposer.drafts.source.options
-    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=options.budget,
-                                                    max_depth=options.max_depth,
+    asked = proposer.drafts.source.options.params
+    settings = DraftSettings(DEFAULT_PARAMS.replace(budget=asked.budget,
+                                                    max_depth=asked.max_depth,
                                                     sources=frozenset({PLD})))
     return best_chain(new_session_drafter(context, settings).propose(), k).tokens
 
@@ -425,8 +425,8 @@ def test_configuration_errors_are_one_clear_line(monkeypatch, answers_store, tmp
                                                     "corpora": "answers"}})
     proposer = create_proposer(config)
     assert proposer.drafts.source.reader is not None
-    assert proposer.drafts.source.options.corpora == ("answers",)
-    assert proposer.drafts.source.options.max_depth == 4
+    assert proposer.drafts.source.options.params.corpora == ("answers",)
+    assert proposer.drafts.source.options.params.max_depth == 4
     proposer.close()
     with pytest.raises(EngineConfigError, match="unknown redraft engine options"):
         create_proposer(vllm_config(4, additional={"redraft": {"adress": "x"}}))
