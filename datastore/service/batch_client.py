@@ -250,10 +250,7 @@ class SequenceBatch:
                 refusal = over_context("prompt", n, limit)
                 errors[key] = error_for(refusal.code, refusal.message, self.client.address)
                 continue
-            params = self.params
-            if budget:
-                params = DraftParams(budget, params.max_depth, params.sources, params.corpora,
-                                     params.min_match_len, params.max_match_len)
+            params = self.params.replace(budget=budget) if budget else self.params
             opens.append(SequenceOpen(self._id(key), ctx, params, self.tenant))
         return opens, steps
 
