@@ -249,14 +249,16 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=n)
                 tree, labels = self._draft(drafter, step.budget or p.budget, msg.draft,
                                            "session_steps")
-                if metrics is not None:
-                    tokens = last.tokens
-                    walked = walk_accepted(tokens, last.parents, last.sources, 0, len(tokens),
-                                           step.accepted)
-                    metrics.drafted(counter, time.perf_counter() - t0, tree.sources, labels,
-                                    walked)
-                    last = tree
-                await limits.wait(waiter, context.write(msg), writing=True)
+                seconds = time.perf_counter() - t0
+                try:
+                    await limits.wait(waiter, context.write(msg), writing=True)
+                finally:  # counted once the reply is on its way (off its latency), or failed
+                    if metrics is not None:
+                        tokens = last.tokens
+                        walked = walk_accepted(tokens, last.parents, last.sources, 0,
+                                               len(tokens), step.accepted)
+                        metrics.drafted(counter, seconds, tree.sources, labels, walked)
+                        last = tree
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:
             drafter.close()
