@@ -70,19 +70,6 @@ def multiply_rate(dtype: torch.dtype, threads: int, seconds: float = 1.0) -> flo
     return m * n * k * calls / best
 
 
-def multiply_adds(verifier) -> int:
-    """Multiply-adds of one row through the verifier's linear layers (the lm head included)."""
-    total = 0
-    for linear in verifier.runner.stack.linears:
-        run = getattr(linear, "run", linear)
-        weight = getattr(run, "weight", None)
-        if hasattr(weight, "nbytes") and not isinstance(weight, torch.Tensor):
-            total += weight.n * weight.k  # a BlockWeight
-        else:
-            total += sum(mod.weight.numel() for mod in linear.modules)
-    return total
-
-
 def cpu_clock() -> float:
     """This thread's CPU time at one torch thread, else the wall clock."""
     return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
@@ -118,17 +105,19 @@ def instrument(verifier, clock: dict) -> None:
         tokens, positions, Timed(attention, clock, "attention"))
 
 
-def weight_bytes(verifier) -> int:
-    """Bytes of weights one forward of the verifier reads."""
-    total = 0
+def weights(verifier) -> tuple[int, int]:
+    """Bytes of weights one forward of the verifier reads, and one row's multiply-adds
+    through its linear layers (the LM head included)."""
+    nbytes = macs = 0
     for linear in verifier.runner.stack.linears:
         run = getattr(linear, "run", linear)
         weight = getattr(run, "weight", None)
         if hasattr(weight, "nbytes") and not isinstance(weight, torch.Tensor):
-            total += weight.nbytes  # a BlockWeight
+            nbytes, macs = nbytes + weight.nbytes, macs + weight.n * weight.k  # a BlockWeight
         else:
-            total += sum(m.weight.numel() * m.weight.element_size() for m in linear.modules)
-    return total
+            nbytes += sum(m.weight.numel() * m.weight.element_size() for m in linear.modules)
+            macs += sum(m.weight.numel() for m in linear.modules)
+    return nbytes, macs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"dtype": str(dtype), "threads": args.threads, "bandwidth": bandwidth,
                     "multiply_rate": rate, "machine": state, "kinds": {}}
     for kind, v in kinds.items():
-        nbytes, macs = weight_bytes(v), multiply_adds(v)
+        nbytes, macs = weights(v)
         floor = nbytes / bandwidth
         # a forward of n rows reads the weights once and multiplies n times: the floor is
         # the larger of the two (the compute one from the block kernel's own rate)
