@@ -28,10 +28,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from redraft.datastore import Reader
-from redraft.datastore.drafting import DraftSettings, LearnedIndex, new_session_drafter
+from redraft.datastore.drafting import (
+    DEFAULT_PARAMS,
+    DraftSettings,
+    LearnedIndex,
+    new_session_drafter,
+)
 from redraft.proto.errors import InvalidQuery, RedraftError, TokenizerMismatch
 from redraft.proto.params import DraftParams
-from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, LEARNED, PLD, REST, Tree
+from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, PLD, Tree
 
 log = logging.getLogger("redraft.drafts")
 
@@ -153,10 +158,12 @@ class ServiceStream(DraftStream):
 class DraftSource:
     """Opens one `DraftStream` per generation: `service="HOST:PORT"` or `datastore=DIR`.
 
-    `tokenizer`: a fingerprint, model name, `.gguf` path or loaded tokenizer whose
-    fingerprint must be the datastore's (None: checked later by `check_tokenizer`, or trusted:
-    ids then only need to be in the datastore's vocabulary). `corpora`: retrieval from these
-    only (each must exist). `learned`: the index of earlier outputs a datastore in process
+    `params`: what each draft asks for (the one parameters value; its `corpora`, retrieval
+    from these only, must each exist; a 0 budget or depth is the server's default over the
+    service, DEFAULT_BUDGET / DEFAULT_MAX_DEPTH in process). `tokenizer`: a fingerprint, model
+    name, `.gguf` path or loaded tokenizer whose fingerprint must be the datastore's (None:
+    checked later by `check_tokenizer`, or trusted: ids then only need to be in the
+    datastore's vocabulary). `learned`: the index of earlier outputs a datastore in process
     drafts from and adds to. `fallback`: how a stream drafts after the service failed: True
     (prompt lookup in process), False (no drafts) or a function of the context so far that
     opens a `DraftStream`. `failures`: service calls that failed; `fallbacks`: streams that
@@ -164,16 +171,18 @@ class DraftSource:
     """
 
     def __init__(self, *, service: str | None = None, datastore: str | None = None,
-                 budget: int = DEFAULT_BUDGET, max_depth: int = DEFAULT_MAX_DEPTH,
-                 sources: Sequence[str] = (REST, PLD, LEARNED), corpora: Sequence[str] = (),
-                 tenant: str = "", learned: LearnedIndex | None = None,
-                 token: str | None = None, tls: bool | str = False, tokenizer=None,
-                 timeout: float = 1.0, retry_after: float = RETRY_AFTER,
+                 params: DraftParams = DEFAULT_PARAMS, tenant: str = "",
+                 learned: LearnedIndex | None = None, token: str | None = None,
+                 tls: bool | str = False, tokenizer=None, timeout: float = 1.0,
+                 retry_after: float = RETRY_AFTER,
                  fallback: bool | Callable[[list[int]], DraftStream] = True) -> None:
         if (service is None) == (datastore is None):
             raise DraftConfigError("give exactly one of service='HOST:PORT' (the draft "
                                    "service) or datastore=DIR (a datastore in this process)")
-        self.corpora = tuple(corpora)
+        if not isinstance(params, DraftParams):
+            raise DraftConfigError(f"params must be a DraftParams, got {params!r}")
+        params.check()  # bad values fail here (InvalidParams), not at the first generation
+        self.params = params
         self.tenant = tenant
         self.learned = learned
         self.failures = 0
@@ -185,14 +194,13 @@ class DraftSource:
         self._wanted: str | None = None  # the model's tokenizer fingerprint, once known
         self._info = None  # what the service said it serves, once reached
         self.reader = self.client = None
-        params = DraftParams(budget=budget, max_depth=max_depth, sources=tuple(sources),
-                             corpora=self.corpora)
-        self.fallback_settings = DraftSettings(params.replace(sources=(PLD,), corpora=()))
-        self.settings = DraftSettings(params)
+        drafted = params.with_defaults(DEFAULT_BUDGET, DEFAULT_MAX_DEPTH)  # in process
+        self.fallback_settings = DraftSettings(drafted.replace(sources=(PLD,), corpora=()))
+        self.settings = DraftSettings(drafted)
         if datastore is not None:
             self._open_datastore(str(datastore), tokenizer)
         else:
-            self._open_service(service, token, tls, tokenizer, float(timeout), sources)
+            self._open_service(service, token, tls, tokenizer, float(timeout))
 
     # ---- opening ------------------------------------------------------------------------
     def _open_datastore(self, path: str, tokenizer) -> None:
@@ -200,7 +208,7 @@ class DraftSource:
         try:
             if tokenizer is not None:
                 self.check_tokenizer(tokenizer)
-            unknown = [c for c in self.corpora if c not in self.reader.corpora]
+            unknown = [c for c in self.params.corpora if c not in self.reader.corpora]
             if unknown:
                 raise DraftConfigError(f"unknown corpora {unknown} (the datastore has: "
                                        f"{', '.join(sorted(self.reader.corpora)) or 'none'})")
@@ -209,12 +217,10 @@ class DraftSource:
             raise
 
     def _open_service(self, address: str, token: str | None, tls: bool | str, tokenizer,
-                      timeout: float, sources: Sequence[str]) -> None:
+                      timeout: float) -> None:
         # lazy: grpc is loaded only when a service is used
         from redraft.datastore.service.client import DraftClient
 
-        self.params = self.settings.params
-        self.params.to_proto()  # bad values fail here, not at the first generation
         if tokenizer is not None:
             self._wanted = fingerprint_of(tokenizer)
             self.tokenizer_checked = True
@@ -243,7 +249,7 @@ class DraftSource:
         self._info = info
         if self._wanted is not None:
             self._compare(self._wanted)
-        unknown = [c for c in self.corpora if info.corpora and c not in info.corpora]
+        unknown = [c for c in self.params.corpora if info.corpora and c not in info.corpora]
         if unknown:
             raise DraftConfigError(f"unknown corpora {unknown} (the service has: "
                                    f"{', '.join(sorted(info.corpora))})")

@@ -26,6 +26,7 @@ from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.prompt_lookup import PromptLookup, prompt_lookup
 from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
 from redraft.datastore.drafting.session_drafter import (
+    DEFAULT_PARAMS,
     LEARNED_CORPUS,
     SOURCES,
     DraftSettings,
@@ -33,6 +34,7 @@ from redraft.datastore.drafting.session_drafter import (
 )
 
 __all__ = [
+    "DEFAULT_PARAMS",
     "DRAFTING_ENV",
     "LEARNED_CORPUS",
     "REST_CALIBRATION",

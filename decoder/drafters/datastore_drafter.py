@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from redraft.datastore.drafting import LearnedIndex
+from redraft.datastore.drafting import DEFAULT_PARAMS, LearnedIndex
 from redraft.decoder.draft_source import DraftSource
 from redraft.decoder.drafters.source_drafter import SourceDrafter
 from redraft.proto.errors import TokenizerMismatch
@@ -36,8 +36,10 @@ class DatastoreDrafter(SourceDrafter):
                  corpora: Sequence[str] | None = None,
                  learned: LearnedIndex | None = None) -> None:
         sources = (REST, LEARNED) if learned is not None else (REST,)
-        super().__init__(DraftSource(datastore=path, tokenizer=tokenizer, max_depth=max_depth,
-                                     sources=sources, corpora=corpora or (), learned=learned))
+        params = DEFAULT_PARAMS.replace(max_depth=max_depth, sources=sources,
+                                        corpora=tuple(corpora or ()))
+        super().__init__(DraftSource(datastore=path, tokenizer=tokenizer, params=params,
+                                     learned=learned))
         self.reader, self.learned = self.source.reader, learned
 
     def begin(self, prompt: Sequence[int]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from redraft.datastore.drafting import DEFAULT_PARAMS
 from redraft.decoder.draft_source import RETRY_AFTER, DraftSource
 from redraft.decoder.drafter import Drafter
 from redraft.decoder.drafters.source_drafter import DrafterStream, SourceDrafter
@@ -45,7 +46,8 @@ class ServiceDrafter(SourceDrafter):
         self.fallback = fallback
         opens = (lambda ctx: DrafterStream(fallback, ctx)) if fallback is not None else False
         super().__init__(DraftSource(
-            service=address, tokenizer=fingerprint, max_depth=max_depth, sources=sources,
+            service=address, tokenizer=fingerprint,
+            params=DEFAULT_PARAMS.replace(max_depth=max_depth, sources=tuple(sources)),
             tenant=tenant, token=token, tls=tls, timeout=timeout, retry_after=retry_after,
             fallback=opens))
 

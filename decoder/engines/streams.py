@@ -107,8 +107,8 @@ class DraftSource(draft_source.DraftSource):
         self.options = o = options
         p = o.params
         super().__init__(
-            service=service, datastore=datastore, budget=p.budget, max_depth=p.max_depth,
-            sources=o.sources, corpora=tuple(p.corpora), tenant=o.tenant, token=token,
-            tokenizer=tokenizer, timeout=float(timeout), retry_after=retry_after,
+            service=service, datastore=datastore,
+            params=p.replace(sources=o.sources, corpora=tuple(p.corpora)), tenant=o.tenant,
+            token=token, tokenizer=tokenizer, timeout=float(timeout), retry_after=retry_after,
             learned=new_learned_index(o.learn_max_tokens) if o.learn and service is None
             else None)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from redraft.datastore import TokenizerMismatch, build_datastore
+from redraft.datastore.drafting import DEFAULT_PARAMS
 from redraft.datastore.service.client import DraftClient
 from redraft.decoder.budget import CostModel
 from redraft.decoder.draft_source import (
@@ -21,7 +22,17 @@ from redraft.decoder.drafters.pld import PLDDrafter
 from redraft.decoder.drafters.service_drafter import ServiceDrafter
 from redraft.decoder.generate import Generator
 from redraft.proto.models import load_tokenizer, tokenizer_fingerprint
-from redraft.proto.tree import LEARNED, PLD, REST, Chain, Tree, best_chain
+from redraft.proto.params import DraftParams, InvalidParams
+from redraft.proto.tree import (
+    DEFAULT_BUDGET,
+    DEFAULT_MAX_DEPTH,
+    LEARNED,
+    PLD,
+    REST,
+    Chain,
+    Tree,
+    best_chain,
+)
 
 from ..conftest import free_port
 from .conftest import tiny_model
@@ -58,8 +69,8 @@ def chain(tree: Tree, n: int = 8) -> Chain:
 def test_a_stream_opens_with_the_prompt_sends_new_tokens_and_the_tail(servers, store,
                                                                       fingerprint):
     address = servers.start(store, "--port", "0").address
-    source = DraftSource(service=address, tokenizer=fingerprint, sources=(REST, LEARNED),
-                         tenant="t")
+    source = DraftSource(service=address, tokenizer=fingerprint,
+                         params=DEFAULT_PARAMS.replace(sources=(REST, LEARNED)), tenant="t")
     stream = source.open(DOC[:4])
     assert chain(stream.propose(), 4).tokens == DOC[4:8]  # the draft the session opened with
     stream.extend(DOC[4:6])
@@ -168,16 +179,26 @@ def test_corpora_are_checked_over_the_service_and_in_process(servers, store, fin
     address = servers.start(store, "--port", "0").address
     with pytest.raises(DraftConfigError, match=r"unknown corpora \['nope'\] \(the service has: "
                                                "code"):
-        DraftSource(service=address, tokenizer=fingerprint, corpora=["nope"])
+        DraftSource(service=address, tokenizer=fingerprint, params=DraftParams(corpora=["nope"]))
     with pytest.raises(DraftConfigError, match=r"unknown corpora \['nope'\] \(the datastore "
                                                "has: code"):
-        DraftSource(datastore=store, tokenizer=fingerprint, corpora=["nope"])
-    local = DraftSource(datastore=store, tokenizer=fingerprint, corpora=["code"],
-                        sources=(REST,))
+        DraftSource(datastore=store, tokenizer=fingerprint, params=DraftParams(corpora=["nope"]))
+    local = DraftSource(datastore=store, tokenizer=fingerprint,
+                        params=DraftParams(sources=(REST,), corpora=["code"]))
+    # a 0 budget and depth: the server's defaults over the service, the drafter's in process
+    assert local.params.budget == 0 and local.settings.params.budget == DEFAULT_BUDGET
+    assert local.settings.params.max_depth == DEFAULT_MAX_DEPTH
     stream = local.open(DOC[:4])
     assert chain(stream.propose(), 4).tokens == DOC[4:8]
     stream.close()
     local.close()
+
+
+def test_params_are_one_checked_value(store, fingerprint):
+    with pytest.raises(DraftConfigError, match="params must be a DraftParams, got 8"):
+        DraftSource(datastore=store, tokenizer=fingerprint, params=8)
+    with pytest.raises(InvalidParams, match="unknown draft sources"):
+        DraftSource(datastore=store, tokenizer=fingerprint, params=DraftParams(sources=("x",)))
 
 
 def test_the_fallback_is_prompt_lookup_none_or_the_callers(fingerprint):
