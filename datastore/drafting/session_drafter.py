@@ -38,25 +38,6 @@ class DraftSettings:
     # REST probabilities p become scale * p**power (retrieval.REST_CALIBRATION; (1, 1) = raw)
     rest_calibration: tuple[float, float] = REST_CALIBRATION
 
-    # What the drafters and the server read of `params`, resolved.
-    @property
-    def budget(self) -> int:
-        return self.params.budget
-
-    @property
-    def max_depth(self) -> int:
-        return self.params.max_depth
-
-    @property
-    def sources(self) -> frozenset[str]:
-        """The sources drafted from (empty `params.sources`: REST and PLD)."""
-        return self.params.source_set()
-
-    @property
-    def corpora(self) -> Sequence[str]:
-        """The corpora retrieval reads (empty: every corpus but the learned one)."""
-        return self.params.corpora
-
 
 def retrieval_corpora(reader, corpora: Sequence[str] | None) -> list[str] | None:
     """The corpora retrieval may read: the given ones, or every corpus but the learned one.
@@ -82,19 +63,20 @@ class SessionDrafter:
     `reader`: a datastore Reader for REST (None: no retrieval). `learned`: the index of
     earlier outputs shared across sessions (None: no learning); this session's accepted
     tokens are added to it for `tenant` as they arrive, and drafts come from `tenant`'s
-    outputs. Sources not in `settings.sources` are not drafted from.
+    outputs. Sources not asked for (`DraftParams.source_set`) are not drafted from.
     """
 
     def __init__(self, prompt: Sequence[int], settings: DraftSettings, reader=None,
                  learned: LearnedIndex | None = None, tenant: str = "") -> None:
         s = settings
         self.settings = s
+        sources = s.params.source_set()
         self.context: list[int] = list(prompt)
-        self.reader = reader if REST in s.sources else None
-        self._corpora = (retrieval_corpora(reader, s.corpora) if self.reader is not None
+        self.reader = reader if REST in sources else None
+        self._corpora = (retrieval_corpora(reader, s.params.corpora) if self.reader is not None
                          else None)
         self.pld: PromptLookup | None = None
-        if PLD in s.sources:
+        if PLD in sources:
             max_ngram = s.params.max_match_len or 8
             self.pld = PromptLookup(max_ngram=max_ngram,
                                     min_ngram=min(s.params.min_match_len or 1, max_ngram))
@@ -115,7 +97,7 @@ class SessionDrafter:
         if self.reader is None or reader is self.reader:
             return
         self.reader = reader
-        self._corpora = retrieval_corpora(reader, self.settings.corpora)
+        self._corpora = retrieval_corpora(reader, self.settings.params.corpora)
 
     def extend(self, accepted: Sequence[int]) -> None:
         """Tokens the decoder accepted since the last call (they are learned at once)."""
@@ -128,25 +110,26 @@ class SessionDrafter:
     def propose(self, budget: int | None = None) -> Tree:
         """The merged tree of every source for the context so far, best nodes first."""
         s = self.settings
-        budget = s.budget if budget is None else budget
+        p = s.params
+        budget = p.budget if budget is None else budget
         context = self.context
         drafts: list[Tree] = []
         self.rest_match_len = self.pld_match_len = self.learned_match_len = 0
         if self.reader is not None and self._corpora is not None and context:
-            max_match = s.params.max_match_len or s.rest_max_match
-            min_match = min(s.params.min_match_len or s.rest_min_match, max_match)
+            max_match = p.max_match_len or s.rest_max_match
+            min_match = min(p.min_match_len or s.rest_min_match, max_match)
             rest = retrieval_tree(
-                self.reader, context[-max_match:], budget=budget, max_depth=s.max_depth,
+                self.reader, context[-max_match:], budget=budget, max_depth=p.max_depth,
                 max_match_len=max_match, min_match_len=min_match,
                 max_occurrences=s.rest_max_occurrences, corpora=self._corpora)
             self.rest_match_len = rest.match_len
             drafts.append(calibrate(rest, *s.rest_calibration))
         if self.pld is not None:
-            d = self.pld.propose(budget=budget, max_depth=s.max_depth)
+            d = self.pld.propose(budget=budget, max_depth=p.max_depth)
             self.pld_match_len = d.match_len
             drafts.append(d)
-        if self.learned is not None and LEARNED in s.sources:
-            d = self.learned.propose(self.tenant, context, budget, s.max_depth)
+        if self.learned is not None and LEARNED in p.source_set():
+            d = self.learned.propose(self.tenant, context, budget, p.max_depth)
             self.learned_match_len = d.match_len
             drafts.append(d)
         tree = merge(drafts, budget)

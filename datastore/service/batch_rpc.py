@@ -297,7 +297,7 @@ class BatchDrafting:
             self.service.stats.close_session(slot)
             raise
         metrics = self.service.stats.metrics
-        counter = metrics.key(slot, settings.corpora) if metrics.enabled else 0
+        counter = metrics.key(slot, settings.params.corpora) if metrics.enabled else 0
         entry.seq = self.table.add(key, drafter, slot=slot, counter=counter)
         entry.drafts = True
 

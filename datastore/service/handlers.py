@@ -133,20 +133,20 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
         self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
         return tree, labels
 
-    async def _drafter(self, tokens, noun: str, field: str, params: DraftSettings,
+    async def _drafter(self, tokens, noun: str, field: str, settings: DraftSettings,
                        tenant: str):
         """A session drafter over `tokens` (the context or an opening prompt, message `field`),
         checked first: length within max_context_len, every id in the vocabulary. A long one
         is indexed on a thread (the drafter is nobody else's yet), not on the event loop."""
         self.checks.check_context(tokens, noun, field)
-        make = functools.partial(self.new_drafter, tokens, params, tenant)
+        make = functools.partial(self.new_drafter, tokens, settings, tenant)
         return make() if len(tokens) <= PIECE_TOKENS else await run_in_thread(make)
 
-    def new_drafter(self, tokens, params: DraftSettings, tenant: str):
+    def new_drafter(self, tokens, settings: DraftSettings, tenant: str):
         """A session drafter over checked tokens, from the current snapshot, learning into
         the server's learned index for `tenant`."""
         try:
-            return new_session_drafter(tokens, params, self.reader, self.learned_outputs.index,
+            return new_session_drafter(tokens, settings, self.reader, self.learned_outputs.index,
                                        tenant, choice=self.config.drafting)
         except DatastoreCorrupt as exc:  # the core's tables met damaged or truncated arrays
             raise self.damaged(exc, self.reader) from exc
@@ -175,12 +175,14 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             check_parsed(request)
             self._check_serving()
             self.checks.check_fingerprint(request.tokenizer_fingerprint, required=False)
-            p = self.checks.settings(request.params)
+            settings = self.checks.settings(request.params)
             tenant = self.checks.tenant(tenant, request.tenant)
             # learns nothing: no tokens are accepted in a one-off call
-            drafter = await self._drafter(request.context, "context", "context", p, tenant)
+            drafter = await self._drafter(request.context, "context", "context", settings,
+                                          tenant)
             reply = draft_pb2.DraftReply()
-            self._draft(drafter, p.budget, reply, "propose_calls")  # counted in Stats only
+            # counted in Stats only
+            self._draft(drafter, settings.params.budget, reply, "propose_calls")
             return reply
         except Refusal as exc:
             await self._fail(context, exc)
@@ -218,13 +220,15 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             return
         opening = wire.session_open(first)
         self.checks.check_fingerprint(opening.tokenizer_fingerprint, required=True)
-        p = self.checks.settings(opening.params)
+        settings = self.checks.settings(opening.params)
+        p = settings.params
         tenant = self.checks.tenant(tenant, opening.tenant)
         if slot[0] < 0:  # without auth: its declared tenant's share from now on
             joined = self.checks.slot("", tenant)
             limits.join(joined)
             slot[0] = joined  # where it was counted, given back at the end
-        drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", p, tenant)
+        drafter = await self._drafter(opening.prompt, "prompt", "open.prompt", settings,
+                                      tenant)
         try:
             # Headers go out on their own first: gRPC marks them sent only when a write
             # completes, so ending a session whose first write was interrupted (by the

@@ -43,23 +43,25 @@ class NativeSessionDrafter:
                             f"not a {type(learned).__name__}")
         self.learned = learned
         self.tenant = tenant
-        self._max_match = s.params.max_match_len or s.rest_max_match
-        self._min_match = min(s.params.min_match_len or s.rest_min_match, self._max_match)
-        self.reader = reader if REST in s.sources else None
-        self._corpora = (retrieval_corpora(reader, s.corpora) if self.reader is not None
+        p = s.params
+        sources = p.source_set()
+        self._max_match = p.max_match_len or s.rest_max_match
+        self._min_match = min(p.min_match_len or s.rest_min_match, self._max_match)
+        self.reader = reader if REST in sources else None
+        self._corpora = (retrieval_corpora(reader, p.corpora) if self.reader is not None
                          else None)
         store, shards, rest_ok = self._retrieval()
         pld_max = pld_min = 0
-        if PLD in s.sources:
-            pld_max = s.params.max_match_len or 8
-            pld_min = min(s.params.min_match_len or 1, pld_max)
+        if PLD in sources:
+            pld_max = p.max_match_len or 8
+            pld_min = min(p.min_match_len or 1, pld_max)
             if pld_min < 1:  # what PromptLookup says
                 raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {pld_min}, {pld_max}")
         scale, power = s.rest_calibration
         self._core = _core.Session(
-            prompt, s.budget, s.max_depth, store, shards, rest_ok, self._max_match,
+            prompt, p.budget, p.max_depth, store, shards, rest_ok, self._max_match,
             self._min_match, s.rest_max_occurrences, float(scale), float(power), pld_max,
-            pld_min, learned._core if learned is not None else None, LEARNED in s.sources,
+            pld_min, learned._core if learned is not None else None, LEARNED in sources,
             tenant_bytes(tenant))
         self._journaled = (learned.journaled(tenant, prompt) if learned is not None
                            else None)
@@ -69,8 +71,9 @@ class NativeSessionDrafter:
         if self.reader is None or self._corpora is None:
             return None, [], True
         s = self.settings
-        rest_ok = (s.max_depth >= 1 and s.rest_max_occurrences >= 1 and self._min_match >= 1
-                   and self._max_match >= self._min_match and s.max_depth <= 1024)
+        depth = s.params.max_depth
+        rest_ok = (depth >= 1 and s.rest_max_occurrences >= 1 and self._min_match >= 1
+                   and self._max_match >= self._min_match and depth <= 1024)
         try:
             shards = self.reader.shard_ids(self._corpora)
         except DatastoreError:  # raised when retrieval runs, as the reference does
@@ -82,7 +85,7 @@ class NativeSessionDrafter:
         if self.reader is None or reader is self.reader:
             return
         self.reader = reader
-        self._corpora = retrieval_corpora(reader, self.settings.corpora)
+        self._corpora = retrieval_corpora(reader, self.settings.params.corpora)
         self._core.use_store(*self._retrieval())
 
     @property
@@ -157,13 +160,13 @@ class NativeSessionDrafter:
     def _error(self, code: int, budget: int | None) -> Exception:
         """The exception the reference raises for this step (it runs the reference's
         retrieval call, which is where every refused input is refused)."""
-        budget = self.settings.budget if budget is None else budget
+        budget = self.settings.params.budget if budget is None else budget
         if code == _ERR_REST:
             s = self.settings
             try:
                 retrieval_tree(
                     self.reader, self.context[-self._max_match:], budget=budget,
-                    max_depth=s.max_depth, max_match_len=self._max_match,
+                    max_depth=s.params.max_depth, max_match_len=self._max_match,
                     min_match_len=self._min_match, max_occurrences=s.rest_max_occurrences,
                     corpora=self._corpora)
             except Exception as exc:  # noqa: BLE001 - whatever the reference raises
