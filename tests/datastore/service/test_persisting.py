@@ -136,10 +136,9 @@ def test_a_replica_killed_in_the_middle_of_a_persist_loses_and_doubles_nothing(
     # no timed persist: the one at shutdown writes every output (all in the log by then; a
     # timed persist could start within a sync of the last step, and a kill then loses what
     # the log did not have yet, as documented)
-    # 60 tenants at once on 64 slots: each may hold every slot (fair shares would be about
-    # one each, and tenants counted in one of 64 hash slots would refuse each other)
-    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "600",
-                      "--tenant-sessions", "64")
+    # 60 tenants at once, on the default fair shares (tenants of one hash slot are counted
+    # apart, so none refuses another)
+    a = servers.start(store, "--port", "0", "--learn-persist-seconds", "600")
     tenants = [f"big-{i}" for i in range(60)]
     # a large batch: the persist that commits it holds the write lock for long enough
     with ThreadPoolExecutor(2) as pool:
