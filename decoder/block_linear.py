@@ -15,8 +15,9 @@ bfloat16 model); only the order of the sums differs from a dense matmul's.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,9 +116,22 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def kernel_path(dtype: torch.dtype) -> str:
-    """The code path that runs activations of this dtype on this CPU ("avx512bf16", "avx2"
-    or "scalar"): for reports, and for a failing test to name the kernel that ran."""
+    """The code path that runs activations of this dtype on this CPU ("amx", "avx512bf16",
+    "avx2" or "scalar"): for reports, cost-curve keys, and a failing test to name the kernel."""
     return _blocks.path(_KINDS[dtype])
+
+
+@contextlib.contextmanager
+def on_path(dtype: torch.dtype, name: str | None) -> Iterator[None]:
+    """Run this dtype on the named path for a while (None: the default), e.g. to measure the
+    avx512bf16 path beside amx on one CPU. Process-wide, so not for concurrent use."""
+    before = kernel_path(dtype)
+    if name is not None:
+        _blocks.use_path(_KINDS[dtype], name)
+    try:
+        yield
+    finally:
+        _blocks.use_path(_KINDS[dtype], before)
 
 
 def fast(dtype: torch.dtype) -> bool:

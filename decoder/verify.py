@@ -136,6 +136,8 @@ class TreeVerifier:
     def kind(self) -> str:
         """Which forward runs, for cost-curve keys and reports (e.g. "lean exact")."""
         kind = self.runner.name
+        if self.on_blocks:  # the block kernel's path: AMX and AVX512-BF16 cost differently
+            kind += f" {block_linear.kernel_path(self.dtype)}"
         if self.kernels is not None:
             kind += " packed" if self.choice is None else " chosen per size"
         return kind + (" exact" if self.exact else "")

@@ -142,9 +142,14 @@ def main(argv: list[str] | None = None) -> int:
              "dense": TreeVerifier(model, block_weights=False)}
     if "blocks" not in kinds["blocks"].kind:  # no blocks for this model, or no fast path
         del kinds["blocks"], kinds["blocks, Python layer loop"]
+    # an AMX CPU also has the AVX512-BF16 path: the same blocks on it, side by side
+    paths = {}
+    if "blocks" in kinds and dtype == torch.bfloat16 and block_linear.kernel_path(dtype) == "amx":
+        kinds["blocks, avx512bf16 path"] = TreeVerifier(model)
+        paths["blocks, avx512bf16 path"] = "avx512bf16"
     clocks = {k: {"linear": 0.0, "attention": 0.0} for k in kinds}
     for kind, v in kinds.items():
-        if kind != "blocks":  # the compiled layer loop: its total only
+        if kind == "blocks, Python layer loop" or kind == "dense":  # the rest: totals only
             instrument(v, clocks[kind])
     ids = torch.randint(0, int(model.config.vocab_size), (args.prefix + max(SIZES),),
                         generator=torch.Generator().manual_seed(0)).tolist()
@@ -156,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             for kind, v in kinds.items():
                 clock = clocks[kind]
                 clock.update(linear=0.0, attention=0.0)
-                t = cpu_clock()
-                v.tree_forward(ids[args.prefix], tree(ids[args.prefix + 1 : args.prefix + n]))
-                total = cpu_clock() - t
-                v.commit([])
+                with block_linear.on_path(dtype, paths.get(kind)):
+                    t = cpu_clock()
+                    v.tree_forward(ids[args.prefix], tree(ids[args.prefix + 1 : args.prefix + n]))
+                    total = cpu_clock() - t
+                    v.commit([])
                 stages = {"total": total, "linear": clock["linear"],
                           "attention": clock["attention"],
                           "rest": total - clock["linear"] - clock["attention"]}
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         one = best[(kind, 1)]["total"]
         for n in SIZES:
             s = best[(kind, n)]
-            split = ("| - | - | - |" if kind == "blocks" else
+            split = ("| - | - | - |" if kind not in ("blocks, Python layer loop", "dense") else
                      f"| {s['linear'] * 1e3:.1f} | {s['attention'] * 1e3:.1f} | "
                      f"{s['rest'] * 1e3:.1f} |")
             print(f"| {n} | {s['total'] * 1e3:.1f} | {floors[n] * 1e3:.1f} | "

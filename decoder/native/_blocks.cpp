@@ -14,12 +14,13 @@
 // call equals the one-row call bit for bit, on every path.
 //
 // Paths, chosen once per process from the CPU's features (never per call):
-//   bf16 activations: "avx512bf16" (VDPBF16PS: weights rounded to bfloat16 as the dense
-//     copy rounds them, float32 accumulation) or "scalar" (the same operations in C++, the
-//     instruction's semantics written out, for CPUs without bf16 units);
+//   bf16 activations: "amx" (Intel's tiles: TDPBF16PS, one instruction per block for 16
+//     rows, so a tree's rows cost about what one row costs), else "avx512bf16" (VDPBF16PS:
+//     weights rounded to bfloat16 as the dense copy rounds them, float32 accumulation), else
+//     "scalar" (VDPBF16PS's semantics written out in C++, for CPUs without bf16 units);
 //   float32 activations: "avx2" (AVX2 + FMA) or "scalar".
-// Intel's AMX tiles would be faster still; no machine this was built on had them, so the
-// AVX512-BF16 path (which every AMX CPU also has) runs there.
+// The amx path sums in the order the hardware fixes, not VDPBF16PS's, so its last bits
+// differ from the avx512bf16 path's: row-invariant on each, the same on neither.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,7 +41,12 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define REDRAFT_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -143,6 +149,7 @@ struct Call {
     void* y;            // [m, n] output, row-major, the activations' kind
     size_t m, k, n;
     int fmt, kind;
+    const uint32_t* packed = nullptr;  // the activations in the AMX tiles' layout, on that path
 };
 
 void store(const Call& c, size_t row, size_t col, float v) {
@@ -427,6 +434,155 @@ BF16_TARGET void columns_bf16_avx512(const Call& c, size_t col0, size_t col1) {
     }
 }
 
+// -- AMX: Intel's tiles, bfloat16 -----------------------------------------------------------
+//
+// The weights are the tiles' A operand: 16 output columns by a 32-wide slice of K, each tile
+// row one block dequantized exactly as the AVX512-BF16 path does it (the same bfloat16
+// values). The activations are the B operand, packed once per call in the tiles' pair layout:
+// for each 16 rows and each slice, 16 pairs of K by 16 rows. So a block is dequantized once
+// and multiplied into 16 rows by one instruction, up to 64 rows per pass over the weights:
+// a tree of 16 rows costs about what one row costs. TDPBF16PS computes each output from its
+// own row and column alone, in an order the hardware fixes, so a row's bits never depend on
+// the rows or threads sharing its call (tested); they differ from the AVX512-BF16 path's in
+// the last bits, which is why a CPU runs one path for every row count.
+
+#define AMX_TARGET __attribute__((target( \
+    "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c,amx-tile,amx-bf16")))
+
+constexpr size_t AMX_COLS = 16;  // output columns per weights tile (its rows)
+constexpr size_t AMX_ROWS = 16;  // activation rows per activations and sums tile (their columns)
+constexpr size_t AMX_PASS = 64;  // rows per pass over the weights: four sums tiles
+constexpr size_t AMX_TILE = 256; // 32-bit entries in one packed activations tile
+
+// The activations in the tiles' pair layout: [16-row group][slice][pair of K][row] as 32-bit
+// pairs; a group's tile for slice s starts at ((group * slices) + s) * AMX_TILE.
+void pack_rows_amx(const uint16_t* x, size_t m, size_t k, uint32_t* out) {
+    const size_t slices = k / QK;
+    for (size_t r = 0; r < m; ++r) {
+        const size_t g = r / AMX_ROWS, n = r % AMX_ROWS;
+        for (size_t s = 0; s < slices; ++s)
+            for (size_t p = 0; p < 16; ++p)
+                std::memcpy(&out[((g * slices + s) * 16 + p) * 16 + n], x + r * k + s * QK + 2 * p, 4);
+    }
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tile 0: the weights. Tiles 1 and 7: a full group's activations (alternating, so a load
+// need not wait for the previous product). Tile 2: the last, partial group's activations.
+// Tiles 3-6: each group's sums (the partial one's narrower).
+AMX_TARGET void configure_tiles(size_t full, size_t part) {
+    TileConfig t;
+    for (int i = 0; i < 8; ++i) {
+        t.rows[i] = 16;
+        t.colsb[i] = 64;
+    }
+    if (part) t.colsb[2] = t.colsb[3 + full] = (uint16_t)(part * 4);
+    _tile_loadconfig(&t);
+}
+
+// A sums tile ([16 columns][16 rows]) into rows row0.. of the bfloat16 output, columns
+// col..col+nc: each row's 16 sums gathered and rounded as float_to_bf16 rounds them (one
+// store() per value cost 40% of a 16-row forward).
+BF16_TARGET void emit_sums(const Call& c, const float* sums, size_t row0, size_t rows, size_t col,
+                           size_t nc) {
+    const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)AMX_ROWS));
+    const __mmask16 keep = (__mmask16)((1u << nc) - 1);
+    for (size_t j = 0; j < rows; ++j) {
+        const __m512 v = _mm512_i32gather_ps(across, sums + j, 4);
+        const size_t at = (row0 + j) * c.n + col;
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i one = _mm512_set1_epi32(1);
+        const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, even), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                      _mm512_set1_epi32(0x7f800000));
+        const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        const __m256i out = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(c.y) + at, keep, out);
+    }
+}
+
+template <int FMT>
+AMX_TARGET void columns_amx(const Call& c, size_t col0, size_t col1) {
+    const size_t k = c.k, slices = k / QK, rb = row_bytes(FMT, k), bb = block_bytes(FMT);
+    const size_t spread = (AMX_COLS * rb + slices - 1) / slices;  // next group's bytes per slice
+    alignas(64) uint16_t stage[AMX_COLS * QK];
+    alignas(64) float sums[AMX_COLS * AMX_ROWS];
+    for (size_t r0 = 0; r0 < c.m; r0 += AMX_PASS) {
+        const size_t rows = std::min(AMX_PASS, c.m - r0), full = rows / AMX_ROWS, part = rows % AMX_ROWS;
+        const size_t step = slices * AMX_TILE;  // from one group's tiles to the next's
+        const uint32_t* xg = c.packed + r0 / AMX_ROWS * step;
+        configure_tiles(full, part);
+        for (size_t col = col0; col < col1; col += AMX_COLS) {
+            const size_t nc = std::min(AMX_COLS, col1 - col);
+            const uint8_t* w = c.w + col * rb;
+            const uint8_t* next = w + AMX_COLS * rb;
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            for (size_t s = 0; s < slices; ++s) {
+                for (size_t i = 0; i < AMX_COLS; ++i) {  // a column past the end: not stored
+                    const uint8_t* block = w + std::min(i, nc - 1) * rb + s * bb;
+                    _mm512_store_si512(stage + i * QK, (__m512i)dequant_block_bf16(FMT, block));
+                }
+                if (FMT != BF16)
+                    for (size_t off = (s * spread + 63) / 64 * 64; off < (s + 1) * spread; off += 64)
+                        _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+                _tile_loadd(0, stage, 64);
+                const uint32_t* xs = xg + s * AMX_TILE;
+                if (full > 0) { _tile_loadd(1, xs, 64); _tile_dpbf16ps(3, 0, 1); }
+                if (full > 1) { _tile_loadd(7, xs + step, 64); _tile_dpbf16ps(4, 0, 7); }
+                if (full > 2) { _tile_loadd(1, xs + 2 * step, 64); _tile_dpbf16ps(5, 0, 1); }
+                if (full > 3) { _tile_loadd(7, xs + 3 * step, 64); _tile_dpbf16ps(6, 0, 7); }
+                if (part) {
+                    _tile_loadd(2, xs + full * step, 64);
+                    if (full == 0) _tile_dpbf16ps(3, 0, 2);
+                    else if (full == 1) _tile_dpbf16ps(4, 0, 2);
+                    else if (full == 2) _tile_dpbf16ps(5, 0, 2);
+                    else _tile_dpbf16ps(6, 0, 2);
+                }
+            }
+            for (size_t g = 0; g < full + (part ? 1 : 0); ++g) {
+                if (g == 0) _tile_stored(3, sums, 64);
+                else if (g == 1) _tile_stored(4, sums, 64);
+                else if (g == 2) _tile_stored(5, sums, 64);
+                else _tile_stored(6, sums, 64);
+                emit_sums(c, sums, r0 + g * AMX_ROWS, g < full ? AMX_ROWS : part, col, nc);
+            }
+        }
+    }
+    _tile_release();
+}
+
+AMX_TARGET void columns_amx(const Call& c, size_t col0, size_t col1) {
+    switch (c.fmt) {
+        case Q4_1: return columns_amx<Q4_1>(c, col0, col1);
+        case Q8_0: return columns_amx<Q8_0>(c, col0, col1);
+        case BF16: return columns_amx<BF16>(c, col0, col1);
+        default: return columns_amx<F32>(c, col0, col1);
+    }
+}
+
+// Whether this process may use the tiles: the CPU has them and Linux grants their state.
+bool amx_usable() {
+#if defined(__linux__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tiles = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+    constexpr long REQ_XCOMP_PERM = 0x1023, XTILEDATA = 18;
+    return tiles && bf16 && syscall(SYS_arch_prctl, REQ_XCOMP_PERM, XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
+
 // -- AVX2 + FMA, float32 -------------------------------------------------------------------
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -524,8 +680,8 @@ AVX2_TARGET void columns_f32_avx2(const Call& c, size_t col0, size_t col1) {
 
 // -- paths -----------------------------------------------------------------------------------
 
-enum Path { SCALAR = 0, AVX2 = 1, AVX512BF16 = 2 };
-const char* const PATH_NAMES[] = {"scalar", "avx2", "avx512bf16"};
+enum Path { SCALAR = 0, AVX2 = 1, AVX512BF16 = 2, AMX = 3 };
+const char* const PATH_NAMES[] = {"scalar", "avx2", "avx512bf16", "amx"};
 
 bool supported(Path p) {
 #ifdef REDRAFT_X86
@@ -534,6 +690,10 @@ bool supported(Path p) {
     if (p == AVX512BF16)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    if (p == AMX) {
+        static const bool usable = supported(AVX512BF16) && amx_usable();
+        return usable;
+    }
 #endif
     return p == SCALAR;
 }
@@ -543,12 +703,13 @@ Path g_path[2] = {SCALAR, SCALAR};
 
 void choose_default_paths() {
     g_path[KIND_F32] = supported(AVX2) ? AVX2 : SCALAR;
-    g_path[KIND_BF16] = supported(AVX512BF16) ? AVX512BF16 : SCALAR;
+    g_path[KIND_BF16] = supported(AMX) ? AMX : supported(AVX512BF16) ? AVX512BF16 : SCALAR;
 }
 
 void columns(const Call& c, size_t col0, size_t col1) {
 #ifdef REDRAFT_X86
     const Path p = g_path[c.kind];
+    if (c.kind == KIND_BF16 && p == AMX) return columns_amx(c, col0, col1);
     if (c.kind == KIND_BF16 && p == AVX512BF16) return columns_bf16_avx512(c, col0, col1);
     if (c.kind == KIND_F32 && p == AVX2) return columns_f32_avx2(c, col0, col1);
 #endif
@@ -620,11 +781,22 @@ Pool* g_pool = nullptr;  // never destroyed: its threads wait until the process 
 
 void after_fork_in_child() { g_pool->forget_after_fork(); }
 
-void run_call(const Call& c, int threads) {
-    const size_t tiles = (c.n + NC - 1) / NC;
+void run_call(const Call& call, int threads) {
+    Call c = call;
+    size_t unit = NC;  // columns a thread's share is a multiple of
+#ifdef REDRAFT_X86
+    if (c.kind == KIND_BF16 && g_path[KIND_BF16] == AMX) {  // the rows packed once, for all threads
+        thread_local std::vector<uint32_t> packed;
+        packed.resize((c.m + AMX_ROWS - 1) / AMX_ROWS * (c.k / QK) * AMX_TILE);
+        pack_rows_amx(static_cast<const uint16_t*>(c.x), c.m, c.k, packed.data());
+        c.packed = packed.data();
+        unit = AMX_COLS;
+    }
+#endif
+    const size_t tiles = (c.n + unit - 1) / unit;
     threads = (int)std::max<size_t>(1, std::min<size_t>(threads, tiles));
     g_pool->run(threads, [&](int t) {
-        const size_t a = tiles * t / threads * NC, b = std::min(c.n, tiles * (t + 1) / threads * NC);
+        const size_t a = tiles * t / threads * unit, b = std::min(c.n, tiles * (t + 1) / threads * unit);
         if (a < b) columns(c, a, b);
     });
 }
@@ -1157,7 +1329,7 @@ PyObject* py_row_bytes(PyObject*, PyObject* args) {
 
 PyObject* py_paths(PyObject*, PyObject*) {
     PyObject* out = PyList_New(0);
-    for (int p = SCALAR; p <= AVX512BF16; ++p)
+    for (int p = SCALAR; p <= AMX; ++p)
         if (supported((Path)p)) {
             PyObject* s = PyUnicode_FromString(PATH_NAMES[p]);
             PyList_Append(out, s);
@@ -1180,10 +1352,10 @@ PyObject* py_use_path(PyObject*, PyObject* args) {
     int kind;
     const char* name;
     if (!PyArg_ParseTuple(args, "is", &kind, &name)) return nullptr;
-    for (int p = SCALAR; p <= AVX512BF16; ++p) {
+    for (int p = SCALAR; p <= AMX; ++p) {
         if (std::string(name) != PATH_NAMES[p]) continue;
         const bool fits = p == SCALAR || (kind == KIND_F32 && p == AVX2) ||
-                          (kind == KIND_BF16 && p == AVX512BF16);
+                          (kind == KIND_BF16 && (p == AVX512BF16 || p == AMX));
         if (kind != KIND_F32 && kind != KIND_BF16) break;
         if (!fits || !supported((Path)p)) {
             PyErr_Format(PyExc_ValueError, "path %s does not run this kind on this CPU", name);

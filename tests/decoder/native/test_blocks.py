@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from redraft.decoder import block_linear
 from redraft.decoder.block_linear import BlockLinear, BlockWeight, kernel_path
 from redraft.decoder.budget import MAX_TREE_NODES
 from redraft.decoder.native import _blocks
@@ -48,10 +49,22 @@ def machine(dtype: torch.dtype) -> str:
             f"{_blocks.paths()}, {dtype} on {kernel_path(dtype)}")
 
 
-@pytest.fixture(params=["default", "scalar"])
+def on_path(dtype: torch.dtype, name: str):
+    """`block_linear.on_path`, skipping the test where this CPU lacks that path."""
+    if name not in _blocks.paths():
+        pytest.skip(f"no {name} path on this CPU ({_blocks.paths()})")
+    return block_linear.on_path(dtype, name)
+
+
+@pytest.fixture(params=["default", "avx512bf16", "scalar"])
 def path(request):
-    """Each dtype on its default path, then on the scalar one; restored afterwards."""
+    """Each dtype on its default path, bfloat16 on AVX512-BF16 where that is not its default
+    (an AMX CPU has both), then each on the scalar one; restored afterwards."""
     before = {kind: _blocks.path(kind) for kind in KINDS.values()}
+    if request.param == "avx512bf16":
+        if request.param not in _blocks.paths() or before[_blocks.KIND_BF16] == request.param:
+            pytest.skip(f"avx512bf16 is not a second bf16 path here ({_blocks.paths()})")
+        _blocks.use_path(_blocks.KIND_BF16, request.param)
     if request.param == "scalar":
         for kind in KINDS.values():
             _blocks.use_path(kind, "scalar")
@@ -90,31 +103,36 @@ def test_dequantized_weights_are_the_gguf_formula():
     assert np.array_equal(w8.dense().numpy(), (d8 * q8).reshape(3, 64))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_rows_bits_never_depend_on_the_rows_or_threads_sharing_its_call(dtype):
-    """Every linear shape of the default model, every row count 1..64 and the size classes up
-    to MAX_TREE_NODES, at 1, 2 and the machine's thread count: each row of a k-row call is
-    bitwise that row of the largest call (so row 0 is the one-row call's)."""
-    if kernel_path(dtype) == "scalar":
-        pytest.skip(f"{dtype} runs on the scalar path on this CPU: tested on small shapes "
-                    f"by test_the_scalar_path_is_row_invariant_too ({machine(dtype)})")
+@pytest.mark.parametrize("dtype,simd", [(torch.bfloat16, "amx"), (torch.bfloat16, "avx512bf16"),
+                                        (torch.float32, "avx2")])
+def test_a_rows_bits_never_depend_on_the_rows_or_threads_sharing_its_call(dtype, simd):
+    """On each SIMD path this CPU has: every linear shape of the default model, every row
+    count 1..64 and the size classes up to MAX_TREE_NODES, at 1, 2 and the machine's thread
+    count: each row of a k-row call is bitwise that row of the largest call (so row 0 is the
+    one-row call's). The scalar path: test_the_scalar_path_is_row_invariant_too."""
     before = torch.get_num_threads()
     torch.manual_seed(0)
-    try:
-        for n, k, fmt in SHAPES:
-            linear = BlockLinear(random_blocks(n, k, fmt), dtype)
-            x = torch.randn(ROWS[-1], k).to(dtype)
-            torch.set_num_threads(1)
-            full = linear(x)
-            for threads in THREADS:
-                torch.set_num_threads(threads)
-                for rows in ROWS if threads == 1 else [1, 2, 3, 16, 33, 64, ROWS[-1]]:
-                    got = linear(x[:rows])
-                    assert torch.equal(got, full[:rows]), (
-                        f"[{n}, {k}] {fmt}: {rows} rows at {threads} threads differ from the "
-                        f"same rows of a {ROWS[-1]}-row call at 1 thread ({machine(dtype)})")
-    finally:
-        torch.set_num_threads(before)
+    with on_path(dtype, simd):
+        try:
+            check_row_invariance(dtype)
+        finally:
+            torch.set_num_threads(before)
+
+
+def check_row_invariance(dtype: torch.dtype) -> None:
+    """Each row of every call is that row of the largest call (see the test above)."""
+    for n, k, fmt in SHAPES:
+        linear = BlockLinear(random_blocks(n, k, fmt), dtype)
+        x = torch.randn(ROWS[-1], k).to(dtype)
+        torch.set_num_threads(1)
+        full = linear(x)
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            for rows in ROWS if threads == 1 else [1, 2, 3, 16, 33, 64, ROWS[-1]]:
+                got = linear(x[:rows])
+                assert torch.equal(got, full[:rows]), (
+                    f"[{n}, {k}] {fmt}: {rows} rows at {threads} threads differ from the "
+                    f"same rows of a {ROWS[-1]}-row call at 1 thread ({machine(dtype)})")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -131,21 +149,19 @@ def test_the_scalar_path_is_row_invariant_too(dtype):
         _blocks.use_path(KINDS[dtype], before)
 
 
-def test_the_bf16_paths_agree():
-    """The AVX512-BF16 path against the scalar one, which writes out VDPBF16PS's documented
-    semantics: equal bits on the CPUs this was built on (AMD Zen 4); on any CPU within the
-    accumulation's rounding, so a bf16 model on either path decodes alike."""
-    if _blocks.path(_blocks.KIND_BF16) == "scalar":
-        pytest.skip(f"no bf16 SIMD path on this CPU ({machine(torch.bfloat16)})")
+@pytest.mark.parametrize("simd", ["avx512bf16", "amx"])
+def test_the_bf16_paths_agree(simd):
+    """Each bf16 SIMD path against the scalar one, which writes out VDPBF16PS's documented
+    semantics: equal bits for AVX512-BF16 on the CPUs this was built on (AMD Zen 4, Intel with
+    AMX); AMX sums in its own order, within the accumulation's rounding, so a bf16 model on
+    any path decodes alike."""
     linear = BlockLinear(random_blocks(64, 1536, "Q4_1"), torch.bfloat16)
     x = torch.randn(5, 1536).to(torch.bfloat16)
-    simd = linear(x)
-    _blocks.use_path(_blocks.KIND_BF16, "scalar")
-    try:
+    with on_path(torch.bfloat16, simd):
+        fast = linear(x)
+    with on_path(torch.bfloat16, "scalar"):
         scalar = linear(x)
-    finally:
-        _blocks.use_path(_blocks.KIND_BF16, "avx512bf16")
-    diff = (simd.float() - scalar.float()).abs().max().item()
+    diff = (fast.float() - scalar.float()).abs().max().item()
     assert diff <= 1e-2 * scalar.float().abs().max().item(), machine(torch.bfloat16)
 
 
