@@ -11,13 +11,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from redraft.datastore.drafting.learned_index import LearnedIndex
 from redraft.datastore.drafting.prompt_lookup import PromptLookup
 from redraft.datastore.drafting.retrieval import REST_CALIBRATION, calibrate, retrieval_tree
 from redraft.datastore.manifest import LEARNED_CORPUS  # learned outputs persist as this corpus
 from redraft.proto.errors import InvalidQuery
 from redraft.proto.params import SOURCES, DraftParams
-from redraft.proto.tree import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, LEARNED, PLD, REST, Tree, merge
+from redraft.proto.tree import (
+    DEFAULT_BUDGET,
+    DEFAULT_MAX_DEPTH,
+    LEARNED,
+    PLD,
+    REST,
+    Tree,
+    merge,
+    source_bits,
+)
 
 # What an in-process drafter drafts by default: every source, the usual budget and depth.
 DEFAULT_PARAMS = DraftParams(budget=DEFAULT_BUDGET, max_depth=DEFAULT_MAX_DEPTH, sources=SOURCES)
@@ -135,6 +145,14 @@ class SessionDrafter:
         tree = merge(drafts, budget)
         tree.match_len = self.rest_match_len
         return tree
+
+    def propose_arrays(self, budget: int | None = None) -> tuple[np.ndarray, ...]:
+        """`propose`'s tree as arrays, as the compiled drafter gives them: tokens (uint32),
+        parents (int32), probs (float64) and source bits (uint8, tree.SOURCE_BITS)."""
+        tree = self.propose(budget)
+        return (np.array(tree.tokens, np.uint32), np.array(tree.parents, np.int32),
+                np.array(tree.probs, np.float64),
+                np.array([source_bits(s) for s in tree.sources], np.uint8))
 
     def close(self) -> None:
         """The generation is over: its output is final in the learned index."""

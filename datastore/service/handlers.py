@@ -35,9 +35,10 @@ from redraft.datastore.service.reload import SnapshotReloader
 from redraft.datastore.service.session_limits import Sessions
 from redraft.datastore.service.stats import ServiceStats
 from redraft.datastore.service.validation import RequestValidator
-from redraft.datastore.service.wire import Drafted, ServiceInfo
+from redraft.datastore.service.wire import ServiceInfo
 from redraft.proto import draft_pb2, draft_pb2_grpc
 from redraft.proto.errors import DatastoreCorrupt, DatastoreError
+from redraft.proto.tree import path_probs
 
 # Tokens a step adds, or a prompt indexes, before other calls get the event loop again:
 # about 15 ms of indexing on a CPU core (a step of max_context_len tokens takes ~1 s).
@@ -113,25 +114,28 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
 
     # ---- drafting ----------------------------------------------------------------------
     def _draft(self, drafter, budget: int, out: draft_pb2.DraftReply,
-               kind: str | None):
-        """Tree from the session's sources under the budget, count, fill `out`; the tree
-        and its nodes' distinct source labels."""
+               kind: str | None) -> tuple[tuple[list, list, list], set[int]]:
+        """Tree from the session's sources under the budget, count, fill `out`; the tree's
+        (tokens, parents, source bits) and its nodes' distinct source bits. The nodes go as
+        the drafter gives them, sources as bits: no label between the core and the wire."""
         t0 = time.perf_counter()
         self._check_damage()  # an open session's step too
         try:
             drafter.use_reader(self.reader)  # the newest snapshot, between two steps
-            tree = drafter.propose(budget)
+            tokens, parents, probs, bits = (a.tolist() for a in drafter.propose_arrays(budget))
         except DatastoreCorrupt as exc:
             raise self.damaged(exc, self.reader) from exc
         except DatastoreError as exc:
             raise bad(str(exc)) from exc
-        expected = tree.expected_accepted
-        wire.put_draft(out, Drafted(tree, drafter.rest_match_len, drafter.pld_match_len,
-                                    drafter.learned_match_len, expected))
-        labels = set(tree.sources)
-        sources = {name for label in labels for name in label.split("+")}
-        self.stats.record(time.perf_counter() - t0, len(tree), expected, sources, kind)
-        return tree, labels
+        expected = float(sum(path_probs(probs, parents)))
+        wire.put_nodes(out, tokens, parents, probs, bits, drafter.rest_match_len,
+                       drafter.pld_match_len, drafter.learned_match_len, expected)
+        kinds = set(bits)
+        used = 0
+        for b in kinds:
+            used |= b
+        self.stats.record(time.perf_counter() - t0, len(tokens), expected, used, kind)
+        return (tokens, parents, bits), kinds
 
     async def _drafter(self, tokens, noun: str, field: str, settings: DraftSettings,
                        tenant: str):
@@ -235,11 +239,11 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
             # sweeper or shutdown) would otherwise send them twice and fail.
             await context.send_initial_metadata(())
             msg = draft_pb2.SessionReply(session_id=session_id, context_len=len(drafter))
-            last, labels = self._draft(drafter, p.budget, msg.draft, None)
+            last, kinds = self._draft(drafter, p.budget, msg.draft, None)
             metrics = self.stats.metrics if self.stats.metrics.enabled else None
             if metrics is not None:  # each step's accepted tokens walk the tree before
                 counter = metrics.key(slot[0], p.corpora)  # its tenant's and corpora's
-                metrics.drafted(counter, None, last.sources, labels, ())
+                metrics.drafted(counter, None, last[2], kinds, ())
             await limits.wait(waiter, context.write(msg), writing=True)
             while not self.stopping:
                 req = await limits.read(context, waiter)
@@ -251,17 +255,17 @@ class DrafterService(draft_pb2_grpc.DrafterServicer):
                 await self._extend(drafter, step.accepted)  # learned at once, for every session
                 self.learned_outputs.publish()
                 msg = draft_pb2.SessionReply(session_id=session_id, context_len=n)
-                tree, labels = self._draft(drafter, step.budget or p.budget, msg.draft,
-                                           "session_steps")
+                tree, kinds = self._draft(drafter, step.budget or p.budget, msg.draft,
+                                          "session_steps")
                 seconds = time.perf_counter() - t0
                 try:
                     await limits.wait(waiter, context.write(msg), writing=True)
                 finally:  # counted once the reply is on its way (off its latency), or failed
                     if metrics is not None:
-                        tokens = last.tokens
-                        walked = walk_accepted(tokens, last.parents, last.sources, 0,
-                                               len(tokens), step.accepted)
-                        metrics.drafted(counter, seconds, tree.sources, labels, walked)
+                        tokens, parents, bits = last
+                        walked = walk_accepted(tokens, parents, bits, 0, len(tokens),
+                                               step.accepted)
+                        metrics.drafted(counter, seconds, tree[2], kinds, walked)
                         last = tree
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         finally:

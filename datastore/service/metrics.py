@@ -182,26 +182,26 @@ class MetricSlots:
                     return i
         return OTHER_CORPORA
 
-    def drafted(self, key: int, seconds: float | None, sources: list[str],
-                labels: Iterable[str], accepted: Sequence[str]) -> None:
+    def drafted(self, key: int, seconds: float | None, bits: list[int],
+                kinds: Iterable[int], accepted: Sequence[int]) -> None:
         """One Session reply of the session counted under `key`: its tree's nodes' source
-        labels (`sources`; `labels`: the distinct ones, which the server has already), the
-        labels of the draft tokens the step it answers accepted (in path order), and the
-        server time of a step (None for the reply to an open). A few C-level counts per
-        step, no Python loop per node."""
+        bits (`bits`; `kinds`: the distinct ones, which the server has already), the bits
+        of the draft tokens the step it answers accepted (in path order), and the server
+        time of a step (None for the reply to an open). A few C-level counts per step, no
+        Python loop per node."""
         if not 0 <= key < self.keys:
             key = 0
         base = key * N_BITS
-        if sources:
+        if bits:
             self._drafts[key] = self._drafts.get(key, 0) + 1
             tokens = self._tokens
-            for label in labels:
-                i = base + (_LABEL_BITS.get(label) or label_bits(label))
-                tokens[i] = tokens.get(i, 0) + sources.count(label)
+            for b in kinds:
+                i = base + (b if 0 <= b < N_BITS else 0)
+                tokens[i] = tokens.get(i, 0) + bits.count(b)
         if accepted:
             total = self._accepted
-            for label in accepted:
-                i = base + (_LABEL_BITS.get(label) or label_bits(label))
+            for b in accepted:
+                i = base + (b if 0 <= b < N_BITS else 0)
                 total[i] = total.get(i, 0) + 1
             positions = self._positions
             for p in range(min(len(accepted), POSITIONS)):
@@ -394,24 +394,6 @@ def count_batch(tallies: Sequence[list], trees: tuple, accepted, counts, into, n
         start = end
     for i, tally in enumerate(tallies):
         tally[1:] = [trees, i]
-
-
-def label_bits(label: str) -> int:
-    """Source bits of a node's source label ("pld+rest" -> 3; in any order)."""
-    b = _LABEL_BITS.get(label)
-    if b is None:
-        names = label.split("+")
-        b = _LABEL_BITS[label] = sum(1 << i for i, n in enumerate(("rest", "pld", "learned"))
-                                     if n in names)
-    return b
-
-
-def node_bits(sources: Sequence[str]) -> list[int]:
-    """Source bits of a Tree's nodes, from their labels."""
-    return [label_bits(label) for label in sources]
-
-
-_LABEL_BITS: dict[str, int] = {}
 
 
 def now_unix() -> float:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from redraft.datastore.service.metrics import MetricSlots
 from redraft.datastore.service.tenants import TenantSlot
+from redraft.proto.tree import LEARNED, PLD, REST, SOURCE_BITS
 
 # Counter slots in the shared array.
 FIELDS = (
@@ -45,6 +46,7 @@ FIELDS = (
     "worker_restarts",
 )
 _SLOT = {name: i for i, name in enumerate(FIELDS)}
+_REST, _PLD, _LEARNED = SOURCE_BITS[REST], SOURCE_BITS[PLD], SOURCE_BITS[LEARNED]
 _BUCKETS_PER_OCTAVE = 8
 _N_BUCKETS = _BUCKETS_PER_OCTAVE * 24  # 1 us .. ~16 s
 _HIST0 = len(FIELDS)
@@ -282,9 +284,10 @@ class ServiceStats:
                 self._arr[mine + 1 + tenant] -= 1
                 self._arr[mine + 1 + self.tenants + lane] -= 1
 
-    def record(self, latency_s: float, n_nodes: int, expected: float, sources: set[str],
+    def record(self, latency_s: float, n_nodes: int, expected: float, used: int,
                kind: str | None = None) -> None:
-        """Count one answered request (and its `kind` counter): latency and tree contents."""
+        """Count one answered request (and its `kind` counter): latency and tree contents
+        (`used`: the OR of its nodes' source bits, tree.SOURCE_BITS)."""
         us = max(latency_s * 1e6, 1.0)
         b = min(_N_BUCKETS - 1, int(math.log2(us) * _BUCKETS_PER_OCTAVE))
         with self._lock:
@@ -296,11 +299,11 @@ class ServiceStats:
             a[_SLOT["expected_accepted_x1000"]] += expected * 1000.0
             if n_nodes:
                 a[_SLOT["hits"]] += 1
-                if "rest" in sources:
+                if used & _REST:
                     a[_SLOT["rest_hits"]] += 1
-                if "pld" in sources:
+                if used & _PLD:
                     a[_SLOT["pld_hits"]] += 1
-                if "learned" in sources:
+                if used & _LEARNED:
                     a[_SLOT["learned_hits"]] += 1
             a[_HIST0 + b] += 1
 

@@ -427,15 +427,25 @@ def sources_bits(labels: Sequence[str]) -> list[int]:
 
 def put_draft(out: draft_pb2.DraftReply, d: Drafted) -> None:
     """Fills `out` with draft `d` (sources as the wire's bits)."""
-    t, tree = out.tree, d.tree
-    t.tokens.extend(tree.tokens)
-    t.parents.extend(tree.parents)
-    t.probs.extend(tree.probs)
-    t.sources.extend(sources_bits(tree.sources))
-    out.match_len = d.match_len
-    out.expected_accepted = d.expected_accepted
-    out.pld_match_len = d.pld_match_len
-    out.learned_match_len = d.learned_match_len
+    tree = d.tree
+    put_nodes(out, tree.tokens, tree.parents, tree.probs, sources_bits(tree.sources),
+              d.match_len, d.pld_match_len, d.learned_match_len, d.expected_accepted)
+
+
+def put_nodes(out: draft_pb2.DraftReply, tokens: Sequence[int], parents: Sequence[int],
+              probs: Sequence[float], bits: Sequence[int], match_len: int,
+              pld_match_len: int, learned_match_len: int, expected_accepted: float) -> None:
+    """Fills `out` with a tree given as its nodes' arrays, sources as the wire's bits (what
+    the compiled core drafts: the server's Session replies, no label in between)."""
+    t = out.tree
+    t.tokens.extend(tokens)
+    t.parents.extend(parents)
+    t.probs.extend(probs)
+    t.sources.extend(bits)
+    out.match_len = match_len
+    out.expected_accepted = expected_accepted
+    out.pld_match_len = pld_match_len
+    out.learned_match_len = learned_match_len
 
 
 def info_message(info: ServiceInfo) -> draft_pb2.InfoReply:

@@ -17,7 +17,6 @@ from redraft.datastore.service.metrics import (
     OTHER_CORPORA,
     TIME_BUCKETS,
     MetricSlots,
-    node_bits,
     walk_accepted,
 )
 
@@ -39,15 +38,10 @@ def test_accepted_tokens_follow_one_path_from_the_root():
     assert walk_accepted(tokens, parents, bits, 2, 7, [10, 11, 13]) == [1, 3, 1]
 
 
-def test_source_labels_map_to_their_bits():
-    assert node_bits(["rest", "pld", "pld+rest", "rest+pld", "learned+pld+rest", "x"]) == \
-        [1, 2, 3, 3, 7, 0]
-
-
 def _worker_counts(slots: MetricSlots, worker: int) -> None:
     """A worker process: counts one step and one refusal, publishes them."""
     slots.serve_as(worker)
-    slots.drafted(slots.key(1, None), 0.002, ["pld"], {"pld"}, ["pld"])
+    slots.drafted(slots.key(1, None), 0.002, [2], {2}, [2])  # pld
     assert slots.corpus_slot(("docs", "code")) == 2  # the slot the parent took
     slots.refused(5)
     slots.publish()
@@ -64,10 +58,10 @@ def test_counts_reach_the_shared_array_when_published_and_add_up_over_workers():
     slots.enabled = True
     slots.refused(5)
     slots.add("reloads", 2)
-    labels = ["rest", "rest", "rest+pld"]
+    bits = [1, 1, 3]  # rest, rest, pld+rest
     assert slots.corpus_slot(["code"]) == 1 and slots.corpus_slot(("code", "docs")) == 2
     k2 = slots.key(2, None)
-    slots.drafted(k2, 0.0003, labels, set(labels), ["rest", "pld+rest"])
+    slots.drafted(k2, 0.0003, bits, set(bits), [1, 3])
     slots.drafted(k2, None, [], set(), [])  # an open's reply that drafted nothing
     assert slots.read()["refusals"][5] == 0  # not yet published
     slots.publish()

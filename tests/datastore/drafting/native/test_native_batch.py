@@ -76,6 +76,10 @@ def test_arrays_of_one_session_are_its_tree(narrow_store, same):
         assert probs.tolist() == want.probs
         assert bits.tolist() == [source_bits(s) for s in want.sources]
         assert set(bits.tolist()) <= {1, 2, 3, 4, 5, 6, 7} and SOURCE_BITS[REST] == 1
+        # the reference gives the same arrays (what the server's Session replies carry)
+        ref = SessionDrafter(narrow_store.docs[3][:20], DraftSettings(), reader, LearnedIndex())
+        for got, native in zip(ref.propose_arrays(), (tokens, parents, probs, bits)):
+            assert got.dtype == native.dtype and got.tolist() == native.tolist()
 
 
 def test_a_failing_sequence_fails_alone(narrow_store, same):
