@@ -267,8 +267,12 @@ BF16_TARGET void dequant_bf16_avx512(int fmt, const uint8_t* src, size_t k, uint
         _mm512_storeu_si512(out, (__m512i)dequant_block_bf16(fmt, src));
 }
 
+// AVX-512 without bf16: what the reductions below and the attention's AVX-512 build need (a
+// subset of BF16_TARGET, so the bf16 paths inline them).
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
 // The lanes' sum, the order of reduce16 (written out: compilers' reduce intrinsics differ).
-BF16_TARGET float reduce512(__m512 v) {
+AVX512_TARGET inline float reduce512(__m512 v) {
     const __m256 hi = _mm512_extractf32x8_ps(v, 1);
     const __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(v, 0), hi);
     const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -281,7 +285,7 @@ BF16_TARGET float reduce512(__m512 v) {
 // shuffles, so a tile's outputs cost 30 shuffles and 15 adds, not 16 reductions of 8
 // dependent steps each (which cost a quarter of a 576-wide row's dot products). Register
 // 4a + b's sum lands in lane 4b + a.
-BF16_TARGET __m512 reduce512_sixteen(const __m512* v) {
+AVX512_TARGET inline __m512 reduce512_sixteen(const __m512* v) {
     __m512 w[8], z[4], q[2];
     for (int i = 0; i < 8; ++i)  // lanes 0-7 + lanes 8-15, two registers per result
         w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -939,6 +943,144 @@ struct Avx2 {
 };
 #endif
 
+// The AVX-512 build of the same primitives, one 16-lane register where AVX2 takes two: the
+// same lanes, the same operations in each, so the same bits.
+struct Avx512 {
+    AVX512_TARGET static float dot(const float* q, const float* k, size_t dim) {
+        __m512 acc = _mm512_setzero_ps();
+        for (size_t d = 0; d < dim; d += LANES)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+        return reduce512(acc);
+    }
+    // Sixteen keys' dots with one query at once, their sums reduced together: lane t is
+    // dot(q, keys[t]), each in reduce512's order.
+    AVX512_TARGET static __m512 dots16(const float* q, const float* keys, size_t dim) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        for (size_t d = 0; d < dim; d += LANES) {
+            const __m512 qv = _mm512_loadu_ps(q + d);
+            for (int t = 0; t < 16; ++t)
+                acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys + t * dim + d), acc[t]);
+        }
+        // reduce512_sixteen leaves register 4a + b's sum in lane 4b + a: put it in lane 4a + b
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        return _mm512_permutexvar_ps(order, reduce512_sixteen(acc));
+    }
+    AVX512_TARGET static void exp_shifted(float* x, size_t count, float shift) {
+        size_t i = 0;
+        const __m512 lo = _mm512_set1_ps(EXP_MIN), sh = _mm512_set1_ps(shift);
+        for (; i + 16 <= count; i += 16) {
+            const __m512 y = _mm512_sub_ps(_mm512_loadu_ps(x + i), sh);
+            const __m512 v = _mm512_max_ps(y, lo);  // as MAXPS: a NaN takes EXP_MIN
+            const __m512 k = _mm512_roundscale_ps(
+                _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(0.5f)),
+                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            __m512 r = _mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(LN2_HI)));
+            r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(LN2_LO)));
+            __m512 p = _mm512_set1_ps(EXP_P[0]);
+            for (int c = 1; c < 6; ++c)
+                p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_P[c]));
+            p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
+                              _mm512_set1_ps(1.0f));
+            const __m512i e = _mm512_slli_epi32(
+                _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+            const __m512 out = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+            const __mmask16 under = _mm512_cmp_ps_mask(y, lo, _CMP_LT_OQ);
+            _mm512_storeu_ps(x + i, _mm512_maskz_mov_ps((__mmask16)~under, out));
+        }
+        Plain::exp_shifted(x + i, count - i, shift);
+    }
+    AVX512_TARGET static float sum(const float* x, size_t count) {
+        __m512 acc = _mm512_setzero_ps();
+        size_t j = 0;
+        for (; j + LANES <= count; j += LANES) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
+        float lanes[LANES];
+        _mm512_storeu_ps(lanes, acc);
+        for (int l = 0; j < count; ++j, ++l) lanes[l] = lanes[l] + x[j];
+        return Plain::lanes_sum(lanes);
+    }
+};
+
+// attend_block's AVX-512 build for heads of V * 16 dimensions. The prefix goes in blocks that
+// stay in the core's first-level cache while every pair of the chunk uses them (each pair
+// streaming the whole prefix from the second level was the bound): scores sixteen keys at a
+// time, outputs held in registers for four pairs at a time over a block of keys, each output
+// element fused-multiply-added over the keys in attend_block's order. So every row's bits
+// are attend_block's.
+template <int V>
+AVX512_TARGET void attend_block_avx512(const Attention& a, size_t kvh, size_t r0, size_t r1,
+                                       std::vector<float>& scores) {
+    constexpr size_t PAIRS = 4;        // pairs whose outputs stay in registers together
+    constexpr size_t BLOCK = 256 / V;  // prefix keys per block: 16 KB of values
+    const size_t dim = a.dim, group = a.heads / a.kv, pairs = (r1 - r0) * group;
+    const float* keys = a.keys + kvh * a.capacity * dim;
+    const float* values = a.values + kvh * a.capacity * a.vwidth;
+    size_t width = 0;
+    for (size_t r = r0; r < r1; ++r)
+        width = std::max<size_t>(width, a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]));
+    scores.resize(pairs * width);
+    const float* qs[ROW_CHUNK * 64];
+    float* outs[ROW_CHUNK * 64];
+    const int32_t* tails[ROW_CHUNK * 64];
+    size_t totals[ROW_CHUNK * 64];
+    float sums[ROW_CHUNK * 64];
+    for (size_t p = 0; p < pairs; ++p) {
+        const size_t r = r0 + p / group, at = (r * a.heads + kvh * group + p % group) * dim;
+        qs[p] = a.q + at;
+        outs[p] = a.out + at;
+        tails[p] = a.slots + a.offsets[r];
+        totals[p] = a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]);
+    }
+    const __m512 scale = _mm512_set1_ps(a.scale);
+    const size_t whole = a.past / 16 * 16;
+    for (size_t j = 0; j < whole; j += 16)
+        for (size_t p = 0; p < pairs; ++p)
+            _mm512_storeu_ps(&scores[p * width + j],
+                             _mm512_mul_ps(Avx512::dots16(qs[p], keys + j * dim, dim), scale));
+    for (size_t p = 0; p < pairs; ++p) {
+        float* s = &scores[p * width];
+        for (size_t j = whole; j < a.past; ++j) s[j] = Avx512::dot(qs[p], keys + j * dim, dim) * a.scale;
+        for (size_t j = a.past; j < totals[p]; ++j)
+            s[j] = Avx512::dot(qs[p], keys + (size_t)tails[p][j - a.past] * dim, dim) * a.scale;
+        float best = -INFINITY;
+        for (size_t i = 0; i < totals[p]; ++i) best = s[i] > best ? s[i] : best;
+        Avx512::exp_shifted(s, totals[p], best);
+        sums[p] = Avx512::sum(s, totals[p]);
+        std::memset(outs[p], 0, dim * sizeof(float));
+    }
+    for (size_t j0 = 0; j0 < a.past; j0 += BLOCK) {
+        const size_t j1 = std::min(a.past, j0 + BLOCK);
+        for (size_t p0 = 0; p0 < pairs; p0 += PAIRS) {
+            const size_t np = std::min(PAIRS, pairs - p0);
+            __m512 acc[PAIRS][V];
+            for (size_t i = 0; i < np; ++i)
+                for (int v = 0; v < V; ++v) acc[i][v] = _mm512_loadu_ps(outs[p0 + i] + v * LANES);
+            for (size_t j = j0; j < j1; ++j) {
+                __m512 row[V];
+                for (int v = 0; v < V; ++v) row[v] = _mm512_loadu_ps(values + j * a.vwidth + v * LANES);
+                for (size_t i = 0; i < PAIRS; ++i) {
+                    if (i >= np) break;
+                    const __m512 w = _mm512_set1_ps(scores[(p0 + i) * width + j]);
+                    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(w, row[v], acc[i][v]);
+                }
+            }
+            for (size_t i = 0; i < np; ++i)
+                for (int v = 0; v < V; ++v) _mm512_storeu_ps(outs[p0 + i] + v * LANES, acc[i][v]);
+        }
+    }
+    for (size_t p = 0; p < pairs; ++p) {
+        __m512 acc[V];
+        for (int v = 0; v < V; ++v) acc[v] = _mm512_loadu_ps(outs[p] + v * LANES);
+        for (size_t j = a.past; j < totals[p]; ++j) {
+            const __m512 w = _mm512_set1_ps(scores[p * width + j]);
+            const float* row = values + (size_t)tails[p][j - a.past] * a.vwidth;
+            for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + v * LANES), acc[v]);
+        }
+        const __m512 total = _mm512_set1_ps(sums[p]);
+        for (int v = 0; v < V; ++v) _mm512_storeu_ps(outs[p] + v * LANES, _mm512_div_ps(acc[v], total));
+    }
+}
+
 // The rows [r0, r1) of the query heads that share key head kvh. Each (row, head) pair runs
 // the same operations in the same order as it would alone (its prefix keys, then its own
 // slots): keys and values are only loaded once for all of them.
@@ -1002,18 +1144,41 @@ inline __attribute__((always_inline)) void attend_units(const Attention& a, size
 void attend_plain(const Attention& a, size_t u0, size_t u1) { attend_units<Plain>(a, u0, u1); }
 #ifdef REDRAFT_X86
 AVX2_ONLY void attend_avx2(const Attention& a, size_t u0, size_t u1) { attend_units<Avx2>(a, u0, u1); }
+
+template <int V>
+AVX512_TARGET void attend_avx512(const Attention& a, size_t u0, size_t u1) {
+    thread_local std::vector<float> scores;
+    const size_t chunks = (a.n + ROW_CHUNK - 1) / ROW_CHUNK;
+    for (size_t u = u0; u < u1; ++u) {
+        const size_t kvh = u / chunks, r0 = u % chunks * ROW_CHUNK;
+        attend_block_avx512<V>(a, kvh, r0, std::min(a.n, r0 + ROW_CHUNK), scores);
+    }
+}
+
+bool has_avx512() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
 #endif
 
-// `simd`: the AVX2 build where the CPU has it (the tests compare both builds).
-void attend(const Attention& a, int threads, bool simd) {
+// Which build runs: PLAIN, BEST (AVX-512 for heads of 64 or 128 dimensions where the CPU has
+// it, else AVX2 where it has that) or AVX2 (the tests compare all three).
+enum AttendBuild { ATTEND_PLAIN = 0, ATTEND_BEST = 1, ATTEND_AVX2 = 2 };
+
+void attend(const Attention& a, int threads, int build) {
     const size_t units = a.kv * ((a.n + ROW_CHUNK - 1) / ROW_CHUNK);
     threads = (int)std::max<size_t>(1, std::min<size_t>(threads, units));
 #ifdef REDRAFT_X86
-    simd = simd && supported(AVX2);  // AVX2 and FMA
+    static const bool avx512 = has_avx512();
+    const bool wide = build == ATTEND_BEST && avx512 && (a.dim == 64 || a.dim == 128);
+    const bool simd = build != ATTEND_PLAIN && supported(AVX2);  // AVX2 and FMA
 #endif
     g_pool->run(threads, [&](int t) {
         const size_t p0 = units * t / threads, p1 = units * (t + 1) / threads;
 #ifdef REDRAFT_X86
+        if (wide && a.dim == 64) return attend_avx512<4>(a, p0, p1);
+        if (wide) return attend_avx512<8>(a, p0, p1);
         if (simd) return attend_avx2(a, p0, p1);
 #endif
         attend_plain(a, p0, p1);
@@ -1246,7 +1411,7 @@ void run_layers(const Forward& f, const int64_t* table, size_t layers, void* x) 
             qkv.data(), n, f.heads, f.kv, f.dim, f.cos, f.sin, keys, values, f.capacity,
             f.vwidth, f.past, q.data());
         attend({q.data(), keys, values, f.slots, f.offsets, attn.data(), n, f.heads, f.kv, f.dim,
-                f.capacity, f.vwidth, f.past, f.scale}, f.threads, f.simd);
+                f.capacity, f.vwidth, f.past, f.scale}, f.threads, f.simd ? ATTEND_BEST : ATTEND_PLAIN);
         const void* attn_rows = attn.data();
         if (f.kind == KIND_BF16) {
             uint16_t* out = reinterpret_cast<uint16_t*>(attn_in.data());
@@ -1373,12 +1538,12 @@ PyObject* py_attend(PyObject*, PyObject* args) {
     Py_ssize_t n, heads, kv, dim, capacity, vwidth, past;
     float scale;
     int threads, simd;
-    if (!PyArg_ParseTuple(args, "KnnnnKKnnnKKfKip", &q, &n, &heads, &kv, &dim, &k, &v, &capacity,
+    if (!PyArg_ParseTuple(args, "KnnnnKKnnnKKfKii", &q, &n, &heads, &kv, &dim, &k, &v, &capacity,
                           &vwidth, &past, &slots, &offsets, &scale, &out, &threads, &simd))
         return nullptr;
     if (n < 0 || heads <= 0 || kv <= 0 || heads % kv != 0 || heads / kv > 64 || dim <= 0 ||
         dim % LANES != 0 ||
-        vwidth < dim || past < 0 || past > capacity) {
+        vwidth < dim || past < 0 || past > capacity || simd < ATTEND_PLAIN || simd > ATTEND_AVX2) {
         PyErr_SetString(PyExc_ValueError, "attend: inconsistent shapes");
         return nullptr;
     }
@@ -1497,7 +1662,8 @@ PyMethodDef METHODS[] = {
      "rms_norm(x_ptr, rows, h, w_ptr, eps, out_ptr, kind): each row's RMSNorm, scaled"},
     {"attend", py_attend, METH_VARARGS,
      "attend(q, n, heads, kv, dim, keys, values, capacity, vwidth, past, slots, offsets, scale, "
-     "out, threads, simd): each row's attention over the prefix and its own slots"},
+     "out, threads, build): each row's attention over the prefix and its own slots (build: 0 "
+     "plain, 1 the best SIMD one, 2 AVX2)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(gate_up_ptr, rows, inter, out_ptr, kind, simd): SiLU(gate) * up per row"},
     {"layers", py_layers, METH_VARARGS,

@@ -183,7 +183,10 @@ def test_bad_shapes_and_formats_are_refused():
 KV, HEADS, DIM, CAPACITY = 3, 9, 64, 1400  # the default model's heads
 
 
-def attend(q, keys, values, past, rows, threads=1, simd=True):
+PLAIN, BEST, AVX2 = 0, 1, 2  # the attention's builds
+
+
+def attend(q, keys, values, past, rows, threads=1, build=BEST):
     """The kernel's attention of q [n, HEADS, DIM] over the prefix and each row's slots."""
     n = q.shape[0]
     slots = torch.tensor([past + c for cols in rows for c in cols], dtype=torch.int32)
@@ -192,7 +195,7 @@ def attend(q, keys, values, past, rows, threads=1, simd=True):
     q = q.contiguous()
     _blocks.attend(q.data_ptr(), n, HEADS, KV, DIM, keys.data_ptr(), values.data_ptr(), CAPACITY,
                    values.shape[-1], past, slots.data_ptr(), offsets.data_ptr(), DIM ** -0.5,
-                   out.data_ptr(), threads, simd)
+                   out.data_ptr(), threads, build)
     return out
 
 
@@ -230,21 +233,48 @@ def test_attention_matches_a_float64_masked_softmax(cache):
 
 def test_an_attention_rows_bits_never_depend_on_the_rows_threads_or_build(cache):
     """Each row of a tree forward of 1..64 rows (and the size classes past it) equals that row
-    computed alone, at 1, 2 and the machine's thread count, on the AVX2 and plain builds."""
+    computed alone, at 1, 2 and the machine's thread count, on the best build this CPU has
+    (AVX-512 or AVX2), and the AVX2 and plain builds give the same bits."""
     keys, values = cache
     past = 700
     rows = tree_rows(ROWS[-1])
     q = torch.randn(len(rows), HEADS, DIM)
     alone = torch.stack([attend(q[r : r + 1], keys, values, past, [rows[r]])[0]
                          for r in range(len(rows))])
-    assert torch.equal(attend(q, keys, values, past, rows, simd=False), alone), \
-        "the plain build differs from the AVX2 one"
+    for build, name in ((PLAIN, "plain"), (AVX2, "AVX2")):
+        assert torch.equal(attend(q, keys, values, past, rows, build=build), alone), \
+            f"the {name} build differs from the best one ({machine(torch.float32)})"
     for threads in THREADS:
         for n in ROWS if threads == 1 else [2, 16, 64, ROWS[-1]]:
             got = attend(q[:n], keys, values, past, rows[:n], threads=threads)
             assert torch.equal(got, alone[:n]), (
                 f"{n} rows at {threads} threads differ from each row alone "
                 f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
+
+
+def test_wide_heads_and_a_ragged_prefix_give_every_build_the_same_bits():
+    """Heads of 128 dimensions (the AVX-512 build's other width) over a prefix that is not a
+    multiple of its 16 keys at a time: each row alone, together, and on every build."""
+    g = torch.Generator().manual_seed(2)
+    kv, heads, dim, capacity, past = 2, 4, 128, 200, 101
+    keys, values = torch.randn(kv, capacity, dim, generator=g), torch.randn(kv, capacity, dim,
+                                                                            generator=g)
+    rows = tree_rows(21)
+    q = torch.randn(len(rows), heads, dim, generator=g)
+
+    def run(q, rows, build=BEST):
+        slots = torch.tensor([past + c for cols in rows for c in cols], dtype=torch.int32)
+        offsets = torch.tensor(np.cumsum([0] + [len(c) for c in rows]), dtype=torch.int64)
+        out = torch.empty(q.shape[0], heads, dim)
+        _blocks.attend(q.data_ptr(), q.shape[0], heads, kv, dim, keys.data_ptr(),
+                       values.data_ptr(), capacity, dim, past, slots.data_ptr(),
+                       offsets.data_ptr(), dim ** -0.5, out.data_ptr(), 1, build)
+        return out
+
+    together = run(q, rows)
+    alone = torch.stack([run(q[r : r + 1].contiguous(), [rows[r]])[0] for r in range(len(rows))])
+    assert torch.equal(together, alone)
+    assert torch.equal(run(q, rows, PLAIN), together) and torch.equal(run(q, rows, AVX2), together)
 
 
 def test_attention_refuses_inconsistent_shapes(cache):
