@@ -82,11 +82,15 @@ class LocalStream(DraftStream):
 
 
 class ServiceStream(DraftStream):
-    """Drafts from one streaming session of the draft service; the fallback after a failure."""
+    """Drafts from one streaming session of the draft service; the fallback after a failure.
+
+    The context is kept once: by the session (`DraftSession.context`, what it reopens with
+    after a reconnect), this stream holding only the tokens accepted since its last step;
+    after a failure the fallback starts from the two."""
 
     def __init__(self, source: DraftSource, prompt: Sequence[int]) -> None:
         self._source = source
-        self._context = [int(t) for t in prompt]
+        self._context = [int(t) for t in prompt]  # the session's own list, once it has one
         self._unsent: list[int] = []
         self._fresh: Tree | None = None  # the draft the session opened with, not yet used
         self._fallback: DraftStream | None = None
@@ -97,6 +101,7 @@ class ServiceStream(DraftStream):
         try:
             self._session = source.client.session(self._context, source.params,
                                                   source.fingerprint(), tenant=source.tenant)
+            self._context = self._session.context
             self._fresh = self._session.open()
         except Exception as exc:  # any failure: the fallback for this generation
             self._fail(exc)
@@ -106,7 +111,6 @@ class ServiceStream(DraftStream):
         if self._fallback is not None:
             self._fallback.extend(tokens)
             return
-        self._context.extend(tokens)
         self._unsent.extend(tokens)
         if tokens:
             self._fresh = None
@@ -117,10 +121,11 @@ class ServiceStream(DraftStream):
         if self._fresh is not None:
             draft, self._fresh = self._fresh, None
             return draft if budget is None else draft.prune(budget)
+        sent = len(self._context)  # a failed step may have added the unsent tokens or not
         try:
             draft = self._session.step(self._unsent, budget=budget)
         except Exception as exc:
-            self._fail(exc)
+            self._fail(exc, sent)
             return self._fallback.propose(budget)
         self._unsent = []
         return draft
@@ -137,12 +142,15 @@ class ServiceStream(DraftStream):
         self._unsent = []
         self._end_session()
 
-    def _fail(self, exc: BaseException | None) -> None:
+    def _fail(self, exc: BaseException | None, sent: int | None = None) -> None:
+        """The fallback from now on, over the context so far: the first `sent` tokens the
+        session holds (None: all of them) and those not sent yet."""
         self.failed = True
         self._end_session()
         if exc is not None:
             self._source.service_failed(exc)
-        self._fallback = self._source.open_fallback(self._context)
+        context = self._context if sent is None else self._context[:sent]
+        self._fallback = self._source.open_fallback(context + self._unsent)
         self._context = []
         self._unsent = []
 

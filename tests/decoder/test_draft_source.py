@@ -155,6 +155,29 @@ def test_a_server_killed_mid_generation_leaves_the_output_unchanged(servers, tmp
     drafter.close()
 
 
+def test_a_failed_step_hands_the_fallback_the_context_once(servers, store, fingerprint):
+    """The context is kept once, by the session: whether a failed step had added its tokens
+    (the server gone: they count as the context's) or not (an id the wire refuses), the
+    fallback starts from the prompt and every token since, each once."""
+    serve = servers.start(store, "--port", "0")
+    opened = []
+    source = DraftSource(service=serve.address, tokenizer=fingerprint, retry_after=0.0,
+                         fallback=lambda ctx: opened.append(list(ctx)) or DraftStream())
+    refused = source.open(DOC[:4])
+    refused.extend([5, 1 << 31])  # no token has this id: the step fails before it is sent
+    refused.propose()
+    assert refused.failed and opened == [DOC[:4] + [5, 1 << 31]]
+    stream = source.open(DOC[:4])
+    stream.extend(DOC[4:6])
+    assert chain(stream.propose(), 2).tokens == DOC[6:8] and not stream.failed
+    serve.kill()
+    stream.extend(DOC[6:8])
+    stream.propose()  # the session adds the tokens, then finds no server
+    assert stream.failed and opened[1:] == [DOC[:8]]
+    stream.close()
+    source.close()
+
+
 def test_one_message_for_a_service_with_another_tokenizer(servers, store, fingerprint):
     address = servers.start(store, "--port", "0").address
     want = (f"draft service {address} serves a datastore built with tokenizer .* "
