@@ -512,54 +512,98 @@ BF16_TARGET void emit_sums(const Call& c, const float* sums, size_t row0, size_t
     }
 }
 
+// One pass of up to 64 rows (from r0) over a group of columns whose weights tile for slice s
+// `weights(s)` loads into tile 0; its sums into the output.
+template <class Weights>
+AMX_TARGET inline void amx_pass(const Call& c, size_t r0, size_t col, size_t nc, const Weights& weights) {
+    const size_t slices = c.k / QK, step = slices * AMX_TILE;  // from one group's tiles to the next's
+    const size_t rows = std::min(AMX_PASS, c.m - r0), full = rows / AMX_ROWS, part = rows % AMX_ROWS;
+    const uint32_t* xg = c.packed + r0 / AMX_ROWS * step;
+    alignas(64) float sums[AMX_COLS * AMX_ROWS];
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    for (size_t s = 0; s < slices; ++s) {
+        weights(s);
+        const uint32_t* xs = xg + s * AMX_TILE;
+        if (full > 0) { _tile_loadd(1, xs, 64); _tile_dpbf16ps(3, 0, 1); }
+        if (full > 1) { _tile_loadd(7, xs + step, 64); _tile_dpbf16ps(4, 0, 7); }
+        if (full > 2) { _tile_loadd(1, xs + 2 * step, 64); _tile_dpbf16ps(5, 0, 1); }
+        if (full > 3) { _tile_loadd(7, xs + 3 * step, 64); _tile_dpbf16ps(6, 0, 7); }
+        if (part) {
+            _tile_loadd(2, xs + full * step, 64);
+            if (full == 0) _tile_dpbf16ps(3, 0, 2);
+            else if (full == 1) _tile_dpbf16ps(4, 0, 2);
+            else if (full == 2) _tile_dpbf16ps(5, 0, 2);
+            else _tile_dpbf16ps(6, 0, 2);
+        }
+    }
+    for (size_t g = 0; g < full + (part ? 1 : 0); ++g) {
+        if (g == 0) _tile_stored(3, sums, 64);
+        else if (g == 1) _tile_stored(4, sums, 64);
+        else if (g == 2) _tile_stored(5, sums, 64);
+        else _tile_stored(6, sums, 64);
+        emit_sums(c, sums, r0 + g * AMX_ROWS, g < full ? AMX_ROWS : part, col, nc);
+    }
+}
+
+// A group of 16 columns' weights (a column past the end repeats the last one, not stored),
+// slice by slice, dequantized into a staging tile as each is needed, the next group's bytes
+// prefetched meanwhile.
+template <int FMT>
+struct StagedColumns {
+    const uint8_t* w;  // the group's first column
+    size_t rb, nc, spread;
+    uint16_t* stage;   // [16][32], 64-byte aligned
+    AMX_TARGET void dequantize(size_t s, uint16_t* out, size_t stride) const {
+        for (size_t i = 0; i < AMX_COLS; ++i)
+            _mm512_storeu_si512(out + i * stride,
+                                (__m512i)dequant_block_bf16(FMT, w + std::min(i, nc - 1) * rb + s * block_bytes(FMT)));
+        if (FMT != BF16) {
+            const uint8_t* next = w + AMX_COLS * rb;
+            for (size_t off = (s * spread + 63) / 64 * 64; off < (s + 1) * spread; off += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+        }
+    }
+    AMX_TARGET void operator()(size_t s) const {
+        dequantize(s, stage, QK);
+        _tile_loadd(0, stage, 64);
+    }
+};
+
+// The same group dequantized once into a buffer ([16 columns][k]) that several passes load.
+struct BufferedColumns {
+    const uint16_t* buffer;
+    size_t k;
+    AMX_TARGET void operator()(size_t s) const { _tile_loadd(0, buffer + s * QK, k * 2); }
+};
+
+// Up to 64 rows: one pass per group of 16 columns, on StagedColumns. More rows (a prompt
+// chunk): each group dequantized once into a BufferedColumns (in the core's cache) that all
+// its passes load their tiles from. A sum's order is the same either way.
 template <int FMT>
 AMX_TARGET void columns_amx(const Call& c, size_t col0, size_t col1) {
-    const size_t k = c.k, slices = k / QK, rb = row_bytes(FMT, k), bb = block_bytes(FMT);
+    const size_t k = c.k, slices = k / QK, rb = row_bytes(FMT, k);
     const size_t spread = (AMX_COLS * rb + slices - 1) / slices;  // next group's bytes per slice
     alignas(64) uint16_t stage[AMX_COLS * QK];
-    alignas(64) float sums[AMX_COLS * AMX_ROWS];
-    for (size_t r0 = 0; r0 < c.m; r0 += AMX_PASS) {
-        const size_t rows = std::min(AMX_PASS, c.m - r0), full = rows / AMX_ROWS, part = rows % AMX_ROWS;
-        const size_t step = slices * AMX_TILE;  // from one group's tiles to the next's
-        const uint32_t* xg = c.packed + r0 / AMX_ROWS * step;
-        configure_tiles(full, part);
-        for (size_t col = col0; col < col1; col += AMX_COLS) {
-            const size_t nc = std::min(AMX_COLS, col1 - col);
-            const uint8_t* w = c.w + col * rb;
-            const uint8_t* next = w + AMX_COLS * rb;
-            _tile_zero(3);
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_zero(6);
-            for (size_t s = 0; s < slices; ++s) {
-                for (size_t i = 0; i < AMX_COLS; ++i) {  // a column past the end: not stored
-                    const uint8_t* block = w + std::min(i, nc - 1) * rb + s * bb;
-                    _mm512_store_si512(stage + i * QK, (__m512i)dequant_block_bf16(FMT, block));
-                }
-                if (FMT != BF16)
-                    for (size_t off = (s * spread + 63) / 64 * 64; off < (s + 1) * spread; off += 64)
-                        _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
-                _tile_loadd(0, stage, 64);
-                const uint32_t* xs = xg + s * AMX_TILE;
-                if (full > 0) { _tile_loadd(1, xs, 64); _tile_dpbf16ps(3, 0, 1); }
-                if (full > 1) { _tile_loadd(7, xs + step, 64); _tile_dpbf16ps(4, 0, 7); }
-                if (full > 2) { _tile_loadd(1, xs + 2 * step, 64); _tile_dpbf16ps(5, 0, 1); }
-                if (full > 3) { _tile_loadd(7, xs + 3 * step, 64); _tile_dpbf16ps(6, 0, 7); }
-                if (part) {
-                    _tile_loadd(2, xs + full * step, 64);
-                    if (full == 0) _tile_dpbf16ps(3, 0, 2);
-                    else if (full == 1) _tile_dpbf16ps(4, 0, 2);
-                    else if (full == 2) _tile_dpbf16ps(5, 0, 2);
-                    else _tile_dpbf16ps(6, 0, 2);
-                }
-            }
-            for (size_t g = 0; g < full + (part ? 1 : 0); ++g) {
-                if (g == 0) _tile_stored(3, sums, 64);
-                else if (g == 1) _tile_stored(4, sums, 64);
-                else if (g == 2) _tile_stored(5, sums, 64);
-                else _tile_stored(6, sums, 64);
-                emit_sums(c, sums, r0 + g * AMX_ROWS, g < full ? AMX_ROWS : part, col, nc);
-            }
+    thread_local std::vector<uint16_t> buffer;
+    const bool passes = c.m > AMX_PASS;
+    if (passes) buffer.resize(AMX_COLS * k);
+    size_t shape = 0;  // the rows of the pass the tiles are configured for
+    for (size_t col = col0; col < col1; col += AMX_COLS) {
+        const size_t nc = std::min(AMX_COLS, col1 - col);
+        const StagedColumns<FMT> staged{c.w + col * rb, rb, nc, spread, stage};
+        if (passes)
+            for (size_t s = 0; s < slices; ++s) staged.dequantize(s, &buffer[s * QK], k);
+        for (size_t r0 = 0; r0 < c.m; r0 += AMX_PASS) {
+            const size_t rows = std::min(AMX_PASS, c.m - r0);
+            if (rows != shape) configure_tiles(rows / AMX_ROWS, rows % AMX_ROWS);
+            shape = rows;
+            if (passes)
+                amx_pass(c, r0, col, nc, BufferedColumns{buffer.data(), k});
+            else
+                amx_pass(c, r0, col, nc, staged);
         }
     }
     _tile_release();
