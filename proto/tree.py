@@ -50,6 +50,12 @@ def source_label(bits: int) -> str:
     return "+".join(names) or "unknown"
 
 
+# The label of every value of the three bits (`SOURCE_LABELS[bits & 7]` is
+# `source_label(bits)`): where a Tree or Chain is made of a reply's or a batch's bits, one
+# look-up per node.
+SOURCE_LABELS = tuple(source_label(bits) for bits in range(8))
+
+
 def path_and_depth(probs: Sequence[float], parents: Sequence[int]
                    ) -> tuple[list[float], list[int]]:
     """Path probability and depth of each node, each list with one extra last entry.

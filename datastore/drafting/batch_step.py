@@ -22,9 +22,7 @@ from redraft.datastore.drafting.native import (
     native_step_flat,
 )
 from redraft.datastore.drafting.session_drafter import SessionDrafter
-from redraft.proto.tree import Tree, best_chain, source_bits, source_label
-
-_LABELS = [source_label(bits) for bits in range(8)]
+from redraft.proto.tree import SOURCE_LABELS, Tree, best_chain, source_bits
 
 
 @dataclass
@@ -51,7 +49,8 @@ class BatchStep:
         """Sequence i's tree as a Tree (empty if it failed)."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Tree(self.tokens[a:b].tolist(), self.parents[a:b].tolist(),
-                    self.probs[a:b].tolist(), [_LABELS[x] for x in self.bits[a:b].tolist()],
+                    self.probs[a:b].tolist(),
+                    [SOURCE_LABELS[x & 7] for x in self.bits[a:b].tolist()],
                     int(self.match_lens[i, 0]))
 
 

@@ -38,9 +38,8 @@ from redraft.proto import draft_pb2
 # DraftParams: the request's parameters, one value for every side (its home is proto/params;
 # the client's users import it from here and from the client).
 from redraft.proto.params import SOURCE_NAMES, DraftParams, InvalidParams
-from redraft.proto.tree import Tree, source_bits, source_label
+from redraft.proto.tree import SOURCE_LABELS, Tree, source_bits
 
-_LABELS = [source_label(bits) for bits in range(8)]
 _UINT32 = 1 << 32
 
 
@@ -162,7 +161,8 @@ class BatchResults:
         """Entry i's tree (empty when it failed or drafted nothing)."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Tree(self.tokens[a:b].tolist(), self.parents[a:b].tolist(),
-                    self.probs[a:b].tolist(), [_LABELS[x & 7] for x in self.sources[a:b].tolist()],
+                    self.probs[a:b].tolist(),
+                    [SOURCE_LABELS[x & 7] for x in self.sources[a:b].tolist()],
                     self.match_lens[i])
 
     def chain(self, i: int) -> list[int]:
@@ -529,7 +529,8 @@ def put_step_results(results: draft_pb2.PackedResults, nodes: np.ndarray,
 
 
 def tree_value(reply: draft_pb2.DraftReply) -> Tree:
-    """Proto DraftReply -> Tree (sources as 'rest', 'pld', 'pld+rest'), 1:1.
+    """Proto DraftReply -> Tree (sources as 'rest', 'pld', 'pld+rest'), 1:1: where a
+    reply's source bits become the labels a Tree carries, and where it is checked.
 
     A reply whose tree is not a valid tree (arrays of different lengths, a missing
     probability, a parent after its child) is a server error, never filled in.
@@ -539,7 +540,7 @@ def tree_value(reply: draft_pb2.DraftReply) -> Tree:
         tokens=list(t.tokens),
         parents=list(t.parents),
         probs=list(t.probs),
-        sources=[source_label(s) for s in t.sources],
+        sources=[SOURCE_LABELS[s & 7] for s in t.sources],
         match_len=int(reply.match_len),
     )
     try:

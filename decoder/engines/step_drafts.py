@@ -23,9 +23,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 from redraft.decoder.engines.streams import DraftSource, DraftStream, LocalStream
-from redraft.proto.tree import Chain, Tree, best_chain, source_label
+from redraft.proto.tree import SOURCE_LABELS, Chain, Tree, best_chain
 
-_LABELS = [source_label(bits) for bits in range(8)]
 MAX_ID = 1 << 31  # the wire carries ids in [0, 2^31)
 
 log = logging.getLogger("redraft.engines")
@@ -214,4 +213,4 @@ def _chain(results, i: int) -> Chain:
     """Entry i of a batched reply as a Chain (its nodes in order: the call asked for chains)."""
     a, b = int(results.offsets[i]), int(results.offsets[i + 1])
     return Chain(results.tokens[a:b].tolist(), results.probs[a:b].tolist(),
-                 [_LABELS[x & 7] for x in results.sources[a:b].tolist()])
+                 [SOURCE_LABELS[x & 7] for x in results.sources[a:b].tolist()])

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from redraft.proto.tree import PLD, REST, Tree, merge, source_bits, source_label
+from redraft.proto.tree import (
+    PLD,
+    REST,
+    SOURCE_LABELS,
+    Tree,
+    merge,
+    source_bits,
+    source_label,
+)
 
 
 def paths(draft):
@@ -37,6 +45,9 @@ def test_source_labels_round_trip_the_wire_bits():
         assert source_label(source_bits(label)) == label
     assert source_bits("pld+rest") == source_bits(REST) | source_bits(PLD)
     assert source_label(0) == "unknown"
+    # the table the client reads a reply's bits with: the same label for any value
+    for bits in range(-9, 300):
+        assert SOURCE_LABELS[bits & 7] == source_label(bits)
 
 
 def test_budget_keeps_highest_path_probabilities():
