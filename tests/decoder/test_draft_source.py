@@ -178,6 +178,27 @@ def test_a_failed_step_hands_the_fallback_the_context_once(servers, store, finge
     source.close()
 
 
+def test_the_service_is_sent_each_accepted_token_once(servers, tmp_path, tokenizer,
+                                                     fingerprint):
+    """The loop hands the drafter each step's tokens (`update`) and then the whole context
+    (`propose`): the service is sent every token once, so the one output it learns is the
+    prompt and the generation, no token twice."""
+    model = tiny_model(vocab=VOCAB, init=0.3)
+    prompt = [5, 6, 7, 8]
+    plain = Generator(model, tokenizer, None).generate(prompt, max_new_tokens=40, eos=False)
+    path = str(tmp_path / "answers")  # the answer itself: steps accept several tokens
+    build_datastore(None, path, documents=[prompt + plain.tokens], fingerprint=fingerprint,
+                    vocab_size=VOCAB)
+    serve = servers.start(path, "--port", "0")
+    drafter = ServiceDrafter(serve.address, fingerprint, timeout=5.0)
+    gen = Generator(model, tokenizer, drafter, cost=CostModel.flat(63))
+    result = gen.generate(prompt, max_new_tokens=40, eos=False)
+    assert result.tokens == plain.tokens and result.stats.steps < 20
+    drafter.close()
+    with DraftClient(serve.address, timeout=10) as c:
+        assert c.stats()["learned_tokens"] == len(prompt) + len(result.tokens)
+
+
 def test_one_message_for_a_service_with_another_tokenizer(servers, store, fingerprint):
     address = servers.start(store, "--port", "0").address
     want = (f"draft service {address} serves a datastore built with tokenizer .* "
