@@ -271,6 +271,26 @@ BF16_TARGET void dequant_bf16_avx512(int fmt, const uint8_t* src, size_t k, uint
 // subset of BF16_TARGET, so the bf16 paths inline them).
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
+// Sixteen bfloat16 values as float32 (exact), and float32 rounded to bfloat16 as
+// float_to_bf16 rounds (to nearest even, a NaN kept a quiet NaN).
+AVX512_TARGET inline __m512 load_bf16x16(const uint16_t* p) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+AVX512_TARGET inline __m256i to_bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, even), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+AVX512_TARGET inline __m512 round_bf16x16(__m512 v) {  // rounded to bfloat16, as float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+
 // The lanes' sum, the order of reduce16 (written out: compilers' reduce intrinsics differ).
 AVX512_TARGET inline float reduce512(__m512 v) {
     const __m256 hi = _mm512_extractf32x8_ps(v, 1);
@@ -497,19 +517,9 @@ BF16_TARGET void emit_sums(const Call& c, const float* sums, size_t row0, size_t
     const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32((int)AMX_ROWS));
     const __mmask16 keep = (__mmask16)((1u << nc) - 1);
-    for (size_t j = 0; j < rows; ++j) {
-        const __m512 v = _mm512_i32gather_ps(across, sums + j, 4);
-        const size_t at = (row0 + j) * c.n + col;
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i one = _mm512_set1_epi32(1);
-        const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, even), 16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                      _mm512_set1_epi32(0x7f800000));
-        const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-        const __m256i out = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(c.y) + at, keep, out);
-    }
+    for (size_t j = 0; j < rows; ++j)
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(c.y) + (row0 + j) * c.n + col, keep,
+                                 to_bf16x16(_mm512_i32gather_ps(across, sums + j, 4)));
 }
 
 // One pass of up to 64 rows (from r0) over a group of columns whose weights tile for slice s
@@ -1235,8 +1245,38 @@ void attend(const Attention& a, int threads, int build) {
 // activations' dtype, then scaled by the weight in that dtype), each row's sum of squares over
 // LANES partial sums in a fixed order: one call per norm instead of about ten tensor ops.
 
+#ifdef REDRAFT_X86
+// The bfloat16 RMSNorm on AVX-512: the same operations per element and the same 16 partial
+// sums, so the same bits as the loop below.
+AVX512_TARGET void rms_norm_bf16_avx512(const uint16_t* x, const uint16_t* w, uint16_t* out,
+                                        size_t rows, size_t h, float eps) {
+    for (size_t r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + r * h;
+        __m512 part = _mm512_setzero_ps();
+        for (size_t j = 0; j < h; j += LANES) {
+            const __m512 v = load_bf16x16(xr + j);
+            part = _mm512_add_ps(part, _mm512_mul_ps(v, v));
+        }
+        float lanes[LANES];
+        _mm512_storeu_ps(lanes, part);
+        const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(Plain::lanes_sum(lanes) / (float)h + eps));
+        for (size_t j = 0; j < h; j += LANES) {
+            const __m512 y = round_bf16x16(_mm512_mul_ps(load_bf16x16(xr + j), scale));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * h + j),
+                                to_bf16x16(_mm512_mul_ps(load_bf16x16(w + j), y)));
+        }
+    }
+}
+#endif
+
 void rms_norm_rows(const void* x, const void* w, void* out, size_t rows, size_t h, float eps,
                    int kind) {
+#ifdef REDRAFT_X86
+    static const bool avx512 = has_avx512();
+    if (avx512 && kind == KIND_BF16 && h % LANES == 0)
+        return rms_norm_bf16_avx512(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                                    static_cast<uint16_t*>(out), rows, h, eps);
+#endif
     std::vector<float> row(h);
     for (size_t r = 0; r < rows; ++r) {
         for (size_t j = 0; j < h; ++j)
@@ -1275,10 +1315,48 @@ inline float element(const void* p, size_t i) {
 // the dtype, then their sum), queries written out in float32 for attention, keys and values
 // into the float32 cache at slots start..start+n. One call where torch runs about ten ops.
 
+#ifdef REDRAFT_X86
+// rotate_rows for bfloat16 on AVX-512, sixteen dimensions at a time (half a head a multiple
+// of 16): the same operations per element, so the same bits.
+AVX512_TARGET void rotate_bf16_avx512(const uint16_t* h, size_t n, size_t heads, size_t kv,
+                                      size_t dim, const uint16_t* cos, const uint16_t* sin,
+                                      float* keys, float* values, size_t capacity, size_t vwidth,
+                                      size_t start, float* q_out) {
+    const size_t width = heads + 2 * kv, half = dim / 2;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (size_t r = 0; r < n; ++r) {
+        for (size_t j = 0; j < width; ++j) {
+            const uint16_t* row = h + (r * width + j) * dim;
+            if (j >= heads + kv) {  // a value row: as it is
+                float* out = values + ((j - heads - kv) * capacity + start + r) * vwidth;
+                for (size_t d = 0; d < dim; d += LANES) _mm512_storeu_ps(out + d, load_bf16x16(row + d));
+                continue;
+            }
+            float* out = j < heads ? q_out + (r * heads + j) * dim
+                                   : keys + ((j - heads) * capacity + start + r) * dim;
+            for (size_t d = 0; d < dim; d += LANES) {
+                const __m512 rot = d < half ? _mm512_xor_ps(load_bf16x16(row + d + half), sign)
+                                            : load_bf16x16(row + d - half);
+                const __m512 a = round_bf16x16(_mm512_mul_ps(load_bf16x16(row + d), load_bf16x16(cos + r * dim + d)));
+                const __m512 b = round_bf16x16(_mm512_mul_ps(rot, load_bf16x16(sin + r * dim + d)));
+                _mm512_storeu_ps(out + d, round_bf16x16(_mm512_add_ps(a, b)));
+            }
+        }
+    }
+}
+#endif
+
 template <int KIND>
 void rotate_rows(const void* h, size_t n, size_t heads, size_t kv, size_t dim, const void* cos,
                  const void* sin, float* keys, float* values, size_t capacity, size_t vwidth,
                  size_t start, float* q_out) {
+#ifdef REDRAFT_X86
+    static const bool avx512 = has_avx512();
+    if (KIND == KIND_BF16 && avx512 && dim % (2 * LANES) == 0)
+        return rotate_bf16_avx512(static_cast<const uint16_t*>(h), n, heads, kv, dim,
+                                  static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
+                                  keys, values, capacity, vwidth, start, q_out);
+#endif
     constexpr auto get = element<KIND>;
     auto round = [](float v) { return KIND == KIND_F32 ? v : bf16_to_float(float_to_bf16(v)); };
     const size_t width = heads + 2 * kv, half = dim / 2;
@@ -1400,7 +1478,38 @@ void silu_mul_rows(const void* gu, size_t rows, size_t inter, void* out, int kin
 }
 
 // x += y, elementwise, rounded to the activations' dtype as torch's add rounds it.
+#ifdef REDRAFT_X86
+// x = bf16(x + y) and out = bf16(v), sixteen at a time (the same rounding as below).
+AVX512_TARGET void add_bf16_avx512(uint16_t* a, const uint16_t* b, size_t count) {
+    size_t i = 0;
+    for (; i + LANES <= count; i += LANES)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + i),
+                            to_bf16x16(_mm512_add_ps(load_bf16x16(a + i), load_bf16x16(b + i))));
+    for (; i < count; ++i) a[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
+}
+AVX512_TARGET void to_bf16_avx512(const float* v, uint16_t* out, size_t count) {
+    size_t i = 0;
+    for (; i + LANES <= count; i += LANES)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), to_bf16x16(_mm512_loadu_ps(v + i)));
+    for (; i < count; ++i) out[i] = float_to_bf16(v[i]);
+}
+#endif
+
+// Float32 values rounded to bfloat16.
+void to_bf16_rows(const float* v, uint16_t* out, size_t count) {
+#ifdef REDRAFT_X86
+    static const bool avx512 = has_avx512();
+    if (avx512) return to_bf16_avx512(v, out, count);
+#endif
+    for (size_t i = 0; i < count; ++i) out[i] = float_to_bf16(v[i]);
+}
+
 void add_rows(void* x, const void* y, size_t count, int kind) {
+#ifdef REDRAFT_X86
+    static const bool avx512 = has_avx512();
+    if (avx512 && kind == KIND_BF16)
+        return add_bf16_avx512(static_cast<uint16_t*>(x), static_cast<const uint16_t*>(y), count);
+#endif
     if (kind == KIND_F32) {
         float* a = static_cast<float*>(x);
         const float* b = static_cast<const float*>(y);
@@ -1459,7 +1568,7 @@ void run_layers(const Forward& f, const int64_t* table, size_t layers, void* x) 
         const void* attn_rows = attn.data();
         if (f.kind == KIND_BF16) {
             uint16_t* out = reinterpret_cast<uint16_t*>(attn_in.data());
-            for (size_t i = 0; i < n * attn_width; ++i) out[i] = float_to_bf16(attn[i]);
+            to_bf16_rows(attn.data(), out, n * attn_width);
             attn_rows = out;
         }
         run_call({attn_rows, at<const uint8_t>(w[OUT]), y.data(), n, attn_width, h,

@@ -332,6 +332,27 @@ def test_rms_norm_rows_alone_and_close_to_torchs(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_are_their_formula_bit_for_bit(dtype):
+    """Every build (AVX-512 where the CPU has it, else plain) computes exactly: 16 partial sums
+    of squares added pairwise, scale = 1 / sqrt(sum / h + eps) in float32, then w * y with y
+    rounded to the dtype first (as Hugging Face's LlamaRMSNorm rounds it)."""
+    x = torch.randn(5, 576).to(dtype)
+    w = (torch.rand(576) + 0.5).to(dtype)
+    out = torch.empty_like(x)
+    _blocks.rms_norm(x.data_ptr(), 5, 576, w.data_ptr(), 1e-5, out.data_ptr(), KINDS[dtype])
+    xf = x.float()
+    part = torch.zeros(5, 16)
+    for j in range(0, 576, 16):
+        part = part + xf[:, j : j + 16] * xf[:, j : j + 16]
+    for width in (8, 4, 2, 1):
+        part = part[:, :width] + part[:, width : 2 * width]
+    eps = torch.tensor(1e-5, dtype=torch.float32)
+    scale = 1.0 / torch.sqrt(part[:, 0] / torch.tensor(576.0) + eps)
+    y = (xf * scale[:, None]).to(dtype).float()
+    assert torch.equal(out, (w.float() * y).to(dtype)), machine(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_builds_agree_and_are_close_to_torchs(dtype):
     """SiLU(gate) * up: the AVX2 and plain builds give the same bits (specials included),
     within a rounding of torch's."""
