@@ -71,6 +71,7 @@ SANITIZE_TESTS ?= tests/datastore/drafting/native \
 	$(BLOCK_TESTS)::test_wide_heads_and_a_ragged_prefix_give_every_build_the_same_bits \
 	$(BLOCK_TESTS)::test_attention_refuses_inconsistent_shapes \
 	$(BLOCK_TESTS)::test_silu_mul_builds_agree_and_are_close_to_torchs \
+	$(BLOCK_TESTS)::test_rms_norm_rows_are_their_formula_bit_for_bit \
 	tests/decoder/test_lean.py::test_compiled_layers_give_the_python_loops_bits \
 	tests/datastore/test_corrupt.py::test_ids_past_the_vocabulary_in_unverified_arrays_are_never_drafted \
 	tests/datastore/test_mapping.py::test_a_segment_truncated_under_the_compiled_core_is_refused \
