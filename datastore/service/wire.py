@@ -415,8 +415,9 @@ _LABEL_BITS: dict[str, int] = {}  # every label met so far: a few ("pld+rest", .
 
 
 def sources_bits(labels: Sequence[str]) -> list[int]:
-    """The wire's source bits of each node's label, from a table of the labels met: a
-    tree's 64 nodes through `source_bits` each took 70 us, most of a Session step."""
+    """The wire's source bits of each node's label, from a table of the labels met (a
+    tree's 64 nodes through `source_bits` each take 70 us): for a Tree (`put_draft`); the
+    server's own replies carry the core's bits as drafted (`put_nodes`)."""
     try:
         return list(map(_LABEL_BITS.__getitem__, labels))
     except KeyError:
