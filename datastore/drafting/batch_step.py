@@ -22,36 +22,20 @@ from redraft.datastore.drafting.native import (
     native_step_flat,
 )
 from redraft.datastore.drafting.session_drafter import SessionDrafter
-from redraft.proto.tree import SOURCE_LABELS, Tree, best_chain, source_bits
+from redraft.proto.flat_trees import FlatTrees
+from redraft.proto.tree import Tree, best_chain, source_bits
 
 
 @dataclass
-class BatchStep:
-    """The trees of one batched step, concatenated: sequence i's nodes are
-    [offsets[i], offsets[i + 1]) of each array (its best chain when one was asked for);
-    errors[i] is why sequence i drafted nothing, for the sequences that failed."""
+class BatchStep(FlatTrees):
+    """The trees of one batched step, one row per sequence (a `FlatTrees`: sequence i's
+    nodes are [offsets[i], offsets[i + 1]) of each array, its best chain when one was asked
+    for; `tree(i)`, `chain(i)`); `used[i]` is the OR of its nodes' source bits; errors[i] is
+    why sequence i drafted nothing, for the sequences that failed."""
 
-    offsets: np.ndarray  # int64, one more entry than sequences
-    tokens: np.ndarray  # uint32
-    parents: np.ndarray  # int32, within each sequence's tree
-    probs: np.ndarray  # float64
-    bits: np.ndarray  # uint8 source bits (tree.SOURCE_BITS)
-    match_lens: np.ndarray  # int64, (sequences, 3): rest, pld, learned
-    expected: np.ndarray  # float64 per sequence: the tree's expected accepted tokens
     used: np.ndarray  # uint8 per sequence: the OR of its nodes' source bits
     errors: dict[int, Exception]
     context_lens: np.ndarray | None = None  # uint64 per sequence after the step (step_flat)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def tree(self, i: int) -> Tree:
-        """Sequence i's tree as a Tree (empty if it failed)."""
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Tree(self.tokens[a:b].tolist(), self.parents[a:b].tolist(),
-                    self.probs[a:b].tolist(),
-                    [SOURCE_LABELS[x & 7] for x in self.bits[a:b].tolist()],
-                    int(self.match_lens[i, 0]))
 
 
 def step_batch(drafters: Sequence[SessionDrafter | NativeSessionDrafter],
@@ -111,20 +95,9 @@ def _reference_step(drafters, accepted, budgets, chain: int) -> BatchStep:
                 if chain > 0:
                     tree = best_chain(tree, chain).tree(tree.match_len)
         trees.append(tree)
-    counts = [len(t) for t in trees]
-    offsets = np.zeros(len(trees) + 1, np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    bits = [source_bits(s) for t in trees for s in t.sources]
     used = [0] * len(trees)
     for i, t in enumerate(trees):
         for s in set(t.sources):
             used[i] |= source_bits(s)
-    return BatchStep(
-        offsets,
-        np.array([x for t in trees for x in t.tokens], np.uint32),
-        np.array([x for t in trees for x in t.parents], np.int32),
-        np.array([x for t in trees for x in t.probs], np.float64),
-        np.array(bits, np.uint8), match_lens,
-        np.array([t.expected_accepted for t in trees], np.float64),
-        np.array(used, np.uint8), errors)
-
+    flat = FlatTrees.of_trees(trees, match_lens)
+    return BatchStep(**vars(flat), used=np.array(used, np.uint8), errors=errors)
