@@ -24,7 +24,6 @@ import secrets
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import grpc
-import numpy as np
 from redraft.datastore.service.client import DraftClient
 from redraft.datastore.service.client_errors import (
     ServiceError,
@@ -306,11 +305,6 @@ class SequenceBatch:
 
 def _joined(a: BatchResults, b: BatchResults) -> BatchResults:
     """Two replies as one (the second's entries after the first's)."""
-    offsets = np.concatenate([a.offsets, b.offsets[1:] + a.offsets[-1]])
-    return BatchResults(
-        a.sequences + b.sequences, a.errors + b.errors, a.context_lens + b.context_lens,
-        a.match_lens + b.match_lens, a.expected_accepted + b.expected_accepted, offsets,
-        np.concatenate([a.tokens, b.tokens]), np.concatenate([a.parents, b.parents]),
-        np.concatenate([a.probs, b.probs]), np.concatenate([a.sources, b.sources]),
-        a.server_us + b.server_us, a.pld_match_lens + b.pld_match_lens,
-        a.learned_match_lens + b.learned_match_lens)
+    return BatchResults(a.sequences + b.sequences, a.errors + b.errors,
+                        a.context_lens + b.context_lens, a.trees.joined(b.trees),
+                        a.server_us + b.server_us)

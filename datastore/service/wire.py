@@ -34,11 +34,12 @@ from redraft.datastore.service.client_errors import (
 )
 from redraft.datastore.service.refusals import Refusal, bad
 from redraft.proto import draft_pb2
+from redraft.proto.flat_trees import FlatTrees
 
 # DraftParams: the request's parameters, one value for every side (its home is proto/params;
 # the client's users import it from here and from the client).
 from redraft.proto.params import SOURCE_NAMES, DraftParams, InvalidParams
-from redraft.proto.tree import SOURCE_LABELS, Tree, source_bits
+from redraft.proto.tree import SOURCE_LABELS, Chain, Tree, source_bits
 
 _UINT32 = 1 << 32
 
@@ -134,40 +135,34 @@ class PackedSteps:
 @dataclass
 class BatchResults:
     """The reply of one batched call: per entry, in order, its error (None: it worked) and
-    its tree (its best chain when the call asked for chains), plus every tree's nodes as
-    arrays (entry i's are [offsets[i], offsets[i + 1]) of tokens, parents, probs, sources:
-    uint32, int32, float32 and uint8 source bits), for callers that never need a Tree.
-    `match_lens` are the retrieval's; the other sources' are in `pld_match_lens` and
-    `learned_match_lens`."""
+    its context length, and every entry's tree (its best chain when the call asked for
+    chains) in `trees`, one flat-trees value (entry i is its row i: `tree(i)`, `chain(i)`;
+    its nodes as arrays, uint32 tokens, int32 parents, float32 probs and uint8 source bits,
+    and its match lengths (retrieval, prompt lookup, learned) and expected accepted tokens,
+    for callers that never need a Tree)."""
 
     sequences: list[str]
     errors: list[ServiceError | None]
     context_lens: list[int]
-    match_lens: list[int]
-    expected_accepted: list[float]
-    offsets: np.ndarray
-    tokens: np.ndarray
-    parents: np.ndarray
-    probs: np.ndarray
-    sources: np.ndarray
+    trees: FlatTrees
     server_us: float
-    pld_match_lens: list[int] = field(default_factory=list)
-    learned_match_lens: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.sequences)
 
     def tree(self, i: int) -> Tree:
         """Entry i's tree (empty when it failed or drafted nothing)."""
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Tree(self.tokens[a:b].tolist(), self.parents[a:b].tolist(),
-                    self.probs[a:b].tolist(),
-                    [SOURCE_LABELS[x & 7] for x in self.sources[a:b].tolist()],
-                    self.match_lens[i])
+        return self.trees.tree(i)
 
-    def chain(self, i: int) -> list[int]:
-        """Entry i's tokens, in order (its chain when the call asked for chains)."""
-        return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])].tolist()
+    def chain(self, i: int) -> Chain:
+        """Entry i's nodes in order (its chain when the call asked for chains)."""
+        return self.trees.chain(i)
+
+    # The nodes' arrays, read where a caller walks them without a Tree.
+    offsets = property(lambda self: self.trees.offsets)
+    tokens = property(lambda self: self.trees.tokens)
+    parents = property(lambda self: self.trees.parents)
+    probs = property(lambda self: self.trees.probs)
 
 
 # ---- requests: values -> messages (the client) ------------------------------------------
@@ -586,7 +581,6 @@ def batch_results(reply: draft_pb2.BatchReply, address: str,
     rs = reply.results
     # One pass over the results (each element reached from Python is an object made anew).
     sequences, errors, context_lens, match_lens, expected = [], [], [], [], []
-    plds, learneds = [], []
     counts = np.zeros(len(rs), np.int64)
     for i, r in enumerate(rs):
         sequences.append(r.sequence)
@@ -594,14 +588,15 @@ def batch_results(reply: draft_pb2.BatchReply, address: str,
         errors.append(None if code == 0 else error_for(STATUS.get(code), r.message, address))
         counts[i] = r.nodes
         context_lens.append(r.context_len)
-        match_lens.append(r.match_len)
-        plds.append(r.pld_match_len)
-        learneds.append(r.learned_match_len)
+        match_lens += (r.match_len, r.pld_match_len, r.learned_match_len)
         expected.append(r.expected_accepted)
+    mls, exp = np.array(match_lens, np.int64), np.array(expected, np.float64)
     if steps is not None:
-        counts = np.concatenate([counts, _step_results(
-            reply.steps, steps, address, sequences, errors, context_lens,
-            (match_lens, plds, learneds), expected)])
+        step_counts, step_mls, step_exp = _step_results(reply.steps, steps, address,
+                                                        sequences, errors, context_lens)
+        counts = np.concatenate([counts, step_counts])
+        mls = np.concatenate([mls, step_mls])
+        exp = np.concatenate([exp, step_exp])
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     t = reply.trees
@@ -611,14 +606,16 @@ def batch_results(reply: draft_pb2.BatchReply, address: str,
     if any(len(a) != n for a in arrays):
         raise ServiceError(f"draft service {address}: the batch reply's trees hold "
                            f"{[len(a) for a in arrays]} nodes, its results {n}")
-    return BatchResults(sequences, errors, context_lens, match_lens, expected,
-                        offsets, *arrays, float(reply.server_us), plds, learneds)
+    return BatchResults(sequences, errors, context_lens,
+                        FlatTrees(offsets, *arrays, mls.reshape(-1, 3), exp),
+                        float(reply.server_us))
 
 
 def _step_results(r: draft_pb2.PackedResults, steps: PackedSteps, address: str,
-                  sequences: list, errors: list, context_lens: list,
-                  match_lens: tuple[list, list, list], expected: list) -> np.ndarray:
-    """The packed steps' results appended to the lists; returns their node counts."""
+                  sequences: list, errors: list, context_lens: list
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packed steps' results appended to the lists; returns their node counts, match
+    lengths (3 a step, flat) and expected accepted tokens."""
     n = len(steps)
     nodes = np.frombuffer(r.nodes, "<u4")
     lens = np.frombuffer(r.context_lens, "<u8")
@@ -637,7 +634,4 @@ def _step_results(r: draft_pb2.PackedResults, steps: PackedSteps, address: str,
     for i, code, message in zip(failed, r.failed_codes, r.failed_messages):
         errors[first + i] = error_for(STATUS.get(code), message, address)
     context_lens += lens.tolist()
-    for k, out in enumerate(match_lens):
-        out += mls[k::3].tolist()
-    expected += exp.tolist()
-    return nodes.astype(np.int64)
+    return nodes.astype(np.int64), mls.astype(np.int64), exp.astype(np.float64)

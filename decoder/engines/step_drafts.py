@@ -23,7 +23,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 from redraft.decoder.engines.streams import DraftSource, DraftStream, LocalStream
-from redraft.proto.tree import SOURCE_LABELS, Chain, Tree, best_chain
+from redraft.proto.tree import Chain, Tree, best_chain
 
 MAX_ID = 1 << 31  # the wire carries ids in [0, 2^31)
 
@@ -92,7 +92,7 @@ class BatchedDrafts:
                 continue
             if self._local:
                 self._drop_local(key)  # back on the service
-            out[key] = _chain(results, index[key]) if tokens_only else drafts[key]
+            out[key] = results.chain(index[key]) if tokens_only else drafts[key]
         if failed:
             out.update(self._local_step(failed, tokens_only))
         return out
@@ -208,9 +208,3 @@ def _feed(entry: list, ctx: Sequence[int]) -> None:
         entry[0].extend([int(t) for t in ctx[entry[1]:]])
         entry[1] = len(ctx)
 
-
-def _chain(results, i: int) -> Chain:
-    """Entry i of a batched reply as a Chain (its nodes in order: the call asked for chains)."""
-    a, b = int(results.offsets[i]), int(results.offsets[i + 1])
-    return Chain(results.tokens[a:b].tolist(), results.probs[a:b].tolist(),
-                 [SOURCE_LABELS[x & 7] for x in results.sources[a:b].tolist()])

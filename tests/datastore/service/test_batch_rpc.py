@@ -30,7 +30,7 @@ from redraft.datastore.service.client import (
     UnknownSequence,
 )
 from redraft.proto import draft_pb2, draft_pb2_grpc
-from redraft.proto.tree import best_chain
+from redraft.proto.tree import Chain, best_chain
 
 FP = "sha256:batch-test"
 VOCAB = 512
@@ -146,7 +146,7 @@ def test_batched_trees_are_the_session_trees(store, servers, drafting, packed):
         chains = run_batch(c, seqs, 3, params, random.Random(6), chain=5, packed=packed)
         for j, call in enumerate(chains):
             for i, (_, chain, _) in enumerate(call):
-                assert chain == best_chain(want[i][j], 5).tokens
+                assert chain == best_chain(want[i][j], 5)
         stats = c.stats()
         assert stats["batch_steps"] == 24 * 7 + 24 * 4 and stats["batch_calls"] == 7 + 4
         assert stats["sessions_active"] == 24  # opened again: the earlier ones ended
@@ -273,7 +273,7 @@ def test_packed_steps_draft_the_entry_forms_trees_with_learning(tmp_path, server
     for call_packed, call_entries in zip(*got):
         for (ctx, tree, _), (ctx2, tree2, _) in zip(call_packed, call_entries):
             assert ctx == ctx2
-            if isinstance(tree, list):
+            if isinstance(tree, Chain):
                 assert tree == tree2
             else:
                 same_tree(tree, tree2)

@@ -32,6 +32,7 @@ from redraft.datastore.service.wire import (
     ServiceInfo,
 )
 from redraft.proto import draft_pb2, draft_pb2_grpc
+from redraft.proto.flat_trees import FlatTrees
 from redraft.proto.tree import Tree
 
 FP = "sha256:wire-test"
@@ -309,23 +310,23 @@ def _encode(results: BatchResults, n_steps: int) -> draft_pb2.BatchReply:
     reply = draft_pb2.BatchReply(server_us=results.server_us)
     n = len(results) - n_steps
     refusals = [None if e is None else Refusal(e.code, e.details) for e in results.errors]
-    sizes = np.diff(results.offsets)
-    mls = list(zip(results.match_lens, results.pld_match_lens, results.learned_match_lens))
+    t = results.trees
+    sizes = t.sizes()
+    mls = t.match_lens.tolist()
+    expected = t.expected.tolist()
     wire.put_results(reply, results.sequences[:n], refusals[:n], list(range(n)),
-                     sizes[:n].tolist(), results.context_lens[:n], mls[:n],
-                     results.expected_accepted[:n])
+                     sizes[:n].tolist(), results.context_lens[:n], mls[:n], expected[:n])
     if n_steps:
         wire.put_step_results(
             reply.steps, sizes[n:], np.array(results.context_lens[n:], np.uint64),
-            np.array(mls[n:], np.uint32).reshape(-1, 3),
-            np.array(results.expected_accepted[n:], np.float32),
+            t.match_lens[n:], t.expected[n:].astype(np.float32),
             {i: r for i, r in enumerate(refusals[n:]) if r is not None})
-    wire.put_trees(reply, results.tokens, results.parents, results.probs, results.sources)
+    wire.put_trees(reply, t.tokens, t.parents, t.probs, t.bits)
     return reply
 
 
 def _fields(r: BatchResults) -> dict:
-    out = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(r).items()}
+    out = dict(vars(r), trees={k: (v.tolist(), v.dtype.str) for k, v in vars(r.trees).items()})
     out["errors"] = [None if e is None else (type(e), e.code, e.details) for e in r.errors]
     return out
 
@@ -340,10 +341,13 @@ def test_batch_results_round_trip():
         [None, UnknownSequence("x", grpc.StatusCode.NOT_FOUND, "no open sequence 'b'"),
          None, InvalidRequest("x", grpc.StatusCode.INVALID_ARGUMENT, "step.accepted: no"),
          None],
-        [10, 0, 12, 0, 30], [3, 0, 1, 0, 2], [1.5, 0.0, 0.25, 0.0, 2.0], offsets,
-        np.array([5, 6, 7, 8, 9, 10], np.uint32), np.array([-1, 0, -1, -1, 0, 1], np.int32),
-        np.array([0.5, 0.25, 0.75, 0.5, 0.5, 0.5], np.float32),
-        np.array([1, 3, 2, 4, 1, 1], np.uint8), 123.0, [1, 0, 2, 0, 0], [0, 0, 0, 0, 4])
+        [10, 0, 12, 0, 30],
+        FlatTrees(offsets, np.array([5, 6, 7, 8, 9, 10], np.uint32),
+                  np.array([-1, 0, -1, -1, 0, 1], np.int32),
+                  np.array([0.5, 0.25, 0.75, 0.5, 0.5, 0.5], np.float32),
+                  np.array([1, 3, 2, 4, 1, 1], np.uint8),
+                  np.array([[3, 1, 0], [0, 0, 0], [1, 2, 0], [0, 0, 0], [2, 0, 4]], np.int64),
+                  np.array([1.5, 0.0, 0.25, 0.0, 2.0])), 123.0)
     steps = PackedSteps(["s1", "s2"], [[1], [2]])
     reply = _encode(results, len(steps))
     got = wire.batch_results(draft_pb2.BatchReply.FromString(reply.SerializeToString()),
