@@ -397,26 +397,18 @@ class BatchDrafting:
                t0: float) -> draft_pb2.BatchReply:
         reply = draft_pb2.BatchReply()
         row = {id(x): i for i, x in enumerate(drafting)}
-        nodes = match_lens = expected = context_lens = ()
-        if out is not None:  # plain lists: one conversion, not one per field and row
-            sizes = np.diff(out.offsets)
-            if drafting:
-                n = len(drafting)
-                nodes = sizes[:n].tolist()
-                match_lens = out.match_lens[:n].tolist()
-                expected = out.expected[:n].tolist()
-                context_lens = out.context_lens[:n].tolist()
+        # the drafting entries' rows come first (plain lists: one conversion per call)
+        context_lens = out.context_lens[:len(drafting)].tolist() if out is not None else ()
         errors = [x.error for x in entries]
         failed = len(errors) - errors.count(None)
         wire.put_results(reply, [x.sequence for x in entries], errors,
-                         [row.get(id(x)) for x in entries], nodes, context_lens, match_lens,
-                         expected)
+                         [row.get(id(x)) for x in entries], out, context_lens)
         if packed is not None:
             failed += packed.fill(reply.steps, out, len(drafting))
         if out is not None:
             # a failed row drafted nothing: every row's nodes go as they are
-            wire.put_trees(reply, out.tokens, out.parents, out.probs, out.bits)
-            used = out.used
+            wire.put_trees(reply, out)
+            sizes, used = out.sizes(), out.used
             self.service.stats.record_batch(
                 time.perf_counter() - t0, len(sizes) - len(out.errors), int(out.offsets[-1]),
                 float(out.expected.sum()), int(np.count_nonzero(sizes)),
@@ -512,7 +504,7 @@ class _PackedSteps:
             nodes, lens = np.zeros(n, "<u4"), np.zeros(n, "<u8")
             mls, expected = np.zeros((n, 3), "<u4"), np.zeros(n, "<f4")
         else:
-            nodes = np.diff(out.offsets[first:]).astype("<u4")
+            nodes = out.sizes()[first:].astype("<u4")
             lens = out.context_lens[first:].astype("<u8", copy=False)
             mls = out.match_lens[first:].astype("<u4")
             expected = out.expected[first:].astype("<f4")

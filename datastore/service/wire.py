@@ -473,12 +473,18 @@ def stats_message(stats: dict[str, Any]) -> draft_pb2.StatsReply:
 
 def put_results(reply: draft_pb2.BatchReply, sequences: Sequence[str],
                 errors: Sequence[Refusal | None], rows: Sequence[int | None],
-                nodes: Sequence[int], context_lens: Sequence[int],
-                match_lens: Sequence[Sequence[int]], expected: Sequence[float]) -> None:
+                trees: FlatTrees | None, context_lens: Sequence[int]) -> None:
     """The entries' results into `reply`, one per entry in order: a failed one carries its
-    status and message only; one that drafted, the values of its row `rows[i]` of the other
-    columns (lists, not arrays: one conversion per call, not one per field and row); a close
-    (row None), nothing more."""
+    status and message only; one that drafted, its row `rows[i]` of `trees` (its node
+    count, match lengths and expected accepted tokens) and of `context_lens`; a close (row
+    None), nothing more. Rows are among the first len(context_lens), read as lists (one
+    conversion per call, not one per field and row)."""
+    n = len(context_lens)
+    nodes = match_lens = expected = ()
+    if trees is not None and n:
+        nodes = trees.sizes()[:n].tolist()
+        match_lens = trees.match_lens[:n].tolist()
+        expected = trees.expected[:n].tolist()
     add = reply.results.add
     for sequence, error, i in zip(sequences, errors, rows):
         if error is not None:
@@ -492,14 +498,13 @@ def put_results(reply: draft_pb2.BatchReply, sequences: Sequence[str],
                 expected_accepted=expected[i])
 
 
-def put_trees(reply: draft_pb2.BatchReply, tokens: np.ndarray, parents: np.ndarray,
-              probs: np.ndarray, bits: np.ndarray) -> None:
-    """Every result's nodes, concatenated in result order, as the packed arrays."""
+def put_trees(reply: draft_pb2.BatchReply, trees: FlatTrees) -> None:
+    """Every row's nodes, concatenated in row order, as the packed arrays."""
     t = reply.trees
-    t.tokens = tokens.astype("<u4", copy=False).tobytes()
-    t.parents = parents.astype("<i4", copy=False).tobytes()
-    t.probs = probs.astype("<f4", copy=False).tobytes()
-    t.sources = bits.astype(np.uint8, copy=False).tobytes()
+    t.tokens = trees.tokens.astype("<u4", copy=False).tobytes()
+    t.parents = trees.parents.astype("<i4", copy=False).tobytes()
+    t.probs = trees.probs.astype("<f4", copy=False).tobytes()
+    t.sources = trees.bits.astype(np.uint8, copy=False).tobytes()
 
 
 def put_step_results(results: draft_pb2.PackedResults, nodes: np.ndarray,

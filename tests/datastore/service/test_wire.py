@@ -312,16 +312,14 @@ def _encode(results: BatchResults, n_steps: int) -> draft_pb2.BatchReply:
     refusals = [None if e is None else Refusal(e.code, e.details) for e in results.errors]
     t = results.trees
     sizes = t.sizes()
-    mls = t.match_lens.tolist()
-    expected = t.expected.tolist()
-    wire.put_results(reply, results.sequences[:n], refusals[:n], list(range(n)),
-                     sizes[:n].tolist(), results.context_lens[:n], mls[:n], expected[:n])
+    wire.put_results(reply, results.sequences[:n], refusals[:n], list(range(n)), t,
+                     results.context_lens[:n])
     if n_steps:
         wire.put_step_results(
             reply.steps, sizes[n:], np.array(results.context_lens[n:], np.uint64),
             t.match_lens[n:], t.expected[n:].astype(np.float32),
             {i: r for i, r in enumerate(refusals[n:]) if r is not None})
-    wire.put_trees(reply, t.tokens, t.parents, t.probs, t.bits)
+    wire.put_trees(reply, t)
     return reply
 
 
@@ -381,8 +379,9 @@ def test_a_real_servers_batch_reply_round_trips(server):
 def test_a_batch_reply_that_does_not_add_up_is_a_service_error():
     reply = draft_pb2.BatchReply()
     reply.results.add(sequence="a", nodes=2)
-    wire.put_trees(reply, np.array([1], np.uint32), np.array([-1], np.int32),
-                   np.array([0.5], np.float32), np.array([1], np.uint8))
+    wire.put_trees(reply, FlatTrees(np.array([0, 1]), np.array([1], np.uint32),
+                                    np.array([-1], np.int32), np.array([0.5], np.float32),
+                                    np.array([1], np.uint8), np.zeros((1, 3)), np.zeros(1)))
     with pytest.raises(ServiceError, match=r"trees hold \[1, 1, 1, 1\] nodes, its results 2"):
         wire.batch_results(reply, "here")
     short = draft_pb2.BatchReply(steps=draft_pb2.PackedResults(nodes=u32(0)))
