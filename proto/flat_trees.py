@@ -48,6 +48,15 @@ class FlatTrees:
         """Each row's node count."""
         return np.diff(self.offsets)
 
+    def row_bits(self) -> np.ndarray:
+        """Each row's source bits ORed over its nodes (uint8; 0 for a row without nodes)."""
+        out = np.zeros(len(self), np.uint8)
+        full = np.flatnonzero(self.sizes())
+        if len(full):  # a row's nodes run to the next non-empty row's first
+            out[full] = np.bitwise_or.reduceat(self.bits.astype(np.uint8, copy=False),
+                                               self.offsets[full])
+        return out
+
     def tree(self, i: int) -> Tree:
         """Row i as a Tree (its match_len the retrieval's; empty if it drafted nothing)."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])

@@ -23,7 +23,7 @@ from redraft.datastore.drafting.native import (
 )
 from redraft.datastore.drafting.session_drafter import SessionDrafter
 from redraft.proto.flat_trees import FlatTrees
-from redraft.proto.tree import Tree, best_chain, source_bits
+from redraft.proto.tree import Tree, best_chain
 
 
 @dataclass
@@ -95,9 +95,5 @@ def _reference_step(drafters, accepted, budgets, chain: int) -> BatchStep:
                 if chain > 0:
                     tree = best_chain(tree, chain).tree(tree.match_len)
         trees.append(tree)
-    used = [0] * len(trees)
-    for i, t in enumerate(trees):
-        for s in set(t.sources):
-            used[i] |= source_bits(s)
     flat = FlatTrees.of_trees(trees, match_lens)
-    return BatchStep(**vars(flat), used=np.array(used, np.uint8), errors=errors)
+    return BatchStep(**vars(flat), used=flat.row_bits(), errors=errors)

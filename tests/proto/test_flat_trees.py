@@ -24,6 +24,9 @@ def test_trees_come_back_as_they_went_in():
     assert flat.match_lens.tolist() == [[3, 0, 0], [0, 0, 0], [0, 0, 0], [7, 0, 0]]
     assert flat.expected.tolist() == [t.expected_accepted for t in TREES]
     assert flat.bits.tolist() == [1, 3, 4, 2, 1, 7, 1, 6]
+    assert flat.row_bits().tolist() == [7, 0, 2, 7]
+    assert FlatTrees.of_trees([]).row_bits().tolist() == []
+    assert FlatTrees.of_trees([Tree(), Tree()]).row_bits().tolist() == [0, 0]
 
 
 def test_a_rows_figures_ride_along():
