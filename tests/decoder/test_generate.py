@@ -81,7 +81,8 @@ def test_speculative_greedy_is_identical_to_plain(default_model, plain, code_dat
 def check_drafter_against_plain(model_and_tokenizer, datastore, which: str, check,
                                 plain: dict) -> None:
     """Generate every code prompt with `which`; `check(result, plain result)` each, and
-    require drafts to have been accepted."""
+    require drafts to have been accepted (some: how many trees the budget keeps depends on
+    the machine's timings, which correct the curve and the loop's overhead as it runs)."""
     model, tok = model_and_tokenizer
     drafter = build_drafter(which, model=model, tokenizer=tok, model_name="smollm2-135m",
                             datastore=datastore)
@@ -94,7 +95,7 @@ def check_drafter_against_plain(model_and_tokenizer, datastore, which: str, chec
         steps += r.stats.steps
         tokens += r.stats.new_tokens
     drafter.close()
-    assert tokens / steps > 1.1, f"{which}: drafts were never accepted ({tokens}/{steps})"
+    assert tokens > steps, f"{which}: drafts were never accepted ({tokens}/{steps})"
 
 
 @pytest.mark.parametrize("which", ["none", "pld,recycle"])
