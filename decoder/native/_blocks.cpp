@@ -884,6 +884,33 @@ struct Attention {
     float scale;
 };
 
+// The (row, head) pairs of rows [r0, r1) whose heads share key head kvh, as the attention
+// blocks below walk them: each pair's query, output, own slots and key count, the longest
+// row's key count, and the pairs' softmax sums once computed.
+struct Pairs {
+    size_t count, width = 0;
+    const float* keys;
+    const float* values;
+    const float* qs[ROW_CHUNK * 64];
+    float* outs[ROW_CHUNK * 64];
+    const int32_t* tails[ROW_CHUNK * 64];
+    size_t totals[ROW_CHUNK * 64];
+    float sums[ROW_CHUNK * 64];
+    Pairs(const Attention& a, size_t kvh, size_t r0, size_t r1)
+        : count((r1 - r0) * (a.heads / a.kv)), keys(a.keys + kvh * a.capacity * a.dim),
+          values(a.values + kvh * a.capacity * a.vwidth) {
+        const size_t group = a.heads / a.kv;
+        for (size_t p = 0; p < count; ++p) {
+            const size_t r = r0 + p / group, at = (r * a.heads + kvh * group + p % group) * a.dim;
+            qs[p] = a.q + at;
+            outs[p] = a.out + at;
+            tails[p] = a.slots + a.offsets[r];
+            totals[p] = a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]);
+            width = std::max(width, totals[p]);
+        }
+    }
+};
+
 // The primitives, written twice with the same operations in the same order: plain C++ (any
 // CPU) and AVX2 + FMA intrinsics. Sums over LANES partial sums added pairwise (i + i+8,
 // i + i+4, i + i+2, 0 + 1); products accumulated with fused multiply-adds (std::fma is the
@@ -1067,25 +1094,15 @@ AVX512_TARGET void attend_block_avx512(const Attention& a, size_t kvh, size_t r0
                                        std::vector<float>& scores) {
     constexpr size_t PAIRS = 4;        // pairs whose outputs stay in registers together
     constexpr size_t BLOCK = 256 / V;  // prefix keys per block: 16 KB of values
-    const size_t dim = a.dim, group = a.heads / a.kv, pairs = (r1 - r0) * group;
-    const float* keys = a.keys + kvh * a.capacity * dim;
-    const float* values = a.values + kvh * a.capacity * a.vwidth;
-    size_t width = 0;
-    for (size_t r = r0; r < r1; ++r)
-        width = std::max<size_t>(width, a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]));
+    Pairs pr(a, kvh, r0, r1);
+    const size_t dim = a.dim, pairs = pr.count, width = pr.width;
+    const float *keys = pr.keys, *values = pr.values;
+    const float* const* qs = pr.qs;
+    float* const* outs = pr.outs;
+    const int32_t* const* tails = pr.tails;
+    const size_t* totals = pr.totals;
+    float* sums = pr.sums;
     scores.resize(pairs * width);
-    const float* qs[ROW_CHUNK * 64];
-    float* outs[ROW_CHUNK * 64];
-    const int32_t* tails[ROW_CHUNK * 64];
-    size_t totals[ROW_CHUNK * 64];
-    float sums[ROW_CHUNK * 64];
-    for (size_t p = 0; p < pairs; ++p) {
-        const size_t r = r0 + p / group, at = (r * a.heads + kvh * group + p % group) * dim;
-        qs[p] = a.q + at;
-        outs[p] = a.out + at;
-        tails[p] = a.slots + a.offsets[r];
-        totals[p] = a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]);
-    }
     const __m512 scale = _mm512_set1_ps(a.scale);
     const size_t whole = a.past / 16 * 16;
     for (size_t j = 0; j < whole; j += 16)
@@ -1142,25 +1159,15 @@ AVX512_TARGET void attend_block_avx512(const Attention& a, size_t kvh, size_t r0
 template <class Ops>
 inline __attribute__((always_inline)) void attend_block(const Attention& a, size_t kvh, size_t r0,
                                                         size_t r1, std::vector<float>& scores) {
-    const size_t dim = a.dim, group = a.heads / a.kv, pairs = (r1 - r0) * group;
-    const float* keys = a.keys + kvh * a.capacity * dim;
-    const float* values = a.values + kvh * a.capacity * a.vwidth;
-    size_t width = 0;  // the longest row's keys
-    for (size_t r = r0; r < r1; ++r)
-        width = std::max<size_t>(width, a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]));
+    Pairs pr(a, kvh, r0, r1);
+    const size_t dim = a.dim, pairs = pr.count, width = pr.width;
+    const float *keys = pr.keys, *values = pr.values;
+    const float* const* qs = pr.qs;
+    float* const* outs = pr.outs;
+    const int32_t* const* tails = pr.tails;
+    const size_t* totals = pr.totals;
+    float* sums = pr.sums;
     scores.resize(pairs * width);
-    const float* qs[ROW_CHUNK * 64];
-    float* outs[ROW_CHUNK * 64];
-    const int32_t* tails[ROW_CHUNK * 64];
-    size_t totals[ROW_CHUNK * 64];
-    float sums[ROW_CHUNK * 64];
-    for (size_t p = 0; p < pairs; ++p) {
-        const size_t r = r0 + p / group, at = (r * a.heads + kvh * group + p % group) * dim;
-        qs[p] = a.q + at;
-        outs[p] = a.out + at;
-        tails[p] = a.slots + a.offsets[r];
-        totals[p] = a.past + (size_t)(a.offsets[r + 1] - a.offsets[r]);
-    }
     for (size_t j = 0; j < a.past; ++j)
         for (size_t p = 0; p < pairs; ++p)
             scores[p * width + j] = Ops::dot(qs[p], keys + j * dim, dim) * a.scale;
