@@ -286,6 +286,10 @@ def test_attention_refuses_inconsistent_shapes(cache):
         _blocks.attend(q.data_ptr(), 1, HEADS, 4, DIM, keys.data_ptr(), values.data_ptr(),
                        CAPACITY, DIM + 1, 0, slots.data_ptr(), offsets.data_ptr(), 1.0,
                        q.data_ptr(), 1, True)  # 9 heads over 4 key heads
+    with pytest.raises(ValueError, match="inconsistent"):
+        _blocks.attend(q.data_ptr(), 1, HEADS, KV, DIM, keys.data_ptr(), values.data_ptr(),
+                       CAPACITY, DIM + 1, 0, slots.data_ptr(), offsets.data_ptr(), 1.0,
+                       q.data_ptr(), 1, 3)  # no such build
 
 
 # -- the layer's other stages ------------------------------------------------------------------
